@@ -1,0 +1,44 @@
+"""nicswitch-agent: the training-side client for ClusterD's link failover and switchback.
+
+Typical use in a training loop::
+
+    from nicswitch_agent import SwitchAgent
+
+    with SwitchAgent() as agent:          # server and job id from MindCluster's env
+        for step, batch in enumerate(loader):
+            train_step(batch)
+            agent.step(step)              # a safe point; costs about an attribute write
+"""
+
+from nicswitch_agent.agent import SwitchAgent
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.errors import (
+    AgentStateError,
+    ConfigError,
+    InvalidOrder,
+    NicSwitchError,
+    SubscriberTerminated,
+)
+from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher
+from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
+from nicswitch_agent.orders import SwitchOrder
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AgentConfig",
+    "AgentEvent",
+    "AgentStateError",
+    "CheckpointGuard",
+    "ConfigError",
+    "DryRunSwitcher",
+    "InvalidOrder",
+    "NicSwitchError",
+    "SubscriberTerminated",
+    "SwitchAgent",
+    "SwitchOrder",
+    "Switcher",
+    "TorchNpuSwitcher",
+    "__version__",
+]

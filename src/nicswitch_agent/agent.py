@@ -1,0 +1,454 @@
+"""SwitchAgent: the object a training script creates, starts, steps and stops.
+
+It wires the pieces together and owns the one rule that spans them: every list received for this
+job gets exactly one ReplySwitchNicResult. Each accepted list becomes a :class:`_Owed` reply token
+the moment it is received; whoever claims the token first (the executor with the real result, or
+``stop()`` with a false) sends the reply, and nobody else can.
+
+Threads (all daemon, all named ``nicswitch-*``):
+
+- ``nicswitch-notify``: reads SubscribeNotifySwitch, validates, enqueues (see subscriber.py);
+- ``nicswitch-executor``: runs orders one at a time (guard, switch, reply);
+- hook threads, one per hook call, so a hook that hangs cannot wedge the executor.
+
+In pause mode ``external`` (MindIO/TaskD pause training around the switch) the training thread
+is never involved: ``step()`` only records the step, at the cost of two attribute writes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import queue
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nicswitch_agent import events as ev
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.errors import AgentStateError, InvalidOrder
+from nicswitch_agent.events import AgentEvent, EventListener, EventLog
+from nicswitch_agent.execute import Execution, HookRunner, execute_order
+from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook
+from nicswitch_agent.hooks.dry_run import DryRunSwitcher
+from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
+from nicswitch_agent.orders import SwitchOrder, build_order
+from nicswitch_agent.reply import Replier, ReplyOutcome, ReplyPolicy, ReplyReport
+from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+logger = logging.getLogger("nicswitch_agent")
+
+CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
+    "created", "running", "switching", "stopping", "stopped", "failed"
+)
+
+
+class _Owed:
+    """The one reply owed for one received list. ``claim()`` succeeds exactly once."""
+
+    def __init__(self, seq: int, job_id: str, order: SwitchOrder | None, rejection: str = "") -> None:
+        self.seq = seq
+        self.job_id = job_id
+        self.order = order
+        self.rejection = rejection
+        self._claimed = False
+        self._lock = threading.Lock()  # guards _claimed
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._claimed:
+                return False
+            self._claimed = True
+            return True
+
+
+@dataclass
+class _Counters:
+    lists_received: int = 0
+    lists_rejected: int = 0
+    lists_ignored: int = 0
+    switches_ok: int = 0
+    switches_failed: int = 0
+    replies_delivered: int = 0
+    replies_failed: int = 0
+
+
+class SwitchAgent:
+    """Takes part in ClusterD's link failover/switchback for one training process.
+
+    Args:
+        server: ClusterD ``host:port``; None reads NICSWITCH_SERVER / MINDX_SERVER_IP /
+            LOCAL_PROXY_ENABLE.
+        job_id: ClusterD job id; None reads NICSWITCH_JOB_ID / MINDX_TASK_ID.
+        switch_hook: ``callable(order) -> bool | None``; default: torch_npu's
+            ``_comm_switch_nic`` (checked at ``start()``), or a logging no-op with ``dry_run``.
+        checkpoint_hook: ``callable(order) -> None`` run before the switch; raising refuses it.
+        pause: ``"external"`` (MindIO/TaskD pause training around the switch).
+        on_event: optional listener called with every :class:`AgentEvent`.
+        config: a ready :class:`AgentConfig` (then the other settings must not be given).
+        **settings: any :class:`AgentConfig` field, e.g. ``switch_timeout_s=60``.
+
+    Raises:
+        ConfigError: a setting is missing or invalid (nothing has been started).
+    """
+
+    def __init__(
+        self,
+        server: str | None = None,
+        job_id: str | None = None,
+        switch_hook: SwitchHook | None = None,
+        checkpoint_hook: CheckpointHook | None = None,
+        pause: str | None = None,
+        *,
+        on_event: EventListener | None = None,
+        config: AgentConfig | None = None,
+        **settings: Any,
+    ) -> None:
+        if config is None:
+            config = AgentConfig.from_env(server=server, job_id=job_id, pause=pause, **settings)
+        elif server is not None or job_id is not None or pause is not None or settings:
+            raise AgentStateError("pass either config=... or individual settings, not both")
+        self.config = config
+        if switch_hook is None:
+            switch_hook = DryRunSwitcher() if config.dry_run else TorchNpuSwitcher()
+        self._switch_hook = switch_hook
+        self._checkpoint_hook = checkpoint_hook
+        self._events = EventLog()
+        if on_event is not None:
+            self._events.add_listener(on_event)
+        self._lock = threading.Lock()  # guards _state, _counters, _last_switch, _current
+        self._state = CREATED
+        self._counters = _Counters()
+        self._last_switch: dict[str, Any] | None = None
+        self._current: _Owed | None = None
+        self._seq = itertools.count(1)
+        self._queue: queue.Queue[_Owed | None] = queue.Queue()
+        self._runner = HookRunner()
+        self._channel: grpc.Channel | None = None
+        self._stub: RecoverStub | None = None
+        self._replier: Replier | None = None
+        self._subscriber: NotifySubscriber | None = None
+        self._executor: threading.Thread | None = None
+        self._pid = os.getpid()
+        self._started_mono: float | None = None
+        self._steps = 0
+        self.last_step: int | None = None
+
+    # -- public API ----------------------------------------------------------------------------
+
+    def start(self) -> SwitchAgent:
+        """Check the hooks, open the channel and start the threads; returns once they run.
+
+        Raises:
+            AgentStateError: started twice, or after stop().
+            ConfigError: a hook reports it cannot work here (e.g. torch_npu missing).
+        """
+        with self._lock:
+            if self._state != CREATED:
+                raise AgentStateError(f"start() called on an agent that is {self._state}")
+            self._state = "starting"
+        try:
+            if not self.config.dry_run:
+                check_hook(self._switch_hook)
+                if self._checkpoint_hook is not None:
+                    check_hook(self._checkpoint_hook)
+        except BaseException:
+            with self._lock:
+                self._state = CREATED
+            raise
+        cfg = self.config
+        self._channel = open_channel(ChannelSettings(
+            target=cfg.server,
+            keepalive_time_s=cfg.keepalive_time_s,
+            keepalive_timeout_s=cfg.keepalive_timeout_s,
+            reconnect_initial_s=cfg.reconnect_initial_s,
+            reconnect_max_s=cfg.reconnect_max_s,
+            max_receive_bytes=cfg.max_message_bytes,
+        ))
+        self._stub = RecoverStub(self._channel)
+        self._replier = Replier(self._stub, ReplyPolicy(
+            total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
+        ))
+        self._executor = threading.Thread(target=self._execute_loop, name="nicswitch-executor", daemon=True)
+        self._executor.start()
+        self._subscriber = NotifySubscriber(
+            self._stub,
+            SubscriberSettings(
+                job_id=cfg.job_id, role=cfg.role, reconnect_initial_s=cfg.reconnect_initial_s,
+                reconnect_max_s=cfg.reconnect_max_s, resubscribe_after_eof_s=cfg.resubscribe_after_eof_s,
+                stop_timeout_s=cfg.stop_timeout_s,
+            ),
+            self._on_list,
+            on_fatal=self._on_fatal,
+            on_health=self._on_health,
+        )
+        self._subscriber.start()
+        self._started_mono = time.monotonic()
+        with self._lock:
+            self._state = RUNNING
+        _register_exit_hooks(self)
+        logger.info("nicswitch-agent started: job=%s server=%s pause=%s%s", cfg.job_id, cfg.server,
+                    cfg.pause, " (dry run)" if cfg.dry_run else "")
+        self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": cfg.pause, "dry_run": cfg.dry_run})
+        return self
+
+    def step(self, step: int | None = None) -> None:
+        """Mark a safe point of the training loop (call once per step). Costs two attribute writes."""
+        self._steps += 1
+        self.last_step = self._steps if step is None else step
+
+    def stop(self, reason: str = "stop() called") -> None:
+        """Stop the agent: no new lists, a false reply for any list still owed one, threads joined
+        (bounded by ``stop_timeout_s`` each), channel closed. Idempotent; safe from any thread."""
+        with self._lock:
+            if self._state in (STOPPING, STOPPED) or os.getpid() != self._pid:
+                return
+            was_started = self._state not in (CREATED, "starting")
+            self._state = STOPPING
+        if was_started:
+            logger.info("nicswitch-agent stopping: %s", reason)
+            if self._subscriber is not None:
+                self._subscriber.stop()
+            self._settle_owed_replies(reason)
+            self._queue.put(None)
+            executor = self._executor
+            if executor is not None and executor is not threading.current_thread():
+                executor.join(self.config.stop_timeout_s)
+                if executor.is_alive():
+                    logger.warning("executor thread still busy after %.1f s (a hook is running); "
+                                   "leaving it as a daemon", self.config.stop_timeout_s)
+            if self._channel is not None:
+                self._channel.close()
+        with self._lock:
+            self._state = STOPPED
+        self._emit(ev.AGENT_STOPPED, detail={"reason": reason})
+
+    def status(self) -> dict[str, Any]:
+        """A snapshot for humans and health checks: state, connection, counters, last switch."""
+        sub = self._subscriber
+        with self._lock:
+            counters = dict(vars(self._counters))
+            state = self._state
+            last_switch = dict(self._last_switch) if self._last_switch else None
+        last_msg = sub.last_message_mono if sub else None
+        return {
+            "state": state,
+            "job_id": self.config.job_id,
+            "server": self.config.server,
+            "pause": self.config.pause,
+            "dry_run": self.config.dry_run,
+            "connected": bool(sub and sub.running and sub.healthy and sub.stream_open),
+            "stream_open": bool(sub and sub.stream_open),
+            "last_error": sub.last_error if sub else "",
+            "last_message_age_s": None if last_msg is None else round(time.monotonic() - last_msg, 3),
+            "uptime_s": None if self._started_mono is None else round(time.monotonic() - self._started_mono, 3),
+            "stream": {
+                "opens": sub.opens if sub else 0,
+                "clean_ends": sub.clean_ends if sub else 0,
+                "errors": sub.errors if sub else 0,
+            },
+            "counters": counters,
+            "last_switch": last_switch,
+            "last_step": self.last_step,
+        }
+
+    def events(self) -> list[AgentEvent]:
+        """The most recent events (up to 256), oldest first."""
+        return self._events.snapshot()
+
+    def add_listener(self, listener: EventListener) -> None:
+        self._events.add_listener(listener)
+
+    def __enter__(self) -> SwitchAgent:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop("context exited")
+
+    # -- notify thread -------------------------------------------------------------------------
+
+    def _on_list(self, message: pb.SwitchRankList) -> None:
+        """Validate and enqueue; never blocks (runs on the notify thread)."""
+        cfg = self.config
+        if message.jobId and message.jobId != cfg.job_id:
+            with self._lock:
+                self._counters.lists_ignored += 1
+            logger.warning("ignoring a rank list for job %r (this agent serves %r); no reply sent",
+                           message.jobId[:128], cfg.job_id)
+            self._emit(ev.LIST_IGNORED, detail={"job_id": message.jobId[:128]})
+            return
+        seq = next(self._seq)
+        try:
+            order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
+                                world_size=cfg.world_size, max_ranks=cfg.max_ranks)
+        except InvalidOrder as exc:
+            with self._lock:
+                self._counters.lists_received += 1
+                self._counters.lists_rejected += 1
+            logger.error("switch #%d refused, replying false: %s", seq, exc)
+            self._emit(ev.LIST_REJECTED, seq, {"reason": str(exc), "entries": len(message.rankID)})
+            self._queue.put(_Owed(seq, cfg.job_id, None, str(exc)))
+            return
+        with self._lock:
+            self._counters.lists_received += 1
+        logger.info("switch %s received", order.summary())
+        self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": len(order.to_standby()),
+                                           "to_primary": len(order.to_primary())})
+        self._queue.put(_Owed(seq, cfg.job_id, order))
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        with self._lock:
+            self._state = FAILED
+        self._emit(ev.AGENT_FAILED, detail={"error": str(exc)})
+
+    def _on_health(self, healthy: bool, why: str) -> None:
+        self._emit(ev.STREAM_RESTORED if healthy else ev.STREAM_LOST, detail={"why": why})
+
+    # -- executor thread -----------------------------------------------------------------------
+
+    def _execute_loop(self) -> None:
+        while True:
+            owed = self._queue.get()
+            if owed is None:
+                return
+            try:
+                self._execute(owed)
+            except Exception:  # the executor must survive anything
+                logger.exception("switch #%d: unexpected error; replying false", owed.seq)
+                self._reply(owed, False, "internal error")
+
+    def _execute(self, owed: _Owed) -> None:
+        if owed.order is None:
+            self._reply(owed, False, owed.rejection)
+            return
+        order = owed.order
+        with self._lock:
+            if self._state == RUNNING:
+                self._state = SWITCHING
+            self._current = owed
+        try:
+            cfg = self.config
+            execution = execute_order(
+                order, runner=self._runner, switch_hook=self._switch_hook,
+                checkpoint_hook=self._checkpoint_hook, guard_timeout_s=cfg.guard_timeout_s,
+                switch_timeout_s=cfg.switch_timeout_s, dry_run=cfg.dry_run,
+            )
+            self._record_execution(order, execution)
+            self._reply(owed, execution.ok, execution.reason, execution)
+        finally:
+            with self._lock:
+                self._current = None
+                if self._state == SWITCHING:
+                    self._state = RUNNING
+
+    def _record_execution(self, order: SwitchOrder, execution: Execution) -> None:
+        if execution.guard is not None:
+            self._emit(ev.GUARD_DONE, order.seq, {"status": execution.guard.status.value,
+                                                  "duration_s": execution.guard.duration_s,
+                                                  "detail": execution.guard.detail})
+        self._emit(ev.SWITCH_DONE, order.seq, {
+            "ok": execution.ok, "reason": execution.reason,
+            "duration_s": execution.switch.duration_s if execution.switch else 0.0,
+        })
+        with self._lock:
+            if execution.ok:
+                self._counters.switches_ok += 1
+            else:
+                self._counters.switches_failed += 1
+        if not execution.ok:
+            logger.error("switch #%d failed: %s", order.seq, execution.reason)
+
+    # -- replies -------------------------------------------------------------------------------
+
+    def _reply(self, owed: _Owed, result: bool, reason: str, execution: Execution | None = None,
+               *, total_timeout_s: float | None = None) -> ReplyReport | None:
+        if not owed.claim():
+            logger.debug("switch #%d: reply already sent; not sending another", owed.seq)
+            return None
+        assert self._replier is not None
+        report = self._replier.send(owed.job_id, result, total_timeout_s=total_timeout_s)
+        elapsed = None if owed.order is None else time.monotonic() - owed.order.received_at
+        with self._lock:
+            if report.delivered:
+                self._counters.replies_delivered += 1
+            else:
+                self._counters.replies_failed += 1
+            self._last_switch = {
+                "seq": owed.seq, "ranks": len(owed.order) if owed.order else 0, "result": result,
+                "reason": reason, "reply": report.outcome.value, "reply_attempts": report.attempts,
+                "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
+            }
+        detail = {"result": result, "reason": reason, "outcome": report.outcome.value,
+                  "attempts": report.attempts, "duration_s": report.duration_s, "code": report.code}
+        if report.delivered:
+            logger.info("switch #%d: replied %s (%s) in %.1f ms", owed.seq, str(result).lower(), reason,
+                        report.duration_s * 1000)
+            self._emit(ev.REPLY_SENT, owed.seq, detail)
+        else:
+            if report.outcome is ReplyOutcome.REJECTED:
+                why = f"ClusterD answered code {report.code}: {report.info}"
+            elif report.outcome is ReplyOutcome.UNCERTAIN:
+                why = f"{report.error}; it may have arrived, so it is not resent (a duplicate would be "\
+                      "taken as the next switch's result)"
+            else:
+                why = f"{report.error}; ClusterD never received it"
+            logger.error("switch #%d: reply %s not delivered: %s", owed.seq, str(result).lower(), why)
+            self._emit(ev.REPLY_FAILED, owed.seq, {**detail, "error": why})
+        return report
+
+    def _settle_owed_replies(self, reason: str) -> None:
+        """On stop: answer false for the list being executed and for every queued one."""
+        with self._lock:
+            current = self._current
+        owed_list = [current] if current is not None else []
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                owed_list.append(item)
+        for owed in owed_list:
+            self._reply(owed, False, f"agent stopping: {reason}", total_timeout_s=self.config.stop_timeout_s)
+
+    def _emit(self, kind: str, seq: int | None = None, detail: dict[str, Any] | None = None) -> None:
+        self._events.emit(AgentEvent(kind=kind, job_id=self.config.job_id, seq=seq, detail=detail or {}))
+
+
+_live_agents: weakref.WeakSet[SwitchAgent] = weakref.WeakSet()
+_hooks_registered = False
+_hooks_lock = threading.Lock()
+
+
+def _register_exit_hooks(agent: SwitchAgent) -> None:
+    """Stop live agents at interpreter exit (bounded), and make them inert in forked children."""
+    global _hooks_registered
+    _live_agents.add(agent)
+    with _hooks_lock:
+        if _hooks_registered:
+            return
+        _hooks_registered = True
+        atexit.register(_stop_all_at_exit)
+        os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def _stop_all_at_exit() -> None:
+    for agent in list(_live_agents):
+        try:
+            agent.stop("interpreter exit")
+        except Exception:
+            logger.debug("stop at exit failed", exc_info=True)
+
+
+def _forget_in_child() -> None:
+    # A forked child (e.g. a DataLoader worker) inherits the agent object but none of its threads;
+    # stop() checks the pid and does nothing there, and the child never owns the streams.
+    _live_agents.clear()

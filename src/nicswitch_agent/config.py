@@ -1,0 +1,242 @@
+"""AgentConfig: every knob of the agent, validated once, with MindCluster and NICSWITCH_* env names.
+
+Precedence, highest first: explicit arguments > ``NICSWITCH_*`` env > MindCluster env
+(``MINDX_SERVER_IP``, ``LOCAL_PROXY_ENABLE``, ``MINDX_TASK_ID``) > defaults. Only
+:meth:`AgentConfig.from_env` reads the environment; the dataclass itself is plain and frozen so a
+config can be built in tests without touching ``os.environ``.
+
+Every wait the agent does on ClusterD's behalf must end well inside ClusterD's own 15-minute
+limits (``reportTimeoutMinutes``): a reply that arrives after ClusterD gave up is worse than a
+prompt false, because ClusterD then takes it as the result of the *next* switch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from nicswitch_agent.errors import ConfigError
+
+CLUSTERD_PORT = 8899
+CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
+CLUSTERD_MIN_PING_INTERVAL_S = 3.0
+LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
+PAUSE_MODES = ("external",)
+ENV_PREFIX = "NICSWITCH_"
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _env_name(field_name: str) -> str:
+    return ENV_PREFIX + field_name.upper()
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Validated settings of one agent. Construct with keywords; invalid values raise ConfigError.
+
+    Times are seconds (floats). Each field ``x`` can be set by the env var ``NICSWITCH_X``.
+    """
+
+    server: str
+    """ClusterD address ``host:port``. Env: NICSWITCH_SERVER, else MINDX_SERVER_IP (+ :8899),
+    else 127.0.0.1:8899 when LOCAL_PROXY_ENABLE=on (the nginx mTLS sidecar)."""
+    job_id: str
+    """ClusterD's job key (the job UID). Env: NICSWITCH_JOB_ID, else MINDX_TASK_ID."""
+    role: str = "nicswitch-agent"
+    """``ClientInfo.role``: ClusterD only logs it."""
+    pause: str = "external"
+    """Who pauses training around a switch. ``external``: MindIO/TaskD does (the agent never
+    opens the process-manage stream, which would reset ClusterD's job controller)."""
+    dry_run: bool = False
+    """Log what would be switched, run no hooks, and report success: a rehearsal."""
+
+    keepalive_time_s: float = 10.0
+    """HTTP/2 ping interval. ClusterD refuses pings more often than every 3 s (GOAWAY)."""
+    keepalive_timeout_s: float = 5.0
+    """How long a ping may go unanswered before the connection is declared dead."""
+    reconnect_initial_s: float = 0.2
+    """First delay before resubscribing after a stream error (jittered, grows x2)."""
+    reconnect_max_s: float = 5.0
+    """Cap of the resubscribe delay after errors."""
+    resubscribe_after_eof_s: float = 0.0
+    """Delay before resubscribing after a clean end of stream (ClusterD ends it after every
+    switch); reopening is still throttled if the server keeps ending it at once."""
+
+    guard_timeout_s: float = 300.0
+    """Budget of the checkpoint guard for one order."""
+    switch_timeout_s: float = 120.0
+    """Budget of the switch hook for one order."""
+    reply_timeout_s: float = 60.0
+    """Total budget for delivering ReplySwitchNicResult, retries included."""
+    reply_attempt_timeout_s: float = 10.0
+    """Deadline of one ReplySwitchNicResult attempt."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of other unary calls (HealthCheck)."""
+    stop_timeout_s: float = 1.0
+    """How long stop() waits for each agent thread."""
+
+    world_size: int | None = None
+    """Ranks in the job when known (env WORLD_SIZE); lists naming a rank outside it are refused."""
+    max_ranks: int = 1 << 20
+    """Largest rank list accepted (entries); a larger one is answered false, never run."""
+    max_message_bytes: int = 8 * 1024 * 1024
+    """Largest message accepted from ClusterD (it sends up to 8 MiB)."""
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # -- construction -------------------------------------------------------------------------
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, /, **explicit: Any) -> AgentConfig:
+        """Build from explicit keywords, then ``NICSWITCH_*``, then MindCluster env, then defaults.
+
+        Keywords whose value is ``None`` count as not given.
+        """
+        env = os.environ if env is None else env
+        names = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(explicit) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
+        for name, f in names.items():
+            if name in values:
+                continue
+            raw = env.get(_env_name(name))
+            if raw is not None and raw.strip() != "":
+                values[name] = _parse(name, f.type, raw.strip(), _env_name(name))
+        if "server" not in values:
+            values["server"] = _server_from_mindcluster(env)
+        if "job_id" not in values:
+            values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
+        if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
+            values["world_size"] = _parse("world_size", "int | None", env["WORLD_SIZE"].strip(), "WORLD_SIZE")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> AgentConfig:
+        """A copy with ``changes`` applied (and validated)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _validate(self) -> None:
+        if not isinstance(self.server, str) or not self.server.strip():
+            raise ConfigError(
+                "server is not set: pass server='host:port', or set NICSWITCH_SERVER, "
+                "MINDX_SERVER_IP or LOCAL_PROXY_ENABLE=on"
+            )
+        _check_target("server", self.server)
+        if not isinstance(self.job_id, str) or not self.job_id.strip():
+            raise ConfigError("job_id is not set: pass job_id=..., or set NICSWITCH_JOB_ID or MINDX_TASK_ID")
+        if self.job_id != self.job_id.strip() or any(ord(c) < 32 for c in self.job_id):
+            raise ConfigError(f"job_id={self.job_id!r} has surrounding spaces or control characters")
+        if self.pause not in PAUSE_MODES:
+            raise ConfigError(
+                f"pause={self.pause!r} is not supported; choose one of {', '.join(PAUSE_MODES)}"
+            )
+        if not isinstance(self.dry_run, bool):
+            raise ConfigError(f"dry_run={self.dry_run!r} must be a bool")
+        for f in dataclasses.fields(self):
+            if f.name.endswith("_s"):
+                value = getattr(self, f.name)
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                    raise ConfigError(f"{f.name}={value!r} must be a finite number of seconds")
+                if value < 0:
+                    raise ConfigError(f"{f.name}={value!r} must not be negative")
+        if self.keepalive_time_s < CLUSTERD_MIN_PING_INTERVAL_S:
+            raise ConfigError(
+                f"keepalive_time_s={self.keepalive_time_s!r} is below 3 s: ClusterD answers faster "
+                "pings with GOAWAY too_many_pings (and resets the job if this is its process-manage client)"
+            )
+        if self.keepalive_timeout_s <= 0:
+            raise ConfigError(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive")
+        positive = ("reconnect_initial_s", "reconnect_max_s", "guard_timeout_s", "switch_timeout_s",
+                    "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")
+        if self.reconnect_initial_s > self.reconnect_max_s:
+            raise ConfigError(
+                f"reconnect_initial_s={self.reconnect_initial_s!r} exceeds reconnect_max_s={self.reconnect_max_s!r}"
+            )
+        if self.resubscribe_after_eof_s > 60:
+            raise ConfigError(f"resubscribe_after_eof_s={self.resubscribe_after_eof_s!r} must be at most 60 s")
+        if self.reply_attempt_timeout_s > self.reply_timeout_s:
+            raise ConfigError(
+                f"reply_attempt_timeout_s={self.reply_attempt_timeout_s!r} exceeds "
+                f"reply_timeout_s={self.reply_timeout_s!r}"
+            )
+        budget = self.guard_timeout_s + self.switch_timeout_s + self.reply_timeout_s
+        if budget >= CLUSTERD_REPORT_TIMEOUT_S:
+            raise ConfigError(
+                f"guard_timeout_s + switch_timeout_s + reply_timeout_s = {budget:g} s must stay below "
+                "ClusterD's 900 s wait for the result, or ClusterD gives up first"
+            )
+        if self.world_size is not None and (
+            isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1
+        ):
+            raise ConfigError(f"world_size={self.world_size!r} must be a positive integer")
+        for name in ("max_ranks", "max_message_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r} must be a positive integer")
+        if not isinstance(self.role, str) or not self.role:
+            raise ConfigError(f"role={self.role!r} must be a non-empty string")
+
+    def describe(self) -> dict[str, Any]:
+        """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here)."""
+        return dataclasses.asdict(self)
+
+
+def _server_from_mindcluster(env: Mapping[str, str]) -> str:
+    """MindCluster's own discovery (taskd ``utils.GetClusterdAddr``)."""
+    if env.get("LOCAL_PROXY_ENABLE", "").strip().lower() == "on":
+        return LOCAL_PROXY_ADDRESS
+    ip = env.get("MINDX_SERVER_IP", "").strip()
+    if not ip:
+        return ""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        raise ConfigError(f"MINDX_SERVER_IP={ip!r} is not an IP address") from None
+    host = f"[{addr}]" if addr.version == 6 else str(addr)
+    return f"{host}:{CLUSTERD_PORT}"
+
+
+def _check_target(name: str, target: str) -> None:
+    host, sep, port = target.rpartition(":")
+    if target.startswith("unix:"):
+        return
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}={target!r} must look like host:port (IPv6 as [addr]:port)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ConfigError(f"{name}={target!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
+
+
+def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:
+    type_name = str(type_name)
+    try:
+        if type_name == "bool":
+            lowered = raw.lower()
+            if lowered in _TRUE:
+                return True
+            if lowered in _FALSE:
+                return False
+            raise ValueError("expected 1/0, true/false, yes/no or on/off")
+        if type_name == "float":
+            return float(raw)
+        if type_name in ("int", "int | None"):
+            return int(raw)
+        return raw
+    except ValueError as exc:
+        raise ConfigError(f"{source}={raw!r} is not valid for {name}: {exc}") from None
+
+
+__all__ = ["AgentConfig", "ConfigError"]

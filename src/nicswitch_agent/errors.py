@@ -1,0 +1,23 @@
+"""The agent's exception family: one base class, so callers can catch everything we raise."""
+
+from __future__ import annotations
+
+
+class NicSwitchError(Exception):
+    """Base of every error nicswitch-agent raises."""
+
+
+class ConfigError(NicSwitchError, ValueError):
+    """A setting is missing or invalid; the message names the setting and the value."""
+
+
+class InvalidOrder(NicSwitchError, ValueError):
+    """A SwitchRankList that must not be executed; the reply for it is false."""
+
+
+class AgentStateError(NicSwitchError, RuntimeError):
+    """The agent was used out of order (e.g. started twice, or used after stop())."""
+
+
+class SubscriberTerminated(NicSwitchError):
+    """The notify stream hit an error that retrying cannot fix (e.g. UNIMPLEMENTED: not ClusterD)."""

@@ -1,0 +1,135 @@
+"""Run one order: checkpoint guard, then switch hook, each under its own timeout.
+
+User code is isolated here: a hook that raises, returns something odd or hangs becomes a false
+result, never a dead or wedged agent thread. A hook that overruns its budget keeps running in its
+(daemon) thread, because Python cannot kill a thread; while it does, further orders are refused
+rather than run concurrently with it (HCCL requires link switches to be serial on every rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from nicswitch_agent.orders import SwitchOrder
+
+logger = logging.getLogger("nicswitch_agent.execute")
+
+
+class HookStatus(str, Enum):
+    OK = "ok"
+    FAILED = "failed"  # returned False
+    RAISED = "raised"
+    TIMEOUT = "timeout"
+    BAD_RESULT = "bad_result"  # returned something other than bool/None
+
+
+@dataclass(frozen=True)
+class HookResult:
+    """What one hook call came to."""
+
+    name: str
+    status: HookStatus
+    detail: str
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.status is HookStatus.OK
+
+
+@dataclass(frozen=True)
+class Execution:
+    """The outcome of one order on this process."""
+
+    ok: bool
+    reason: str
+    guard: HookResult | None = None
+    switch: HookResult | None = None
+
+
+class HookRunner:
+    """Calls hooks in their own daemon thread with a timeout; remembers any that overran."""
+
+    def __init__(self) -> None:
+        self._straggler: threading.Thread | None = None
+        self._straggler_name = ""
+
+    def busy(self) -> str | None:
+        """Name of a hook still running past its timeout, or None."""
+        thread = self._straggler
+        if thread is not None and thread.is_alive():
+            return self._straggler_name
+        self._straggler = None
+        return None
+
+    def run(self, name: str, hook: Callable[[SwitchOrder], Any], order: SwitchOrder, timeout: float,
+            *, expect_bool: bool) -> HookResult:
+        outcome: dict[str, Any] = {}
+        done = threading.Event()
+
+        def target() -> None:
+            try:
+                outcome["value"] = hook(order)
+            except BaseException as exc:  # user code: every failure becomes a result
+                outcome["error"] = exc
+            finally:
+                done.set()
+
+        started = time.monotonic()
+        thread = threading.Thread(target=target, name=f"nicswitch-{name}-{order.seq}", daemon=True)
+        thread.start()
+        finished = done.wait(timeout)
+        duration = time.monotonic() - started
+        if not finished:
+            self._straggler, self._straggler_name = thread, f"{name} of order #{order.seq}"
+            return HookResult(name, HookStatus.TIMEOUT, f"{name} hook did not finish within {timeout:g} s",
+                              duration)
+        if "error" in outcome:
+            exc = outcome["error"]
+            return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}",
+                              duration)
+        value = outcome.get("value")
+        if not expect_bool or value is None or value is True:
+            return HookResult(name, HookStatus.OK, "ok", duration)
+        if value is False:
+            return HookResult(name, HookStatus.FAILED, f"{name} hook returned False", duration)
+        return HookResult(name, HookStatus.BAD_RESULT,
+                          f"{name} hook returned {value!r}; expected True, False or None", duration)
+
+
+def execute_order(
+    order: SwitchOrder,
+    *,
+    runner: HookRunner,
+    switch_hook: Callable[[SwitchOrder], Any] | None,
+    checkpoint_hook: Callable[[SwitchOrder], Any] | None,
+    guard_timeout_s: float,
+    switch_timeout_s: float,
+    dry_run: bool,
+) -> Execution:
+    """Guard then switch; the first failure decides, and a failed guard means no switch."""
+    if order.empty:
+        return Execution(True, "empty list: nothing to switch")
+    if dry_run:
+        logger.info("dry run: would switch %s", order.summary())
+        return Execution(True, "dry run")
+    busy = runner.busy()
+    if busy is not None:
+        return Execution(False, f"refused: the {busy} is still running past its timeout")
+    if switch_hook is None:
+        return Execution(False, "no switch hook configured")
+    guard = None
+    if checkpoint_hook is not None:
+        guard = runner.run("checkpoint", checkpoint_hook, order, guard_timeout_s, expect_bool=False)
+        if not guard.ok:
+            return Execution(False, f"{guard.detail}; switch not attempted", guard=guard)
+    switch = runner.run("switch", switch_hook, order, switch_timeout_s, expect_bool=True)
+    if not switch.ok:
+        return Execution(False, switch.detail, guard=guard, switch=switch)
+    return Execution(True, "switched", guard=guard, switch=switch)

@@ -1,0 +1,12 @@
+"""Switch hooks and checkpoint guards: small callables the agent runs for each order.
+
+A switch hook is any ``callable(order) -> bool | None`` (None or True = success); a checkpoint
+guard is any ``callable(order) -> None`` that raises to refuse the switch. The classes here add
+an optional ``check()`` that the agent calls at ``start()``, so a missing dependency is reported
+when the job starts, not in the middle of a switch.
+"""
+
+from nicswitch_agent.hooks.base import CheckpointGuard, CheckpointHook, Switcher, SwitchHook, check_hook
+from nicswitch_agent.hooks.dry_run import DryRunSwitcher
+
+__all__ = ["CheckpointGuard", "CheckpointHook", "DryRunSwitcher", "SwitchHook", "Switcher", "check_hook"]

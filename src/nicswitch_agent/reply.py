@@ -1,0 +1,147 @@
+"""ReplySwitchNicResult, exactly once per received list.
+
+Why "exactly once" is not pedantry: ClusterD pushes every reply into a one-slot channel without
+checking its state. A stray reply is taken as the result of the *next* switch, and a reply that
+finds the slot full blocks its handler until the next reset, which then panics and kills the
+server (clusterd-observed-2.md §4). So a reply is retried only when the failure proves that the
+request never reached ClusterD:
+
+- the channel never became ready within the attempt (nothing was sent), or
+- gRPC ``UNKNOWN`` "qps exceeded" (ClusterD's rate limiter refused it before the handler ran).
+
+Anything else (DEADLINE_EXCEEDED or UNAVAILABLE on a connected channel, ...) may have been
+delivered, so it is reported as ``UNCERTAIN`` and never resent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import grpc
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tenacity.stop import stop_base
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.transport import RecoverStub
+
+logger = logging.getLogger("nicswitch_agent.reply")
+
+
+class ReplyOutcome(str, Enum):
+    DELIVERED = "delivered"  # ClusterD answered code 0
+    REJECTED = "rejected"  # ClusterD answered a non-zero code (e.g. 400: job not registered)
+    NOT_DELIVERED = "not_delivered"  # provably never reached ClusterD within the budget
+    UNCERTAIN = "uncertain"  # may have reached ClusterD; not resent
+
+
+@dataclass(frozen=True)
+class ReplyPolicy:
+    """How long to try delivering one reply, and how to pace retries."""
+
+    total_timeout_s: float = 60.0
+    attempt_timeout_s: float = 10.0
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ReplyReport:
+    job_id: str
+    result: bool
+    outcome: ReplyOutcome
+    attempts: int
+    duration_s: float
+    code: int | None = None
+    info: str = ""
+    error: str = ""
+
+    @property
+    def delivered(self) -> bool:
+        return self.outcome is ReplyOutcome.DELIVERED
+
+
+class NotConnected(Exception):
+    """The channel did not become ready in time: the request was not sent."""
+
+
+def is_undelivered(exc: BaseException) -> bool:
+    """True only for failures that prove ClusterD never received the request."""
+    if isinstance(exc, NotConnected):
+        return True
+    if isinstance(exc, grpc.RpcError):
+        code = exc.code() if hasattr(exc, "code") else None
+        details = (exc.details() if hasattr(exc, "details") else "") or ""
+        return bool(code == grpc.StatusCode.UNKNOWN and "qps exceeded" in details)
+    return False
+
+
+class _StopWhenSet(stop_base):
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        return self.event.is_set()
+
+
+class Replier:
+    """Sends ReplySwitchNicResult with the retry rules above. Thread-safe; holds no per-order state."""
+
+    def __init__(self, stub: RecoverStub, policy: ReplyPolicy) -> None:
+        self._stub = stub
+        self._policy = policy
+
+    def send(self, job_id: str, result: bool, *, abort: threading.Event | None = None,
+             total_timeout_s: float | None = None) -> ReplyReport:
+        """Deliver one reply; never raises. ``abort`` cuts retries short (not an attempt in flight)."""
+        policy = self._policy
+        total = policy.total_timeout_s if total_timeout_s is None else total_timeout_s
+        abort = abort or threading.Event()
+        started = time.monotonic()
+        deadline = started + total
+        attempts = 0
+        request = pb.SwitchResult(jobId=job_id, result=result)
+
+        def attempt() -> Any:
+            nonlocal attempts
+            attempts += 1
+            budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
+            ready = grpc.channel_ready_future(self._stub.channel)
+            try:
+                ready.result(timeout=budget)
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                raise NotConnected(f"ClusterD not reachable within {budget:.3g} s") from None
+            budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
+            return self._stub.ReplySwitchNicResult(request, timeout=budget, wait_for_ready=True)
+
+        def pause(seconds: float) -> None:
+            abort.wait(max(0.0, min(seconds, deadline - time.monotonic())))
+
+        retrying = Retrying(
+            retry=retry_if_exception(is_undelivered),
+            stop=stop_after_delay(total) | _StopWhenSet(abort),
+            wait=wait_exponential_jitter(initial=policy.initial_backoff_s, max=policy.max_backoff_s),
+            sleep=pause,
+            reraise=True,
+        )
+        try:
+            status = retrying(attempt)
+        except BaseException as exc:  # every failure becomes a report
+            outcome = ReplyOutcome.NOT_DELIVERED if is_undelivered(exc) else ReplyOutcome.UNCERTAIN
+            return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started,
+                               error=_describe(exc))
+        code = int(status.code)
+        outcome = ReplyOutcome.DELIVERED if code == 0 else ReplyOutcome.REJECTED
+        return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started, code=code,
+                           info=status.info)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

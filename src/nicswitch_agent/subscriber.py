@@ -1,0 +1,232 @@
+"""The leader's SubscribeNotifySwitch stream: one named daemon thread that resubscribes forever.
+
+ClusterD ends this stream cleanly after every switch and after every controller reset, answers
+gRPC ``UNKNOWN`` "not registed, please wait agent register" until the job's process-manage
+client has registered, and restarts lose everything. So the stream is reopened:
+
+- at once after a clean end (the upstream client sleeps 1 s here), throttled only if the server
+  keeps ending it immediately;
+- after a capped, jittered exponential backoff after errors (``should_recover``);
+- never after errors that retrying cannot fix (``should_terminate``: not ClusterD, or refused
+  credentials); the owner is told through ``on_fatal`` and the thread ends.
+
+Received lists are handed to ``on_list`` at once; that callback must not block (the agent only
+validates and enqueues), so the stream keeps being read and ``stop()`` stays prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.transport import RecoverStub
+
+logger = logging.getLogger("nicswitch_agent.subscriber")
+
+_TERMINATING = frozenset(
+    {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
+)
+
+
+def should_terminate(exc: BaseException) -> bool:
+    """Errors that no reconnect can fix: wrong server (UNIMPLEMENTED), refused credentials."""
+    return isinstance(exc, grpc.RpcError) and _code(exc) in _TERMINATING
+
+
+def should_recover(exc: BaseException) -> bool:
+    """Everything else from gRPC is retried: UNAVAILABLE (restart, outage), UNKNOWN ("not
+    registed", "qps exceeded"), INTERNAL (a message we could not decode), RESOURCE_EXHAUSTED
+    (an oversized message), DEADLINE_EXCEEDED, CANCELLED by the server side."""
+    return isinstance(exc, grpc.RpcError) and not should_terminate(exc)
+
+
+def _code(exc: BaseException) -> grpc.StatusCode | None:
+    code = getattr(exc, "code", None)
+    return code() if callable(code) else None
+
+
+def describe_rpc_error(exc: BaseException) -> str:
+    code = _code(exc)
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else str(exc)
+    return f"{code.name if code else type(exc).__name__}: {text}"
+
+
+def backoff_delays(initial: float, maximum: float, rng: random.Random | None = None) -> Iterator[float]:
+    """Capped exponential delays with jitter in [d/2, d]: 0.2, 0.4, 0.8 ... 5 s (by default)."""
+    rng = rng or random.Random()
+    delay = initial
+    while True:
+        yield delay * (0.5 + rng.random() / 2)
+        delay = min(maximum, delay * 2)
+
+
+@dataclass(frozen=True)
+class SubscriberSettings:
+    job_id: str
+    role: str
+    reconnect_initial_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    resubscribe_after_eof_s: float = 0.0
+    stop_timeout_s: float = 1.0
+    # More than this many clean ends within one second, with no message, look like a server
+    # that ends every stream at once; back off instead of spinning.
+    eof_burst: int = 5
+
+
+class NotifySubscriber:
+    """Keeps one SubscribeNotifySwitch stream open and passes every received list on."""
+
+    def __init__(
+        self,
+        stub: RecoverStub,
+        settings: SubscriberSettings,
+        on_list: Callable[[pb.SwitchRankList], None],
+        *,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        on_health: Callable[[bool, str], None] | None = None,
+    ) -> None:
+        self._stub = stub
+        self._settings = settings
+        self._on_list = on_list
+        self._on_fatal = on_fatal
+        self._on_health = on_health
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._lock = threading.Lock()  # guards _call and the counters below
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+        self.opens = 0
+        self.clean_ends = 0
+        self.errors = 0
+        self.messages = 0
+        self.last_message_mono: float | None = None
+        self.last_error = ""
+        # Optimistic until the first error: a stream that is open but silent looks the same as
+        # a healthy idle one (ClusterD sends no headers before the first message).
+        self.healthy = True
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; returns once it runs. A second start() is refused."""
+        if self._thread is not None:
+            raise RuntimeError("NotifySubscriber already started")
+        self._thread = threading.Thread(target=self._run, name="nicswitch-notify", daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def stop(self) -> bool:
+        """Cancel the stream and join the thread (bounded). Idempotent. True if the thread ended."""
+        self._stop.set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self._settings.stop_timeout_s)
+        if thread.is_alive():
+            logger.warning("notify thread did not stop within %.1f s", self._settings.stop_timeout_s)
+            return False
+        return True
+
+    @property
+    def stream_open(self) -> bool:
+        with self._lock:
+            return self._call is not None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        settings = self._settings
+        request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
+        delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+        recent_eofs: deque[float] = deque(maxlen=settings.eof_burst)
+        failing_since: str | None = None
+        self._ready.set()
+        while not self._stop.is_set():
+            got_message = False
+            try:
+                call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=True)
+                with self._lock:
+                    self._call = call
+                    self.opens += 1
+                if self._stop.is_set():
+                    call.cancel()
+                for message in call:
+                    got_message = True
+                    self._set_health(True, "message received")
+                    with self._lock:
+                        self.messages += 1
+                        self.last_message_mono = time.monotonic()
+                    self._on_list(message)
+                with self._lock:
+                    self.clean_ends += 1
+                self._set_health(True, "stream ended cleanly")
+                logger.debug("notify stream ended cleanly; resubscribing")
+                if failing_since is not None:
+                    logger.info("notify stream restored after: %s", failing_since)
+                    failing_since = None
+                delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+                now = time.monotonic()
+                if got_message:
+                    recent_eofs.clear()
+                recent_eofs.append(now)
+                delay = settings.resubscribe_after_eof_s
+                if len(recent_eofs) == recent_eofs.maxlen and now - recent_eofs[0] < 1.0:
+                    delay = max(delay, next(delays))
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    break
+                text = describe_rpc_error(exc)
+                with self._lock:
+                    self.errors += 1
+                    self.last_error = text
+                self._set_health(False, text)
+                if should_terminate(exc):
+                    logger.error("notify stream failed for good (%s); the agent cannot take part in "
+                                 "switches until restarted with a correct server", text)
+                    if self._on_fatal is not None:
+                        self._on_fatal(exc)
+                    break
+                if got_message:
+                    delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+                if failing_since != text:
+                    logger.warning("notify stream error, will resubscribe: %s", text)
+                    failing_since = text
+                delay = next(delays)
+            except Exception as exc:  # a bug in on_list must not end the subscription
+                logger.exception("notify stream handler failed; resubscribing")
+                with self._lock:
+                    self.errors += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"
+                delay = next(delays)
+            finally:
+                with self._lock:
+                    self._call = None
+            if delay > 0 and self._stop.wait(delay):
+                break
+
+    def _set_health(self, healthy: bool, why: str) -> None:
+        changed = healthy != self.healthy
+        self.healthy = healthy
+        if changed and self._on_health is not None:
+            try:
+                self._on_health(healthy, why)
+            except Exception:
+                logger.exception("health callback failed; ignored")

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from scripted import ScriptedClusterD  # noqa: E402
+
+# Scrub MindCluster/agent env so tests never pick up the machine's settings by accident.
+for name in list(os.environ):
+    if name.startswith("NICSWITCH_") or name in ("MINDX_SERVER_IP", "MINDX_TASK_ID", "LOCAL_PROXY_ENABLE"):
+        del os.environ[name]
+
+
+@pytest.fixture
+def clusterd() -> Iterator[ScriptedClusterD]:
+    server = ScriptedClusterD().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(autouse=True)
+def _agent_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="nicswitch_agent")
