@@ -225,6 +225,8 @@ class SwitchAgent:
                 if executor.is_alive():
                     logger.warning("executor thread still busy after %.1f s (a hook is running); "
                                    "leaving it as a daemon", self.config.stop_timeout_s)
+            if self._replier is not None:
+                self._replier.close()
             if self._channel is not None:
                 self._channel.close()
         with self._lock:

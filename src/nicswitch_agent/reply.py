@@ -23,11 +23,11 @@ from enum import Enum
 from typing import Any
 
 import grpc
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_exponential_jitter
+from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
 from tenacity.stop import stop_base
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.transport import RecoverStub
+from nicswitch_agent.transport import ConnectivityWatch, RecoverStub
 
 logger = logging.getLogger("nicswitch_agent.reply")
 
@@ -91,9 +91,16 @@ class _StopWhenSet(stop_base):
 class Replier:
     """Sends ReplySwitchNicResult with the retry rules above. Thread-safe; holds no per-order state."""
 
-    def __init__(self, stub: RecoverStub, policy: ReplyPolicy) -> None:
+    def __init__(self, stub: RecoverStub, policy: ReplyPolicy, watch: ConnectivityWatch | None = None) -> None:
         self._stub = stub
         self._policy = policy
+        self._owns_watch = watch is None
+        self._watch = watch or ConnectivityWatch(stub.channel)
+
+    def close(self) -> None:
+        """Drop the connectivity subscription (call before closing the channel)."""
+        if self._owns_watch:
+            self._watch.close()
 
     def send(self, job_id: str, result: bool, *, abort: threading.Event | None = None,
              total_timeout_s: float | None = None) -> ReplyReport:
@@ -110,12 +117,8 @@ class Replier:
             nonlocal attempts
             attempts += 1
             budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
-            ready = grpc.channel_ready_future(self._stub.channel)
-            try:
-                ready.result(timeout=budget)
-            except grpc.FutureTimeoutError:
-                ready.cancel()
-                raise NotConnected(f"ClusterD not reachable within {budget:.3g} s") from None
+            if not self._watch.wait_ready(budget):
+                raise NotConnected(f"ClusterD not reachable within {budget:.3g} s")
             budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
             return self._stub.ReplySwitchNicResult(request, timeout=budget, wait_for_ready=True)
 
@@ -125,7 +128,7 @@ class Replier:
         retrying = Retrying(
             retry=retry_if_exception(is_undelivered),
             stop=stop_after_delay(total) | _StopWhenSet(abort),
-            wait=wait_exponential_jitter(initial=policy.initial_backoff_s, max=policy.max_backoff_s),
+            wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             sleep=pause,
             reraise=True,
         )

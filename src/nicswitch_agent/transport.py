@@ -11,6 +11,7 @@ This is the only module that dials; it knows nothing about switches, retries or 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,48 @@ def open_channel(settings: ChannelSettings) -> grpc.Channel:
     return grpc.insecure_channel(settings.target, options=settings.options())
 
 
+class ConnectivityWatch:
+    """Tracks whether a channel is READY, with one subscription for the channel's lifetime.
+
+    ``grpc.channel_ready_future`` per call would spawn a polling thread each time, and one
+    spawned just before ``close()`` dies with "Channel closed!"; a single subscription made at
+    start and removed before close avoids that.
+    """
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._cond = threading.Condition()
+        self._state: grpc.ChannelConnectivity | None = None
+        self._closed = False
+        channel.subscribe(self._on_change, try_to_connect=True)
+
+    def _on_change(self, state: grpc.ChannelConnectivity) -> None:
+        with self._cond:
+            self._state = state
+            self._cond.notify_all()
+
+    @property
+    def state(self) -> grpc.ChannelConnectivity | None:
+        return self._state
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the channel is READY; False if it is not within ``timeout``."""
+        with self._cond:
+            if self._state is grpc.ChannelConnectivity.IDLE and not self._closed:
+                # Nothing else is dialing: ask for a connection (a fresh subscription does).
+                self._channel.unsubscribe(self._on_change)
+                self._channel.subscribe(self._on_change, try_to_connect=True)
+            return self._cond.wait_for(
+                lambda: self._closed or self._state is grpc.ChannelConnectivity.READY, timeout
+            ) and not self._closed
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._channel.unsubscribe(self._on_change)
+
+
 class RecoverStub:
     """Multicallables for every Recover method, on the exact upstream paths.
 
@@ -169,6 +212,7 @@ __all__: Sequence[str] = (
     "METHODS",
     "SERVICE",
     "ChannelSettings",
+    "ConnectivityWatch",
     "Method",
     "RecoverStub",
     "generic_handler",

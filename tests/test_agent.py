@@ -1,0 +1,391 @@
+"""SwitchAgent against a scripted ClusterD on loopback: the switch loop in pause mode external."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+from scripted import Answer, End, Fail, Hold, ScriptedClusterD, Send, WaitFor, rank_list
+
+from nicswitch_agent import AgentStateError, SwitchAgent, SwitchOrder
+from nicswitch_agent import events as ev
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Recorder:
+    """A switch hook that records every order and answers ``result``."""
+
+    def __init__(self, result: Any = True) -> None:
+        self.orders: list[SwitchOrder] = []
+        self.result = result
+        self.called = threading.Event()
+
+    def __call__(self, order: SwitchOrder) -> Any:
+        self.orders.append(order)
+        self.called.set()
+        return self.result
+
+
+class Events:
+    """Collects an agent's events and lets a test wait for them (no sleeps)."""
+
+    def __init__(self) -> None:
+        self.events: list[ev.AgentEvent] = []
+        self._cond = threading.Condition()
+
+    def __call__(self, event: ev.AgentEvent) -> None:
+        with self._cond:
+            self.events.append(event)
+            self._cond.notify_all()
+
+    def wait(self, kind: str, count: int = 1, timeout: float = 10.0) -> list[ev.AgentEvent]:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
+            assert ok, f"waited for {count} {kind}; saw {[e.kind for e in self.events]}"
+            return self.of(kind)
+
+    def of(self, kind: str) -> list[ev.AgentEvent]:
+        return [e for e in self.events if e.kind == kind]
+
+
+@pytest.fixture
+def make_agent(clusterd: ScriptedClusterD) -> Iterator[Any]:
+    agents: list[SwitchAgent] = []
+
+    def make(**kwargs: Any) -> SwitchAgent:
+        kwargs.setdefault("server", clusterd.address)
+        kwargs.setdefault("job_id", "job-1")
+        kwargs.setdefault("reconnect_initial_s", 0.01)
+        kwargs.setdefault("reconnect_max_s", 0.05)
+        seen = Events()
+        agent = SwitchAgent(**kwargs)
+        agent.add_listener(seen)
+        agent.seen = seen  # type: ignore[attr-defined]
+        agents.append(agent)
+        return agent.start()
+
+    yield make
+    for agent in agents:
+        agent.stop()
+
+
+def replies_of(clusterd: ScriptedClusterD, agent: SwitchAgent, count: int) -> list[Any]:
+    """Wait until the agent has settled ``count`` replies, then return what the server got."""
+    seen: Events = agent.seen  # type: ignore[attr-defined]
+    with seen._cond:
+        assert seen._cond.wait_for(
+            lambda: len(seen.of(ev.REPLY_SENT)) + len(seen.of(ev.REPLY_FAILED)) >= count, 10
+        ), [e.kind for e in seen.events]
+    return clusterd.wait_replies(count)
+
+
+def kinds(agent: SwitchAgent) -> list[str]:
+    return [e.kind for e in agent.events()]
+
+
+def test_happy_path_switches_full_list_in_received_order_and_replies_true_once(
+    clusterd: ScriptedClusterD, make_agent: Any
+) -> None:
+    clusterd.script(Send(rank_list(["7", "2", "3"], [True, False, True])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook)
+    replies = replies_of(clusterd, agent, 1)
+    assert [(r.jobId, r.result) for r in replies] == [("job-1", True)]
+    assert hook.orders[0].ranks == (7, 2, 3)
+    assert hook.orders[0].ops == (True, False, True)
+    assert hook.orders[0].job_id == "job-1"
+    # ClusterD ends the stream after every switch: the agent must come straight back.
+    assert clusterd.wait_for(lambda s: s.opens >= 2 and s.open_now == 1)
+    assert clusterd.client_infos[0].jobId == "job-1"
+    assert clusterd.client_infos[0].role == "nicswitch-agent"
+    status = agent.status()
+    assert status["counters"]["replies_delivered"] == 1
+    assert status["counters"]["switches_ok"] == 1
+    assert status["last_switch"]["result"] is True
+    assert kinds(agent)[:4] == [ev.AGENT_STARTED, ev.LIST_RECEIVED, ev.SWITCH_DONE, ev.REPLY_SENT]
+    assert len(clusterd.replies) == 1
+
+
+def test_two_switches_in_a_row_each_get_one_reply(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    clusterd.script(Send(rank_list(["2", "3"], [True, True])), End())
+    clusterd.script(Send(rank_list(["2", "3"], [False, False])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook)
+    replies = replies_of(clusterd, agent, 2)
+    assert [r.result for r in replies] == [True, True]
+    assert [o.ops for o in hook.orders] == [(True, True), (False, False)]
+    assert [o.seq for o in hook.orders] == [1, 2]
+    assert clusterd.wait_for(lambda s: s.opens >= 3)
+    assert len(clusterd.replies) == 2
+
+
+def test_resubscribes_after_not_registered_unavailable_and_qps_errors(
+    clusterd: ScriptedClusterD, make_agent: Any
+) -> None:
+    clusterd.script(Fail(grpc.StatusCode.UNKNOWN, "jobId=job-1 not registed, please wait agent register"))
+    clusterd.script(Fail(grpc.StatusCode.UNAVAILABLE, "Socket closed"))
+    clusterd.script(Fail(grpc.StatusCode.UNKNOWN, "qps exceeded, method=/Recover/SubscribeNotifySwitch"))
+    clusterd.script(Fail(grpc.StatusCode.INTERNAL, "Exception deserializing response!"))
+    clusterd.script(Send(rank_list(["1"], [True])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+    assert clusterd.opens >= 5
+    status = agent.status()
+    assert status["stream"]["errors"] == 4
+    assert ev.STREAM_LOST in kinds(agent) and ev.STREAM_RESTORED in kinds(agent)
+
+
+def test_unimplemented_stops_the_subscriber_and_marks_the_agent_failed(
+    clusterd: ScriptedClusterD, make_agent: Any
+) -> None:
+    clusterd.script(Fail(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+    failed = threading.Event()
+    agent = make_agent(switch_hook=Recorder(), on_event=lambda e: e.kind == ev.AGENT_FAILED and failed.set())
+    assert failed.wait(10)
+    assert agent.status()["state"] == "failed"
+    assert agent._subscriber is not None
+    agent._subscriber._thread.join(5)  # type: ignore[union-attr]
+    assert not agent._subscriber.running
+    assert clusterd.opens == 1
+
+
+@pytest.mark.parametrize(
+    ("ranks", "ops", "needle"),
+    [
+        (["1", "2"], [True], "rankID has 2 entries but op has 1"),
+        (["-1"], [True], "rankID[0]='-1'"),
+        ([" 3"], [True], "rankID[0]=' 3'"),
+        (["1e9"], [True], "rankID[0]='1e9'"),
+        (["007"], [True], "leading zero"),
+        (["\u0663"], [True], "not a plain decimal"),
+        (["1", "1"], [True, False], "rankID[1]=1 is listed more than once"),
+        (["8"], [True], "outside the job (world_size=8)"),
+        ([str(i) for i in range(5)], [True] * 5, "limit max_ranks=4"),
+    ],
+)
+def test_invalid_list_runs_no_hook_and_replies_false(
+    clusterd: ScriptedClusterD, make_agent: Any, ranks: list[str], ops: list[bool], needle: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clusterd.script(Send(rank_list(ranks, ops)), End())
+    guard, hook = Recorder(), Recorder()
+    agent = make_agent(switch_hook=hook, checkpoint_hook=guard, world_size=8, max_ranks=4)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
+    assert hook.orders == [] and guard.orders == []
+    assert needle in caplog.text
+    rejected = [e for e in agent.events() if e.kind == ev.LIST_REJECTED]
+    assert len(rejected) == 1 and needle in rejected[0].detail["reason"]
+    assert agent.status()["counters"]["lists_rejected"] == 1
+
+
+def test_list_for_another_job_is_ignored_without_reply(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    clusterd.script(Send(rank_list(["1"], [True], job_id="someone-else")), Send(rank_list(["2"], [False])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook)
+    replies = replies_of(clusterd, agent, 1)
+    assert [(r.jobId, r.result) for r in replies] == [("job-1", True)]
+    assert [o.ranks for o in hook.orders] == [(2,)]
+    assert clusterd.wait_for(lambda s: s.opens >= 2)
+    assert len(clusterd.replies) == 1
+    assert agent.status()["counters"]["lists_ignored"] == 1
+
+
+def test_empty_list_is_answered_true_without_hooks(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    clusterd.script(Send(rank_list([], [])), End())
+    guard, hook = Recorder(), Recorder()
+    agent = make_agent(switch_hook=hook, checkpoint_hook=guard)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+    assert hook.orders == [] and guard.orders == []
+
+
+def test_guard_runs_before_switch(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    calls: list[str] = []
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    agent = make_agent(switch_hook=lambda o: calls.append("switch") or True, checkpoint_hook=lambda o: calls.append("guard"))
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+    assert calls == ["guard", "switch"]
+
+
+def _raise(order: SwitchOrder) -> None:
+    raise RuntimeError("disk full")
+
+
+@pytest.mark.parametrize(
+    ("switch_result", "guard", "needle"),
+    [
+        (False, None, "switch hook returned False"),
+        ("yes", None, "switch hook returned 'yes'; expected True, False or None"),
+        (True, _raise, "checkpoint hook raised RuntimeError: disk full; switch not attempted"),
+    ],
+)
+def test_failing_hooks_reply_false(
+    clusterd: ScriptedClusterD, make_agent: Any, switch_result: Any, guard: Any, needle: str,
+) -> None:
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    hook = Recorder(switch_result)
+    agent = make_agent(switch_hook=hook, checkpoint_hook=guard)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
+    assert agent.status()["last_switch"]["reason"] == needle
+    if guard is not None:
+        assert hook.orders == []
+
+
+def test_switch_hook_raising_replies_false(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    def boom(order: SwitchOrder) -> bool:
+        raise OSError("HCCL said no")
+
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    agent = make_agent(switch_hook=boom)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
+    assert "OSError: HCCL said no" in agent.status()["last_switch"]["reason"]
+    assert agent.status()["state"] == "running"
+
+
+def test_hung_switch_hook_times_out_refuses_overlap_and_never_replies_twice(
+    clusterd: ScriptedClusterD, make_agent: Any
+) -> None:
+    release, finished = threading.Event(), threading.Event()
+    calls: list[int] = []
+
+    def slow(order: SwitchOrder) -> bool:
+        calls.append(order.seq)
+        if order.seq == 1:
+            release.wait(20)
+            finished.set()
+        return True
+
+    second, third = threading.Event(), threading.Event()
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    clusterd.script(WaitFor(second), Send(rank_list(["0"], [False])), End())
+    clusterd.script(WaitFor(third), Send(rank_list(["0"], [True])), End())
+    agent = make_agent(switch_hook=slow, switch_timeout_s=0.2)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
+    assert "did not finish within 0.2 s" in agent.status()["last_switch"]["reason"]
+    second.set()  # the hung hook is still running: the next order must not run beside it
+    assert [r.result for r in replies_of(clusterd, agent, 2)] == [False, False]
+    assert "still running past its timeout" in agent.status()["last_switch"]["reason"]
+    release.set()
+    assert finished.wait(10)
+    agent._runner._straggler.join(5)  # type: ignore[union-attr]
+    third.set()
+    assert [r.result for r in replies_of(clusterd, agent, 3)] == [False, False, True]
+    assert calls == [1, 3]
+    assert clusterd.wait_for(lambda s: s.opens >= 4)
+    assert len(clusterd.replies) == 3
+
+
+def test_dry_run_reports_success_without_hooks(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    clusterd.script(Send(rank_list(["4", "5"], [True, True])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook, dry_run=True)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+    assert hook.orders == []
+
+
+def test_dry_run_needs_no_switch_hook_and_no_torch_npu(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    clusterd.script(Send(rank_list(["4"], [True])), End())
+    agent = make_agent(dry_run=True)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+
+
+def test_reply_rejected_by_clusterd_is_logged_not_retried(
+    clusterd: ScriptedClusterD, make_agent: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    clusterd.reply_script.append(Answer(400, "jobId=job-1 not registed"))
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    agent = make_agent(switch_hook=Recorder())
+    replies_of(clusterd, agent, 1)
+    assert clusterd.wait_for(lambda s: s.opens >= 2)
+    assert len(clusterd.replies) == 1
+    assert "ClusterD answered code 400: jobId=job-1 not registed" in caplog.text
+    assert agent.status()["counters"]["replies_failed"] == 1
+
+
+def test_stop_while_idle_is_prompt_and_idempotent(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    agent = make_agent(switch_hook=Recorder())
+    assert clusterd.wait_for(lambda s: s.open_now == 1)
+    agent.stop()
+    agent.stop()
+    assert agent.status()["state"] == "stopped"
+    assert agent._subscriber is not None and not agent._subscriber.running
+    assert agent._executor is not None and not agent._executor.is_alive()
+    assert clusterd.wait_for(lambda s: s.open_now == 0)
+    assert clusterd.replies == []
+    assert kinds(agent)[-1] == ev.AGENT_STOPPED
+    with pytest.raises(AgentStateError):
+        agent.start()
+
+
+def test_stop_mid_switch_replies_false_once(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    release = threading.Event()
+    hook_running = threading.Event()
+
+    def blocking(order: SwitchOrder) -> bool:
+        hook_running.set()
+        release.wait(20)
+        return True
+
+    clusterd.script(Send(rank_list(["0"], [True])), Hold())
+    agent = make_agent(switch_hook=blocking, switch_timeout_s=30)
+    assert hook_running.wait(10)
+    agent.stop("test says stop")
+    replies = replies_of(clusterd, agent, 1)
+    assert [r.result for r in replies] == [False]
+    assert "agent stopping: test says stop" in agent.status()["last_switch"]["reason"]
+    release.set()
+    agent._executor.join(5)  # type: ignore[union-attr]
+    assert len(clusterd.replies) == 1
+
+
+def test_context_manager_starts_and_stops(clusterd: ScriptedClusterD) -> None:
+    clusterd.script(Send(rank_list(["3"], [True])), End())
+    hook = Recorder()
+    with SwitchAgent(server=clusterd.address, job_id="job-1", switch_hook=hook) as agent:
+        assert [r.result for r in clusterd.wait_replies(1)] == [True]
+        agent.step(5)
+        assert agent.status()["last_step"] == 5
+    assert agent.status()["state"] == "stopped"
+
+
+def test_step_counts_calls_when_no_step_given(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    agent = make_agent(switch_hook=Recorder())
+    for _ in range(3):
+        agent.step()
+    assert agent.last_step == 3
+
+
+def test_event_listener_that_raises_does_not_break_the_agent(
+    clusterd: ScriptedClusterD, make_agent: Any
+) -> None:
+    def bad_listener(event: Any) -> None:
+        raise ValueError("listener bug")
+
+    clusterd.script(Send(rank_list(["1"], [True])), End())
+    agent = make_agent(switch_hook=Recorder(), on_event=bad_listener)
+    assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+
+
+def test_agent_survives_server_restart_on_same_port() -> None:
+    first = ScriptedClusterD().start()
+    port = first.port
+    hook = Recorder()
+    agent = SwitchAgent(server=first.address, job_id="job-1", switch_hook=hook, reconnect_initial_s=0.01,
+                        reconnect_max_s=0.1).start()
+    try:
+        assert first.wait_for(lambda s: s.open_now == 1)
+        first.stop()
+        second = ScriptedClusterD(port=port)
+        second.script(Send(rank_list(["6"], [False])), End())
+        second.start()
+        try:
+            assert [r.result for r in second.wait_replies(1)] == [True]
+            assert hook.orders[0].ranks == (6,)
+        finally:
+            second.stop()
+    finally:
+        agent.stop()
