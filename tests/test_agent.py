@@ -206,7 +206,8 @@ def test_empty_list_is_answered_true_without_hooks(clusterd: ScriptedClusterD, m
 def test_guard_runs_before_switch(clusterd: ScriptedClusterD, make_agent: Any) -> None:
     calls: list[str] = []
     clusterd.script(Send(rank_list(["0"], [True])), End())
-    agent = make_agent(switch_hook=lambda o: calls.append("switch") or True, checkpoint_hook=lambda o: calls.append("guard"))
+    agent = make_agent(switch_hook=lambda o: calls.append("switch") or True,
+                       checkpoint_hook=lambda o: calls.append("guard"))
     assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
     assert calls == ["guard", "switch"]
 
@@ -389,3 +390,18 @@ def test_agent_survives_server_restart_on_same_port() -> None:
             second.stop()
     finally:
         agent.stop()
+
+
+def test_guard_timeout_replies_false_and_skips_switch(clusterd: ScriptedClusterD, make_agent: Any) -> None:
+    release = threading.Event()
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    hook = Recorder()
+    agent = make_agent(switch_hook=hook, checkpoint_hook=lambda order: release.wait(20), guard_timeout_s=0.2)
+    try:
+        assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
+        assert "checkpoint hook did not finish within 0.2 s; switch not attempted" in (
+            agent.status()["last_switch"]["reason"]
+        )
+        assert hook.orders == []
+    finally:
+        release.set()

@@ -122,12 +122,17 @@ class AgentConfig:
 
     def replace(self, **changes: Any) -> AgentConfig:
         """A copy with ``changes`` applied (and validated)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
         return dataclasses.replace(self, **changes)
 
     # -- validation ----------------------------------------------------------------------------
 
     def _validate(self) -> None:
-        if not isinstance(self.server, str) or not self.server.strip():
+        if not isinstance(self.server, str):
+            raise ConfigError(f"server={self.server!r} must be a string 'host:port'")
+        if not self.server.strip():
             raise ConfigError(
                 "server is not set: pass server='host:port', or set NICSWITCH_SERVER, "
                 "MINDX_SERVER_IP or LOCAL_PROXY_ENABLE=on"
@@ -211,10 +216,12 @@ def _server_from_mindcluster(env: Mapping[str, str]) -> str:
 
 
 def _check_target(name: str, target: str) -> None:
-    host, sep, port = target.rpartition(":")
-    if target.startswith("unix:"):
+    if target.startswith(("unix:", "unix-abstract:")):
         return
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if target.startswith("dns:"):  # gRPC name syntax, e.g. dns:///clusterd-grpc-svc.mindx-dl:8899
+        target = target.split("/")[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise ConfigError(f"{name}={target!r} must look like host:port (IPv6 as [addr]:port)")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ConfigError(f"{name}={target!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
@@ -223,6 +230,8 @@ def _check_target(name: str, target: str) -> None:
 def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:
     type_name = str(type_name)
     try:
+        if "_" in raw and type_name != "str":
+            raise ValueError("underscores are not accepted in numbers")
         if type_name == "bool":
             lowered = raw.lower()
             if lowered in _TRUE:
