@@ -14,7 +14,9 @@ from scripted import ScriptedClusterD  # noqa: E402
 
 # Scrub MindCluster/agent env so tests never pick up the machine's settings by accident.
 for name in list(os.environ):
-    if name.startswith("NICSWITCH_") or name in ("MINDX_SERVER_IP", "MINDX_TASK_ID", "LOCAL_PROXY_ENABLE"):
+    if name.startswith("NICSWITCH_") or name in (
+        "MINDX_SERVER_IP", "MINDX_TASK_ID", "LOCAL_PROXY_ENABLE", "TTP_PORT", "TASKD_PROCESS_ENABLE", "WORLD_SIZE"
+    ):
         del os.environ[name]
 
 

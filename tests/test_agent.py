@@ -58,6 +58,7 @@ def make_agent(clusterd: ScriptedClusterD) -> Iterator[Any]:
 
     def make(**kwargs: Any) -> SwitchAgent:
         kwargs.setdefault("server", clusterd.address)
+        kwargs.setdefault("pause", "external")
         kwargs.setdefault("job_id", "job-1")
         kwargs.setdefault("reconnect_initial_s", 0.01)
         kwargs.setdefault("reconnect_max_s", 0.05)
@@ -346,7 +347,7 @@ def test_stop_mid_switch_replies_false_once(clusterd: ScriptedClusterD, make_age
 def test_context_manager_starts_and_stops(clusterd: ScriptedClusterD) -> None:
     clusterd.script(Send(rank_list(["3"], [True])), End())
     hook = Recorder()
-    with SwitchAgent(server=clusterd.address, job_id="job-1", switch_hook=hook) as agent:
+    with SwitchAgent(server=clusterd.address, job_id="job-1", switch_hook=hook, pause="external") as agent:
         assert [r.result for r in clusterd.wait_replies(1)] == [True]
         agent.step(5)
         assert agent.status()["last_step"] == 5
@@ -376,7 +377,7 @@ def test_agent_survives_server_restart_on_same_port() -> None:
     port = first.port
     hook = Recorder()
     agent = SwitchAgent(server=first.address, job_id="job-1", switch_hook=hook, reconnect_initial_s=0.01,
-                        reconnect_max_s=0.1).start()
+                        reconnect_max_s=0.1, pause="external").start()
     try:
         assert first.wait_for(lambda s: s.open_now == 1)
         first.stop()

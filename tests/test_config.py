@@ -36,7 +36,7 @@ def test_float_fields_are_the_expected_ones() -> None:
     # Guards the parametrisations below: a new *_s field must be covered by them.
     assert sorted(FLOAT_FIELDS) == sorted([
         "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s",
-        "resubscribe_after_eof_s", "guard_timeout_s", "switch_timeout_s", "reply_timeout_s",
+        "resubscribe_after_eof_s", "pause_timeout_s", "guard_timeout_s", "switch_timeout_s", "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
     ])
 
@@ -46,7 +46,7 @@ def test_defaults_with_mindcluster_env_only() -> None:
     assert cfg.server == f"10.1.2.3:{CLUSTERD_PORT}"
     assert cfg.job_id == "uid-42"
     assert cfg == AgentConfig(server="10.1.2.3:8899", job_id="uid-42")  # everything else default
-    assert cfg.pause == "external"
+    assert cfg.pause == "auto"
     assert cfg.dry_run is False
     assert cfg.world_size is None
 
@@ -225,7 +225,8 @@ def test_int_fields_from_env() -> None:
 
 def test_pause_from_env() -> None:
     assert from_env({"NICSWITCH_PAUSE": "external"}, **BASE).pause == "external"
-    with pytest.raises(ConfigError, match=r"pause='internal' is not supported; choose one of external"):
+    assert from_env({"NICSWITCH_PAUSE": "agent"}, **BASE).pause == "agent"
+    with pytest.raises(ConfigError, match=r"pause='internal' is not supported; choose one of auto, agent, external"):
         from_env({"NICSWITCH_PAUSE": "internal"}, **BASE)
 
 
@@ -267,7 +268,8 @@ def test_non_numeric_times_refused(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s", "switch_timeout_s",
+    ["keepalive_timeout_s", "pause_timeout_s", "reconnect_initial_s", "reconnect_max_s",
+     "guard_timeout_s", "switch_timeout_s",
      "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s"],
 )
 def test_zero_refused_where_a_positive_time_is_needed(name: str) -> None:
@@ -405,8 +407,8 @@ def test_unknown_setting_names() -> None:
 
 
 @pytest.mark.parametrize("pause", ["internal", "mindio", "", "External", None])
-def test_pause_modes_other_than_external_refused(pause: Any) -> None:
-    message = refused("is not supported; choose one of external", pause=pause)
+def test_unknown_pause_modes_refused(pause: Any) -> None:
+    message = refused("is not supported; choose one of auto, agent, external", pause=pause)
     assert f"pause={pause!r}" in message
 
 
@@ -488,3 +490,31 @@ def test_replace_with_unknown_setting_is_a_config_error() -> None:
 def test_underscores_in_numbers_from_env_are_refused() -> None:
     with pytest.raises(ConfigError, match="NICSWITCH_GUARD_TIMEOUT_S='1_0'"):
         from_env({"NICSWITCH_SERVER": "h:1", "MINDX_TASK_ID": "j", "NICSWITCH_GUARD_TIMEOUT_S": "1_0"})
+
+
+@pytest.mark.parametrize(
+    ("env", "mode", "because"),
+    [
+        ({}, "agent", "no MindIO/TaskD markers"),
+        ({"TTP_PORT": "8000"}, "external", "TTP_PORT is set"),
+        ({"TASKD_PROCESS_ENABLE": "on"}, "external", "TASKD_PROCESS_ENABLE=on"),
+        ({"TASKD_PROCESS_ENABLE": "off"}, "agent", "no MindIO/TaskD markers"),
+        ({"TTP_PORT": "  "}, "agent", "no MindIO/TaskD markers"),
+    ],
+)
+def test_auto_pause_mode_follows_mindio_markers(env: dict[str, str], mode: str, because: str) -> None:
+    from nicswitch_agent.config import resolve_pause_mode
+
+    resolved, reason = resolve_pause_mode("auto", env)
+    assert resolved == mode and because in reason
+
+
+@pytest.mark.parametrize("pause", ["agent", "external"])
+def test_forced_pause_mode_ignores_markers(pause: str) -> None:
+    from nicswitch_agent.config import resolve_pause_mode
+
+    assert resolve_pause_mode(pause, {"TTP_PORT": "1"})[0] == pause
+
+
+def test_pause_timeout_must_stay_inside_clusterd_wait() -> None:
+    assert "pause_timeout_s=900" in refused("below ClusterD's 900 s", pause_timeout_s=900)

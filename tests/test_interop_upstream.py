@@ -235,7 +235,7 @@ def test_agent_switches_and_replies_once(
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     servicer.lists.append(upstream_pb.SwitchRankList(rankID=["16", "0", "31"], op=[True, False, True], jobId=JOB))
     hook = Hook()
-    agent = SwitchAgent(server=address, job_id=JOB, switch_hook=hook)
+    agent = SwitchAgent(server=address, job_id=JOB, switch_hook=hook, pause="external")
     try:
         agent.start()
         servicer.wait(lambda: len(servicer.replies) >= 1)

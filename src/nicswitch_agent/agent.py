@@ -11,8 +11,14 @@ Threads (all daemon, all named ``nicswitch-*``):
 - ``nicswitch-executor``: runs orders one at a time (guard, switch, reply);
 - hook threads, one per hook call, so a hook that hangs cannot wedge the executor.
 
+- pause mode ``agent`` only: ``nicswitch-process-manage`` (Init/Register and ClusterD's pause and
+  continue signals, see process_manage.py) and ``nicswitch-signals`` (what they mean, see
+  controller.py).
+
 In pause mode ``external`` (MindIO/TaskD pause training around the switch) the training thread
-is never involved: ``step()`` only records the step, at the cost of two attribute writes.
+is never involved. In pause mode ``agent`` it parks inside ``step()`` when ClusterD asks for a
+pause, and runs the guard and the switch there. Either way, an idle ``step()`` costs two
+attribute writes and one comparison.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +39,8 @@ import grpc
 
 from nicswitch_agent import events as ev
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.config import AgentConfig, resolve_pause_mode
+from nicswitch_agent.controller import AgentModeController, HookSettings
 from nicswitch_agent.errors import AgentStateError, InvalidOrder
 from nicswitch_agent.events import AgentEvent, EventListener, EventLog
 from nicswitch_agent.execute import Execution, HookRunner, execute_order
@@ -40,6 +48,8 @@ from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 from nicswitch_agent.orders import SwitchOrder, build_order
+from nicswitch_agent.pause import ParkingLot
+from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
 from nicswitch_agent.reply import Replier, ReplyOutcome, ReplyPolicy, ReplyReport
 from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
@@ -91,7 +101,11 @@ class SwitchAgent:
         switch_hook: ``callable(order) -> bool | None``; default: torch_npu's
             ``_comm_switch_nic`` (checked at ``start()``), or a logging no-op with ``dry_run``.
         checkpoint_hook: ``callable(order) -> None`` run before the switch; raising refuses it.
-        pause: ``"external"`` (MindIO/TaskD pause training around the switch).
+        pause: ``"agent"`` (the agent pauses training at a step boundary), ``"external"``
+            (MindIO/TaskD do), or ``"auto"`` (the default: external when MindIO/TaskD markers
+            are present).
+        on_stop: pause mode agent: called with a reason when ClusterD's recovery decides that
+            training must stop (dump, exit, killMaster); ``step()`` then raises TrainingStopped.
         on_event: optional listener called with every :class:`AgentEvent`.
         config: a ready :class:`AgentConfig` (then the other settings must not be given).
         **settings: any :class:`AgentConfig` field, e.g. ``switch_timeout_s=60``.
@@ -108,6 +122,7 @@ class SwitchAgent:
         checkpoint_hook: CheckpointHook | None = None,
         pause: str | None = None,
         *,
+        on_stop: Callable[[str], None] | None = None,
         on_event: EventListener | None = None,
         config: AgentConfig | None = None,
         **settings: Any,
@@ -117,6 +132,8 @@ class SwitchAgent:
         elif server is not None or job_id is not None or pause is not None or settings:
             raise AgentStateError("pass either config=... or individual settings, not both")
         self.config = config
+        self.pause_mode, self._pause_reason = resolve_pause_mode(config.pause)
+        self._on_stop = on_stop
         if switch_hook is None:
             switch_hook = DryRunSwitcher() if config.dry_run else TorchNpuSwitcher()
         self._switch_hook = switch_hook
@@ -141,6 +158,9 @@ class SwitchAgent:
         self._started_mono: float | None = None
         self._steps = 0
         self.last_step: int | None = None
+        self._parking = ParkingLot(on_event=lambda kind, detail: self._emit(kind, detail=detail))
+        self._controller: AgentModeController | None = None
+        self._process_manage: ProcessManageClient | None = None
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -179,6 +199,28 @@ class SwitchAgent:
         ))
         self._executor = threading.Thread(target=self._execute_loop, name="nicswitch-executor", daemon=True)
         self._executor.start()
+        gate = None
+        if self.pause_mode == "agent":
+            self._controller = AgentModeController(
+                self._parking,
+                HookSettings(switch_hook=self._switch_hook, checkpoint_hook=self._checkpoint_hook,
+                             guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
+                             pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run),
+                on_stop=self._training_must_stop,
+            )
+            self._process_manage = ProcessManageClient(
+                self._stub,
+                ProcessManageSettings(job_id=cfg.job_id, role=cfg.role, rpc_timeout_s=cfg.rpc_timeout_s,
+                                      reconnect_initial_s=cfg.reconnect_initial_s,
+                                      reconnect_max_s=cfg.reconnect_max_s, stop_timeout_s=cfg.stop_timeout_s),
+                self._controller.on_signal,
+                on_stream_end=self._controller.on_stream_end,
+                on_fatal=self._on_fatal,
+            )
+            self._controller.attach(self._process_manage)
+            self._controller.start()
+            self._process_manage.start()
+            gate = self._process_manage.gate
         self._subscriber = NotifySubscriber(
             self._stub,
             SubscriberSettings(
@@ -189,21 +231,32 @@ class SwitchAgent:
             self._on_list,
             on_fatal=self._on_fatal,
             on_health=self._on_health,
+            gate=gate,
         )
         self._subscriber.start()
         self._started_mono = time.monotonic()
         with self._lock:
             self._state = RUNNING
         _register_exit_hooks(self)
-        logger.info("nicswitch-agent started: job=%s server=%s pause=%s%s", cfg.job_id, cfg.server,
-                    cfg.pause, " (dry run)" if cfg.dry_run else "")
-        self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": cfg.pause, "dry_run": cfg.dry_run})
+        logger.info("nicswitch-agent started: job=%s server=%s pause=%s (%s)%s", cfg.job_id, cfg.server,
+                    self.pause_mode, self._pause_reason, " (dry run)" if cfg.dry_run else "")
+        self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run})
         return self
 
     def step(self, step: int | None = None) -> None:
-        """Mark a safe point of the training loop (call once per step). Costs two attribute writes."""
+        """Mark a safe point of the training loop (call once per step, from the training thread).
+
+        Idle cost: two attribute writes and one comparison. In pause mode ``agent``, when ClusterD
+        asked for a pause, training parks here until ClusterD lets it go on.
+
+        Raises:
+            TrainingStopped: ClusterD's recovery decided that training must stop.
+        """
         self._steps += 1
         self.last_step = self._steps if step is None else step
+        parking = self._parking
+        if parking.request_epoch != parking.handled_epoch:
+            parking.at_step_boundary(self.last_step)
 
     def stop(self, reason: str = "stop() called") -> None:
         """Stop the agent: no new lists, a false reply for any list still owed one, threads joined
@@ -217,7 +270,12 @@ class SwitchAgent:
             logger.info("nicswitch-agent stopping: %s", reason)
             if self._subscriber is not None:
                 self._subscriber.stop()
+            if self._process_manage is not None:
+                self._process_manage.stop()
+            if self._controller is not None:
+                self._controller.stop(self.config.stop_timeout_s)
             self._settle_owed_replies(reason)
+            self._parking.release()  # never leave training parked behind a stopped agent
             self._queue.put(None)
             executor = self._executor
             if executor is not None and executor is not threading.current_thread():
@@ -245,7 +303,7 @@ class SwitchAgent:
             "state": state,
             "job_id": self.config.job_id,
             "server": self.config.server,
-            "pause": self.config.pause,
+            "pause": self.pause_mode,
             "dry_run": self.config.dry_run,
             "connected": bool(sub and sub.running and sub.healthy and sub.stream_open),
             "stream_open": bool(sub and sub.stream_open),
@@ -260,7 +318,27 @@ class SwitchAgent:
             "counters": counters,
             "last_switch": last_switch,
             "last_step": self.last_step,
+            "parked": self._parking.parked,
+            "parked_step": self._parking.parked_step,
+            "process_manage": None if self._process_manage is None else {
+                "registered": self._process_manage.registered,
+                "stream_open": self._process_manage.stream_open,
+                "opens": self._process_manage.opens,
+                "errors": self._process_manage.errors,
+                "last_error": self._process_manage.last_error,
+                "last_signal": self._controller.last_signal if self._controller else "",
+            },
         }
+
+    def health_check(self) -> dict[str, Any]:
+        """Ask ClusterD's HealthCheck (one unary call; for status pages and the CLI, not per step)."""
+        if self._stub is None:
+            raise AgentStateError("health_check() needs a started agent")
+        started = time.monotonic()
+        status = self._stub.HealthCheck(pb.ClientInfo(jobId=self.config.job_id, role=self.config.role),
+                                        timeout=self.config.rpc_timeout_s)
+        return {"code": int(status.code), "info": status.info,
+                "latency_ms": round((time.monotonic() - started) * 1000, 3)}
 
     def events(self) -> list[AgentEvent]:
         """The most recent events (up to 256), oldest first."""
@@ -311,6 +389,11 @@ class SwitchAgent:
             self._state = FAILED
         self._emit(ev.AGENT_FAILED, detail={"error": str(exc)})
 
+    def _training_must_stop(self, reason: str) -> None:
+        self._emit(ev.TRAINING_STOP, detail={"reason": reason})
+        if self._on_stop is not None:
+            self._on_stop(reason)
+
     def _on_health(self, healthy: bool, why: str) -> None:
         self._emit(ev.STREAM_RESTORED if healthy else ev.STREAM_LOST, detail={"why": why})
 
@@ -338,11 +421,14 @@ class SwitchAgent:
             self._current = owed
         try:
             cfg = self.config
-            execution = execute_order(
-                order, runner=self._runner, switch_hook=self._switch_hook,
-                checkpoint_hook=self._checkpoint_hook, guard_timeout_s=cfg.guard_timeout_s,
-                switch_timeout_s=cfg.switch_timeout_s, dry_run=cfg.dry_run,
-            )
+            if self._controller is not None:
+                execution = self._controller.execute(order)
+            else:
+                execution = execute_order(
+                    order, runner=self._runner, switch_hook=self._switch_hook,
+                    checkpoint_hook=self._checkpoint_hook, guard_timeout_s=cfg.guard_timeout_s,
+                    switch_timeout_s=cfg.switch_timeout_s, dry_run=cfg.dry_run,
+                )
             self._record_execution(order, execution)
             self._reply(owed, execution.ok, execution.reason, execution)
         finally:

@@ -26,7 +26,7 @@ CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
 CLUSTERD_MIN_PING_INTERVAL_S = 3.0
 LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
-PAUSE_MODES = ("external",)
+PAUSE_MODES = ("auto", "agent", "external")
 ENV_PREFIX = "NICSWITCH_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -51,9 +51,11 @@ class AgentConfig:
     """ClusterD's job key (the job UID). Env: NICSWITCH_JOB_ID, else MINDX_TASK_ID."""
     role: str = "nicswitch-agent"
     """``ClientInfo.role``: ClusterD only logs it."""
-    pause: str = "external"
-    """Who pauses training around a switch. ``external``: MindIO/TaskD does (the agent never
-    opens the process-manage stream, which would reset ClusterD's job controller)."""
+    pause: str = "auto"
+    """Who pauses training around a switch. ``agent``: the agent is ClusterD's process-manage
+    client and parks the training thread at a step boundary itself. ``external``: MindIO/TaskD do
+    (the agent never opens the process-manage stream, which would reset ClusterD's job
+    controller). ``auto``: ``external`` when MindIO/TaskD markers are present, else ``agent``."""
     dry_run: bool = False
     """Log what would be switched, run no hooks, and report success: a rehearsal."""
 
@@ -69,6 +71,9 @@ class AgentConfig:
     """Delay before resubscribing after a clean end of stream (ClusterD ends it after every
     switch); reopening is still throttled if the server keeps ending it at once."""
 
+    pause_timeout_s: float = 300.0
+    """Pause mode agent: how long training may take to reach a step boundary after ClusterD's
+    pause_train; past it the pause is reported failed (499) and training goes on."""
     guard_timeout_s: float = 300.0
     """Budget of the checkpoint guard for one order."""
     switch_timeout_s: float = 120.0
@@ -162,7 +167,7 @@ class AgentConfig:
             )
         if self.keepalive_timeout_s <= 0:
             raise ConfigError(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive")
-        positive = ("reconnect_initial_s", "reconnect_max_s", "guard_timeout_s", "switch_timeout_s",
+        positive = ("pause_timeout_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s", "switch_timeout_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -177,6 +182,10 @@ class AgentConfig:
             raise ConfigError(
                 f"reply_attempt_timeout_s={self.reply_attempt_timeout_s!r} exceeds "
                 f"reply_timeout_s={self.reply_timeout_s!r}"
+            )
+        if self.pause_timeout_s >= CLUSTERD_REPORT_TIMEOUT_S:
+            raise ConfigError(
+                f"pause_timeout_s={self.pause_timeout_s!r} must stay below ClusterD's 900 s wait for the pause report"
             )
         budget = self.guard_timeout_s + self.switch_timeout_s + self.reply_timeout_s
         if budget >= CLUSTERD_REPORT_TIMEOUT_S:
@@ -198,6 +207,25 @@ class AgentConfig:
     def describe(self) -> dict[str, Any]:
         """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here)."""
         return dataclasses.asdict(self)
+
+
+# Markers of a running MindIO TFT / TaskD process-manage client. Both are set by the user for
+# MindCluster's own switch support (docs: MindIO needs TTP_PORT; MindSpore+TaskD needs
+# TASKD_PROCESS_ENABLE=on). When either is present, opening the process-manage stream ourselves
+# would reset ClusterD's controller and steal MindIO's pause/continue signals.
+EXTERNAL_PAUSE_MARKERS = ("TTP_PORT", "TASKD_PROCESS_ENABLE")
+
+
+def resolve_pause_mode(pause: str, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """The effective pause mode for ``pause`` and the reason, for a one-line INFO log."""
+    if pause != "auto":
+        return pause, f"pause={pause!r} was configured"
+    env = os.environ if env is None else env
+    if env.get("TTP_PORT", "").strip():
+        return "external", "TTP_PORT is set: MindIO TFT pauses training"
+    if env.get("TASKD_PROCESS_ENABLE", "").strip().lower() == "on":
+        return "external", "TASKD_PROCESS_ENABLE=on: TaskD/MindIO pause training"
+    return "agent", "no MindIO/TaskD markers (TTP_PORT, TASKD_PROCESS_ENABLE): the agent pauses training"
 
 
 def _server_from_mindcluster(env: Mapping[str, str]) -> str:

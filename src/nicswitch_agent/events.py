@@ -30,6 +30,10 @@ REPLY_FAILED = "reply_failed"
 AGENT_STARTED = "agent_started"
 AGENT_STOPPED = "agent_stopped"
 AGENT_FAILED = "agent_failed"
+PAUSE_REQUESTED = "pause_requested"
+PARKED = "parked"
+RESUMED = "resumed"
+TRAINING_STOP = "training_stop"
 
 
 @dataclass(frozen=True)

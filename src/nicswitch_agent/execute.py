@@ -94,13 +94,34 @@ class HookRunner:
             exc = outcome["error"]
             return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}",
                               duration)
-        value = outcome.get("value")
-        if not expect_bool or value is None or value is True:
-            return HookResult(name, HookStatus.OK, "ok", duration)
-        if value is False:
-            return HookResult(name, HookStatus.FAILED, f"{name} hook returned False", duration)
-        return HookResult(name, HookStatus.BAD_RESULT,
-                          f"{name} hook returned {value!r}; expected True, False or None", duration)
+        return _classify(name, outcome.get("value"), expect_bool, duration)
+
+
+class InlineRunner(HookRunner):
+    """Calls hooks in the current thread (the parked training thread, in pause mode ``agent``).
+
+    It cannot abandon a hook; the caller waiting for the result enforces the timeout instead
+    (and answers false), while the training thread stays parked until the hook returns.
+    """
+
+    def run(self, name: str, hook: Callable[[SwitchOrder], Any], order: SwitchOrder, timeout: float,
+            *, expect_bool: bool) -> HookResult:
+        started = time.monotonic()
+        try:
+            value = hook(order)
+        except Exception as exc:  # user code: every failure becomes a result
+            return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}",
+                              time.monotonic() - started)
+        return _classify(name, value, expect_bool, time.monotonic() - started)
+
+
+def _classify(name: str, value: Any, expect_bool: bool, duration: float) -> HookResult:
+    if not expect_bool or value is None or value is True:
+        return HookResult(name, HookStatus.OK, "ok", duration)
+    if value is False:
+        return HookResult(name, HookStatus.FAILED, f"{name} hook returned False", duration)
+    return HookResult(name, HookStatus.BAD_RESULT,
+                      f"{name} hook returned {value!r}; expected True, False or None", duration)
 
 
 def execute_order(

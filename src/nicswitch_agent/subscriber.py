@@ -94,12 +94,14 @@ class NotifySubscriber:
         *,
         on_fatal: Callable[[BaseException], None] | None = None,
         on_health: Callable[[bool, str], None] | None = None,
+        gate: threading.Event | None = None,
     ) -> None:
         self._stub = stub
         self._settings = settings
         self._on_list = on_list
         self._on_fatal = on_fatal
         self._on_health = on_health
+        self._gate = gate  # when given, open only while it is set (the process-manage stream is open)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._lock = threading.Lock()  # guards _call and the counters below
@@ -161,6 +163,11 @@ class NotifySubscriber:
         self._ready.set()
         while not self._stop.is_set():
             got_message = False
+            if self._gate is not None and not self._gate.is_set():
+                # Opening before the process-manage stream would be ended by its reset.
+                while not self._gate.wait(0.05):
+                    if self._stop.is_set():
+                        return
             try:
                 call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=True)
                 with self._lock:

@@ -1,0 +1,332 @@
+"""Pause mode ``agent``: what each ClusterD process-manage signal means for the training thread.
+
+The controller runs signals one at a time on its own worker thread (``nicswitch-signals``), so the
+stream keeps being read while it waits for the training thread to park. Its rules, from the real
+server's behaviour (clusterd-observed.md, clusterd-observed-2.md §1-§3):
+
+- ``stopTrain``/``pause_train``: park training at its next ``step()``; report
+  ``ReportStopComplete(0)`` once parked, or ``499`` after ``pause_timeout_s`` (and the request is
+  withdrawn, so training is not left parked by a pause reported as failed).
+- a rank list (notify stream) while parked: guard and switch hook run **on the parked training
+  thread**; the reply is owed by the agent, exactly once.
+- ``changeStrategy``/``continue``: unpark, then ``ReportRecoverStatus(0, "continue")``.
+- after a failed switch: ``stopTrain``/``stop_train`` -> ``ReportStopComplete(0)`` (404 would make
+  ClusterD kill the job); ``globalFault`` -> roll the failed order's ranks back to their previous
+  links on the parked thread, then ``ReportRecoverStrategy`` with what can honestly be done:
+  ``recover`` only if the rollback succeeded, ``dump`` only if a checkpoint of the parked step
+  exists or can be taken, and always ``exit``; ``changeStrategy`` with ClusterD's pick:
+  ``recover`` -> unpark + ``ReportRecoverStatus(0, "recover")``; ``dump`` -> make sure the
+  checkpoint exists (the guard's pre-switch one counts), ``ReportRecoverStatus(code, "dump")``,
+  then stop; ``exit`` -> stop, report nothing.
+- ``killMaster``: stop; call nothing.
+- the process-manage stream ends (ClusterD reset the job, or restarted): nobody will send
+  ``continue`` any more, so a parked training thread is let go.
+- anything else: logged at WARNING with the whole signal; nothing changes.
+
+"Stop" means: the user's ``on_stop(reason)`` is called, and the training thread leaves its parking
+spot with :class:`~nicswitch_agent.pause.TrainingStopped`, so training never continues silently
+on links in an unknown state. The streams stay open, so ClusterD can finish its own recovery.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.execute import Execution, InlineRunner, execute_order
+from nicswitch_agent.orders import SwitchOrder
+from nicswitch_agent.pause import ParkingLot
+from nicswitch_agent.process_manage import (
+    ACTION_PAUSE,
+    ACTION_STOP,
+    CHANGE_STRATEGY,
+    CODE_CLIENT_ERROR,
+    CODE_OK,
+    EXTRA_DUMP_EXIT,
+    GLOBAL_FAULT,
+    KILL_MASTER,
+    STOP_TRAIN,
+    STRATEGY_CONTINUE,
+    STRATEGY_DUMP,
+    STRATEGY_EXIT,
+    STRATEGY_RECOVER,
+    ProcessManageClient,
+    describe_signal,
+)
+
+logger = logging.getLogger("nicswitch_agent.controller")
+
+
+@dataclass(frozen=True)
+class HookSettings:
+    switch_hook: Callable[[SwitchOrder], Any] | None
+    checkpoint_hook: Callable[[SwitchOrder], Any] | None
+    guard_timeout_s: float
+    switch_timeout_s: float
+    pause_timeout_s: float
+    dry_run: bool
+
+
+class LinkState:
+    """Which ranks this job last moved to standby (True) or primary (False); for rollbacks."""
+
+    def __init__(self) -> None:
+        self._standby: dict[int, bool] = {}
+        self._lock = threading.Lock()
+
+    def apply(self, order: SwitchOrder) -> None:
+        with self._lock:
+            for rank, op in order:
+                self._standby[rank] = op
+
+    def rollback_of(self, order: SwitchOrder) -> SwitchOrder:
+        """The order that puts ``order``'s ranks back where they were (unknown = primary)."""
+        with self._lock:
+            ops = tuple(self._standby.get(rank, False) for rank in order.ranks)
+        return SwitchOrder(seq=order.seq, job_id=order.job_id, ranks=order.ranks, ops=ops)
+
+
+class AgentModeController:
+    """Turns process-manage signals into parking, hooks and reports."""
+
+    def __init__(
+        self,
+        parking: ParkingLot,
+        hooks: HookSettings,
+        *,
+        on_stop: Callable[[str], None],
+    ) -> None:
+        self.parking = parking
+        self.hooks = hooks
+        self.links = LinkState()
+        self._on_stop = on_stop
+        self._client: ProcessManageClient | None = None
+        self._signals: queue.Queue[pb.ProcessManageSignal | str | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # guards the fields below
+        self._uuid = ""
+        self._failed_order: SwitchOrder | None = None
+        self._failed_switch_attempted = False
+        self._checkpoint_epoch: int | None = None  # pause epoch for which a checkpoint exists
+        self._rollback_ok = False
+        self._stopped_reason: str | None = None
+        self.last_signal = ""
+
+    def attach(self, client: ProcessManageClient) -> None:
+        self._client = client
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="nicswitch-signals", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        self._signals.put(None)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # -- inputs (from the process-manage thread; never block) -----------------------------------
+
+    def on_signal(self, signal: pb.ProcessManageSignal) -> None:
+        self._signals.put(signal)
+
+    def on_stream_end(self, reason: str) -> None:
+        self._signals.put(f"stream-end: {reason}")
+
+    # -- orders (from the agent's executor thread) --------------------------------------------
+
+    def execute(self, order: SwitchOrder) -> Execution:
+        """Run guard and switch on the parked training thread; bounded by their timeouts."""
+        hooks = self.hooks
+        if not self.parking.parked:
+            return Execution(False, "training is not parked: refusing to switch links under a running step")
+        future = self.parking.run_parked(lambda: execute_order(
+            order, runner=InlineRunner(), switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
+            guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s, dry_run=hooks.dry_run,
+        ))
+        budget = hooks.guard_timeout_s + hooks.switch_timeout_s
+        try:
+            execution: Execution = future.result(timeout=budget)
+        except FutureTimeout:
+            execution = Execution(False, f"hooks did not finish within {budget:g} s on the training thread")
+            attempted = True
+        except Exception as exc:
+            execution = Execution(False, f"could not run on the training thread: {exc}")
+            attempted = False
+        else:
+            attempted = execution.switch is not None
+            if execution.guard is not None and execution.guard.ok:
+                with self._lock:
+                    self._checkpoint_epoch = self.parking.request_epoch
+        with self._lock:
+            if execution.ok:
+                self.links.apply(order)
+                self._failed_order = None
+            else:
+                self._failed_order, self._failed_switch_attempted = order, attempted
+        return execution
+
+    # -- the worker ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            item = self._signals.get()
+            if item is None:
+                return
+            try:
+                if isinstance(item, str):
+                    self._handle_stream_end(item)
+                else:
+                    self._handle(item)
+            except Exception:
+                logger.exception("handling %s failed", item if isinstance(item, str) else describe_signal(item))
+
+    def _handle(self, signal: pb.ProcessManageSignal) -> None:
+        client = self._client
+        assert client is not None
+        self._uuid = signal.uuid
+        self.last_signal = describe_signal(signal)
+        kind, actions = signal.signalType, list(signal.actions)
+        logger.info("ClusterD signal: %s", self.last_signal)
+        if kind == STOP_TRAIN and ACTION_PAUSE in actions:
+            self._pause(client)
+        elif kind == STOP_TRAIN and ACTION_STOP in actions:
+            # Training is already parked (or was never paused); say it is stopped.
+            client.report_stop_complete(CODE_OK)
+        elif kind == GLOBAL_FAULT:
+            client.report_recover_strategy(self._strategies_we_can_honour())
+        elif kind == CHANGE_STRATEGY:
+            self._change_strategy(client, signal)
+        elif kind == KILL_MASTER:
+            self._stop_training("ClusterD is killing the job (killMaster)")
+        else:
+            logger.warning("unknown process-manage signal, ignored: %s", self.last_signal)
+
+    def _pause(self, client: ProcessManageClient) -> None:
+        epoch = self.parking.request()
+        with self._lock:
+            self._failed_order, self._rollback_ok = None, False
+        if self.parking.wait_parked(epoch, self.hooks.pause_timeout_s):
+            client.report_stop_complete(CODE_OK)
+            return
+        logger.error("training did not reach a step boundary within pause_timeout_s=%g s; reporting pause "
+                     "failure (499) and letting training go on", self.hooks.pause_timeout_s)
+        client.report_stop_complete(CODE_CLIENT_ERROR, "training did not reach a step boundary in time")
+
+    def _strategies_we_can_honour(self) -> list[str]:
+        strategies: list[str] = []
+        if self._rollback():
+            strategies.append(STRATEGY_RECOVER)
+        if self._checkpoint_available():
+            strategies.append(STRATEGY_DUMP)
+        strategies.append(STRATEGY_EXIT)
+        logger.info("offering recovery strategies %s", strategies)
+        return strategies
+
+    def _rollback(self) -> bool:
+        """Put the failed order's ranks back on their previous links, on the parked thread."""
+        with self._lock:
+            failed, attempted = self._failed_order, self._failed_switch_attempted
+        if not self.parking.parked:
+            return False
+        if failed is None or not attempted:
+            ok = True  # no link was touched
+        elif self.hooks.dry_run or self.hooks.switch_hook is None:
+            ok = self.hooks.dry_run
+        else:
+            back = self.links.rollback_of(failed)
+            hook = self.hooks.switch_hook
+            future = self.parking.run_parked(lambda: InlineRunner().run(
+                "rollback", hook, back, self.hooks.switch_timeout_s, expect_bool=True
+            ))
+            try:
+                ok = future.result(timeout=self.hooks.switch_timeout_s).ok
+            except Exception as exc:
+                logger.error("rollback of order #%d did not finish: %s", failed.seq, exc)
+                ok = False
+            logger.log(logging.INFO if ok else logging.ERROR, "rollback of order #%d %s", failed.seq,
+                       "succeeded" if ok else "failed")
+        with self._lock:
+            self._rollback_ok = ok
+        return ok
+
+    def _checkpoint_available(self) -> bool:
+        with self._lock:
+            have = self._checkpoint_epoch == self.parking.request_epoch
+        return have or (self.hooks.checkpoint_hook is not None and self.parking.parked)
+
+    def _ensure_checkpoint(self) -> bool:
+        with self._lock:
+            if self._checkpoint_epoch == self.parking.request_epoch:
+                return True  # the guard's pre-switch checkpoint of this very step counts
+        hook = self.hooks.checkpoint_hook
+        if hook is None or not self.parking.parked:
+            return False
+        failed = self._failed_order or SwitchOrder(seq=0, job_id="", ranks=(), ops=())
+        future = self.parking.run_parked(lambda: InlineRunner().run(
+            "checkpoint", hook, failed, self.hooks.guard_timeout_s, expect_bool=False
+        ))
+        try:
+            ok = bool(future.result(timeout=self.hooks.guard_timeout_s).ok)
+        except Exception:
+            ok = False
+        if ok:
+            with self._lock:
+                self._checkpoint_epoch = self.parking.request_epoch
+        return ok
+
+    def _change_strategy(self, client: ProcessManageClient, signal: pb.ProcessManageSignal) -> None:
+        strategy = signal.changeStrategy
+        if strategy == STRATEGY_CONTINUE:
+            self.parking.release()
+            client.report_recover_status(CODE_OK, STRATEGY_CONTINUE)
+        elif strategy == STRATEGY_RECOVER:
+            with self._lock:
+                rolled_back = self._rollback_ok
+            if rolled_back:
+                self.parking.release()
+                client.report_recover_status(CODE_OK, STRATEGY_RECOVER)
+            else:  # never offered; do not claim a recovery that did not happen
+                client.report_recover_status(CODE_CLIENT_ERROR, STRATEGY_RECOVER, "rollback did not succeed")
+                self._stop_training("recover was chosen but the links could not be rolled back")
+        elif strategy == STRATEGY_DUMP:
+            ok = self._ensure_checkpoint()
+            client.report_recover_status(CODE_OK if ok else CODE_CLIENT_ERROR, STRATEGY_DUMP,
+                                         "" if ok else "no checkpoint of the parked step")
+            self._stop_training("ClusterD chose dump after a failed switch")
+        elif strategy == STRATEGY_EXIT:
+            if signal.extraParams == EXTRA_DUMP_EXIT:
+                logger.info("ClusterD: dump_exit (informational)")
+                return
+            self._stop_training("ClusterD chose exit after a failed switch")
+        else:
+            logger.warning("unknown strategy, ignored: %s", describe_signal(signal))
+
+    def _handle_stream_end(self, reason: str) -> None:
+        if self.parking.parked or self.parking.pending:
+            with self._lock:
+                stopping = self._stopped_reason is not None
+            if not stopping:
+                logger.warning("process-manage stream ended (%s) while training was held; ClusterD has "
+                               "reset the job and will not send continue: resuming training", reason)
+                self.parking.release()
+
+    def _stop_training(self, reason: str) -> None:
+        with self._lock:
+            if self._stopped_reason is not None:
+                return
+            self._stopped_reason = reason
+        logger.error("training must stop: %s", reason)
+        try:
+            self._on_stop(reason)
+        except Exception:
+            logger.exception("on_stop hook raised; ignored")
+        self.parking.release(stop_reason=reason)
+
+
+__all__ = ["AgentModeController", "HookSettings", "LinkState"]

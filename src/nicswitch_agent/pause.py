@@ -1,0 +1,167 @@
+"""ParkingLot: park the training thread at a step boundary, run work there, and let it go.
+
+Used in pause mode ``agent``, where the agent itself pauses training for ClusterD. The training
+thread calls :meth:`ParkingLot.at_step_boundary` only when ``pending`` is true, so the idle cost
+in ``agent.step()`` is one attribute comparison.
+
+Requests are numbered (epochs). Only the agent's thread writes ``request_epoch``; only the
+training thread writes ``handled_epoch``. A boolean flag cleared by the training thread would
+race with the next request and lose it (torch-store-notes.md §8: it hung 3 of 6 runs).
+
+While parked, the training thread runs the callables handed to :meth:`run_parked` (the
+checkpoint guard and switch hook), so a guard can use the framework as usual (it is the thread
+that owns the model). It leaves when :meth:`release` is called, or raises
+:class:`TrainingStopped` if the release says training must stop.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from nicswitch_agent.errors import NicSwitchError
+
+logger = logging.getLogger("nicswitch_agent.pause")
+
+
+class TrainingStopped(NicSwitchError):
+    """Raised from ``agent.step()`` when ClusterD's recovery decided that training must stop."""
+
+
+class ParkingLot:
+    """One training thread's parking spot (single-process coordination)."""
+
+    def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+        self._on_event = on_event  # ("parked" | "resumed", detail); called on the training thread
+        self._cond = threading.Condition()  # guards everything below
+        self.request_epoch = 0  # written by the agent thread only
+        self.handled_epoch = 0  # written by the training thread only
+        self._cancelled_epoch = 0
+        self._released_epoch = 0
+        self._stop_reason: str | None = None
+        self._parked = False
+        self._parked_step: int | None = None
+        self._parked_at: float | None = None
+        self._work: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+
+    # -- agent side ----------------------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        """True while a pause request has not been handled by the training thread."""
+        return self.request_epoch != self.handled_epoch
+
+    @property
+    def parked(self) -> bool:
+        return self._parked
+
+    @property
+    def parked_step(self) -> int | None:
+        return self._parked_step
+
+    def request(self) -> int:
+        """Ask the training thread to park at its next step boundary; returns the epoch."""
+        with self._cond:
+            self.request_epoch += 1
+            self._cond.notify_all()
+            return self.request_epoch
+
+    def wait_parked(self, epoch: int, timeout: float) -> bool:
+        """Wait until the training thread parked for ``epoch``; on timeout cancel the request.
+
+        The cancel happens under the same lock the training thread takes before parking, so
+        after a False the thread can no longer park for this epoch: training is never left
+        parked by a pause that was reported as failed.
+        """
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self._parked and self.request_epoch == epoch, timeout)
+            if not ok:
+                self._cancelled_epoch = max(self._cancelled_epoch, epoch)
+                self._cond.notify_all()
+            return ok
+
+    def run_parked(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run ``fn`` on the parked training thread; the future holds its result or exception."""
+        future: Future[Any] = Future()
+        with self._cond:
+            if not self._parked:
+                future.set_exception(RuntimeError("training is not parked"))
+                return future
+            self._work.append((fn, future))
+            self._cond.notify_all()
+        return future
+
+    def release(self, *, stop_reason: str | None = None) -> bool:
+        """Let the training thread go (``stop_reason``: make ``step()`` raise TrainingStopped).
+
+        Also cancels a request the thread has not reached yet. Returns True if it was parked.
+        """
+        with self._cond:
+            was_parked = self._parked
+            if stop_reason is not None and not was_parked:
+                # Make the next step() come in here once, so it raises TrainingStopped.
+                self.request_epoch += 1
+            self._released_epoch = self.request_epoch
+            self._cancelled_epoch = self.request_epoch
+            if stop_reason is not None:
+                self._stop_reason = stop_reason
+            self._cond.notify_all()
+            return was_parked
+
+    def stop_requested(self) -> str | None:
+        return self._stop_reason
+
+    # -- training side -------------------------------------------------------------------------
+
+    def at_step_boundary(self, step: int | None) -> None:
+        """Called by the training thread when ``pending``; parks if the request still stands."""
+        with self._cond:
+            epoch = self.request_epoch
+            if self._cancelled_epoch >= epoch or self._released_epoch >= epoch:
+                self.handled_epoch = epoch
+                self._raise_if_stopped()
+                return
+            self._parked, self._parked_step, self._parked_at = True, step, time.monotonic()
+            self._cond.notify_all()
+            logger.info("training parked at step %s", step)
+            self._emit("parked", {"step": step, "epoch": epoch})
+            try:
+                while True:
+                    while self._work:
+                        fn, future = self._work.popleft()
+                        self._cond.release()
+                        try:
+                            if future.set_running_or_notify_cancel():
+                                try:
+                                    future.set_result(fn())
+                                except BaseException as exc:  # user code: report, never raise here
+                                    future.set_exception(exc)
+                        finally:
+                            self._cond.acquire()
+                    if self._released_epoch >= epoch:
+                        break
+                    self._cond.wait()
+            finally:
+                parked_for = time.monotonic() - (self._parked_at or time.monotonic())
+                self._parked, self._parked_at = False, None
+                self.handled_epoch = epoch
+                self._cond.notify_all()
+            logger.info("training resumed after %.1f ms parked", parked_for * 1000)
+            self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason})
+            self._raise_if_stopped()
+
+    def _emit(self, kind: str, detail: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(kind, detail)
+            except Exception:
+                logger.exception("parking event listener failed; ignored")
+
+    def _raise_if_stopped(self) -> None:
+        if self._stop_reason is not None:
+            raise TrainingStopped(self._stop_reason)

@@ -1,0 +1,300 @@
+"""The leader's process-manage client (pause mode ``agent``): Init, Register, and the signal stream.
+
+Upstream this half belongs to MindIO/TaskD. ClusterD sends nothing on the switch stream until
+training is paused through this one: ``pause_train`` here, ``ReportStopComplete`` back; after the
+switch, ``change_strategy``/``continue`` here, ``ReportRecoverStatus`` back.
+
+Ordering matters: every new ``SubscribeProcessManageSignal`` resets ClusterD's job controller,
+which ends every other stream of the job (clusterd-observed.md §order). So this stream is opened
+first, and the notify stream is allowed to open (``gate``) only once this one is open; after any
+end of this stream the gate closes until it is reopened.
+
+This module only talks to ClusterD and hands signals to ``on_signal`` (which must not block: the
+agent queues them to its own worker). Deciding what a signal means is the agent's job.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.subscriber import backoff_delays, describe_rpc_error, should_terminate
+from nicswitch_agent.transport import RecoverStub
+
+logger = logging.getLogger("nicswitch_agent.process_manage")
+
+# Signal types and actions, as ClusterD spells them (clusterd-protocol.md §2.3, observed-2 §1).
+KEEP_ALIVE = "keep-alive"
+STOP_TRAIN = "stopTrain"
+CHANGE_STRATEGY = "changeStrategy"
+GLOBAL_FAULT = "globalFault"
+KILL_MASTER = "killMaster"
+ACTION_PAUSE = "pause_train"
+ACTION_STOP = "stop_train"
+ACTION_CHANGE_STRATEGY = "change_strategy"
+ACTION_ON_GLOBAL_RANK = "on_global_rank"
+ACTION_FAULT_NODES_EXIT = "fault_nodes_exit"
+STRATEGY_CONTINUE = "continue"
+STRATEGY_RECOVER = "recover"
+STRATEGY_RETRY = "retry"
+STRATEGY_DUMP = "dump"
+STRATEGY_EXIT = "exit"
+EXTRA_DUMP_EXIT = "dump_exit"
+
+# Status codes the agent sends or meets (clusterd-protocol.md §4, observed-2).
+CODE_OK = 0
+CODE_PROCESS_NOT_READY = 404
+CODE_NOT_INITED = 408
+CODE_CLIENT_ERROR = 499
+
+
+class RegistrationRefused(Exception):
+    """ClusterD refused Init/Register with a code that retrying cannot change."""
+
+    def __init__(self, method: str, code: int, info: str) -> None:
+        hints = {
+            403: "process recovery / hot switch is not enabled for this job's PodGroup",
+            402: "ClusterD does not know this job (check MINDX_TASK_ID)",
+            500: "ClusterD serves its maximum number of jobs",
+            502: "ClusterD could not read or patch the job's PodGroup",
+        }
+        hint = hints.get(code, "see ClusterD's log")
+        super().__init__(f"ClusterD refused {method}: code {code} {info!r} ({hint})")
+        self.method, self.code, self.info = method, code, info
+
+
+def describe_signal(signal: pb.ProcessManageSignal) -> str:
+    parts = [f"type={signal.signalType!r}", f"uuid={signal.uuid!r}"]
+    if signal.actions:
+        parts.append(f"actions={list(signal.actions)}")
+    if signal.changeStrategy:
+        parts.append(f"strategy={signal.changeStrategy!r}")
+    if signal.extraParams:
+        parts.append(f"extra={signal.extraParams!r}")
+    if signal.timeout:
+        parts.append(f"timeout={signal.timeout}")
+    if signal.faultRanks:
+        parts.append(f"faultRanks={[(f.rankId, f.faultType) for f in signal.faultRanks][:16]}")
+    if signal.nodeRankIds:
+        parts.append(f"nodeRankIds={list(signal.nodeRankIds)[:16]}")
+    return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ProcessManageSettings:
+    job_id: str
+    role: str
+    rpc_timeout_s: float = 10.0
+    reconnect_initial_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    stop_timeout_s: float = 1.0
+
+
+class ProcessManageClient:
+    """Registers the job and keeps SubscribeProcessManageSignal open; one named daemon thread."""
+
+    def __init__(
+        self,
+        stub: RecoverStub,
+        settings: ProcessManageSettings,
+        on_signal: Callable[[pb.ProcessManageSignal], None],
+        *,
+        on_stream_end: Callable[[str], None] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self._stub = stub
+        self._settings = settings
+        self._on_signal = on_signal
+        self._on_stream_end = on_stream_end
+        self._on_fatal = on_fatal
+        self.gate = threading.Event()  # set while our stream is open: the notify stream may open
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _call and the counters below
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+        self.registered = False
+        self.opens = 0
+        self.errors = 0
+        self.signals = 0
+        self.last_keepalive_mono: float | None = None
+        self.last_error = ""
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("ProcessManageClient already started")
+        self._thread = threading.Thread(target=self._run, name="nicswitch-process-manage", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> bool:
+        self._stop.set()
+        self.gate.clear()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self._settings.stop_timeout_s)
+        if thread.is_alive():
+            logger.warning("process-manage thread did not stop within %.1f s", self._settings.stop_timeout_s)
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stream_open(self) -> bool:
+        with self._lock:
+            return self._call is not None
+
+    # -- reports (called from the agent's worker thread) ----------------------------------------
+
+    def report_stop_complete(self, code: int, info: str = "") -> pb.Status | None:
+        request = pb.StopCompleteRequest(jobId=self._settings.job_id, status=pb.Status(code=code, info=info))
+        return self._unary("ReportStopComplete", request)
+
+    def report_recover_strategy(self, strategies: list[str]) -> pb.Status | None:
+        request = pb.RecoverStrategyRequest(jobId=self._settings.job_id, strategies=strategies)
+        return self._unary("ReportRecoverStrategy", request)
+
+    def report_recover_status(self, code: int, strategy: str, info: str = "") -> pb.Status | None:
+        request = pb.RecoverStatusRequest(jobId=self._settings.job_id, status=pb.Status(code=code, info=info),
+                                          strategy=strategy)
+        return self._unary("ReportRecoverStatus", request)
+
+    def health_check(self) -> pb.Status:
+        """HealthCheck (for status and the CLI; never on a hot path). Raises grpc.RpcError."""
+        result: pb.Status = self._stub.HealthCheck(
+            pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role),
+            timeout=self._settings.rpc_timeout_s,
+        )
+        return result
+
+    def _unary(self, method: str, request: Any) -> pb.Status | None:
+        """One report, with a deadline. Reports are not retried: ClusterD reads each from a
+        one-slot channel, and a duplicate would be taken as the answer to the next question."""
+        started = time.monotonic()
+        try:
+            status: pb.Status = getattr(self._stub, method)(
+                request, timeout=self._settings.rpc_timeout_s, wait_for_ready=True
+            )
+        except grpc.RpcError as exc:
+            logger.error("%s failed: %s", method, describe_rpc_error(exc))
+            return None
+        level = logging.INFO if status.code == CODE_OK else logging.ERROR
+        logger.log(level, "%s -> %d %r (%.1f ms)", method, status.code, status.info,
+                   (time.monotonic() - started) * 1000)
+        return status
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        """Init then Register. 408 (not inited) is answered by Init again; other codes are fatal."""
+        info = pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role)
+        timeout = self._settings.rpc_timeout_s
+        for _ in range(3):
+            status = self._stub.Init(info, timeout=timeout, wait_for_ready=True)
+            if status.code != CODE_OK:
+                raise RegistrationRefused("Init", status.code, status.info)
+            status = self._stub.Register(info, timeout=timeout, wait_for_ready=True)
+            if status.code == CODE_OK:
+                if not self.registered:
+                    logger.info("registered job %s with ClusterD", self._settings.job_id)
+                self.registered = True
+                return
+            if status.code != CODE_NOT_INITED:
+                raise RegistrationRefused("Register", status.code, status.info)
+        raise RegistrationRefused("Register", CODE_NOT_INITED, "still not inited after Init")
+
+    def _run(self) -> None:
+        settings = self._settings
+        request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
+        delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+        failing: str | None = None
+        while not self._stop.is_set():
+            delay = 0.0
+            opened = False
+            try:
+                if not self.registered:
+                    self._register()
+                call = self._stub.SubscribeProcessManageSignal(request, wait_for_ready=True)
+                with self._lock:
+                    self._call = call
+                    self.opens += 1
+                if self._stop.is_set():
+                    call.cancel()
+                opened = True
+                self.gate.set()
+                for signal in call:
+                    self._dispatch(signal)
+                    if failing is not None:
+                        logger.info("process-manage stream restored after: %s", failing)
+                        failing = None
+                    delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+                logger.debug("process-manage stream ended cleanly (ClusterD reset the job); reopening")
+                if failing is not None:
+                    logger.info("process-manage stream restored after: %s", failing)
+                    failing = None
+                reason = "clean end"
+            except RegistrationRefused as exc:
+                logger.error("%s; the agent cannot pause training for switches", exc)
+                if self._on_fatal is not None:
+                    self._on_fatal(exc)
+                break
+            except grpc.RpcError as exc:
+                if self._stop.is_set():
+                    break
+                text = describe_rpc_error(exc)
+                with self._lock:
+                    self.errors += 1
+                    self.last_error = text
+                if should_terminate(exc):
+                    logger.error("process-manage stream failed for good: %s", text)
+                    if self._on_fatal is not None:
+                        self._on_fatal(exc)
+                    break
+                if "not registed" in text or "UNAVAILABLE" in text:
+                    self.registered = False  # a restarted ClusterD forgot us: Init/Register again
+                if failing != text:
+                    logger.warning("process-manage stream error, will retry: %s", text)
+                    failing = text
+                reason = text
+                delay = next(delays)
+            finally:
+                self.gate.clear()
+                with self._lock:
+                    self._call = None
+            if opened and self._on_stream_end is not None and not self._stop.is_set():
+                try:
+                    self._on_stream_end(reason)
+                except Exception:
+                    logger.exception("stream-end handler failed; ignored")
+            if delay > 0 and self._stop.wait(delay):
+                break
+
+    def _dispatch(self, signal: pb.ProcessManageSignal) -> None:
+        with self._lock:
+            self.signals += 1
+        if signal.jobId and signal.jobId != self._settings.job_id:
+            logger.warning("ignoring a process-manage signal for job %r: %s", signal.jobId[:128],
+                           describe_signal(signal))
+            return
+        if signal.signalType == KEEP_ALIVE:
+            self.last_keepalive_mono = time.monotonic()
+            return
+        try:
+            self._on_signal(signal)
+        except Exception:
+            logger.exception("signal handler failed on %s; ignored", describe_signal(signal))
