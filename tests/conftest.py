@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from scripted import ScriptedClusterD  # noqa: E402
+from scripted import ScriptedClusterD
 
 # Scrub MindCluster/agent env so tests never pick up the machine's settings by accident.
 for name in list(os.environ):

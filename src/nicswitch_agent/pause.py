@@ -89,7 +89,7 @@ class ParkingLot:
         """Run ``fn`` on the parked training thread; the future holds its result or exception."""
         future: Future[Any] = Future()
         with self._cond:
-            if not self._parked:
+            if not self._parked or self._released_epoch >= self.request_epoch:
                 future.set_exception(RuntimeError("training is not parked"))
                 return future
             self._work.append((fn, future))

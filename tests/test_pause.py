@@ -1,0 +1,112 @@
+"""ParkingLot: a training thread parks at a step boundary, runs work there, and is let go."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+
+from nicswitch_agent.pause import ParkingLot, TrainingStopped
+
+pytestmark = pytest.mark.timeout(20)
+
+
+class Trainer:
+    """A training thread that calls the lot at every step boundary, like agent.step()."""
+
+    def __init__(self, lot: ParkingLot, steps: int = 10_000_000) -> None:
+        self.lot = lot
+        self.step = 0
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.finished = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(steps,), daemon=True)
+
+    def _run(self, steps: int) -> None:
+        try:
+            while self.step < steps and not self.stop.is_set():
+                self.step += 1
+                if self.lot.request_epoch != self.lot.handled_epoch:
+                    self.lot.at_step_boundary(self.step)
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.finished.set()
+
+    def __enter__(self) -> Trainer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        self.lot.release()
+        self.thread.join(5)
+
+
+def test_park_run_work_on_the_training_thread_and_release() -> None:
+    lot = ParkingLot()
+    with Trainer(lot) as trainer:
+        epoch = lot.request()
+        assert lot.wait_parked(epoch, 10)
+        parked_step = lot.parked_step
+        assert parked_step is not None and trainer.step == parked_step  # it really stopped stepping
+        ran_on = lot.run_parked(lambda: threading.current_thread()).result(5)
+        assert ran_on is trainer.thread
+        assert trainer.step == parked_step
+        assert lot.release() is True
+        with pytest.raises(RuntimeError, match="not parked"):  # released: refused, not queued
+            lot.run_parked(lambda: None).result(5)
+
+
+def test_work_that_raises_is_returned_not_raised_on_the_training_thread() -> None:
+    lot = ParkingLot()
+    with Trainer(lot) as trainer:
+        assert lot.wait_parked(lot.request(), 10)
+        future = lot.run_parked(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            future.result(5)
+        assert lot.parked and trainer.error is None
+
+
+def test_a_pause_that_times_out_is_withdrawn_and_never_parks_later() -> None:
+    lot = ParkingLot()
+    epoch = lot.request()
+    assert lot.wait_parked(epoch, 0.01) is False  # nobody is stepping
+    with Trainer(lot, steps=50) as trainer:
+        assert trainer.finished.wait(10)
+        assert trainer.step == 50 and not lot.parked
+        assert lot.handled_epoch == epoch
+
+
+def test_each_request_is_a_new_epoch_and_parks_again() -> None:
+    lot = ParkingLot()
+    with Trainer(lot):
+        for _ in range(5):
+            epoch = lot.request()
+            assert lot.wait_parked(epoch, 10)
+            lot.release()
+
+
+def test_release_with_stop_reason_raises_training_stopped_in_the_training_thread() -> None:
+    lot = ParkingLot()
+    with Trainer(lot) as trainer:
+        assert lot.wait_parked(lot.request(), 10)
+        lot.release(stop_reason="ClusterD chose exit")
+        assert trainer.finished.wait(10)
+    assert isinstance(trainer.error, TrainingStopped)
+    assert "ClusterD chose exit" in str(trainer.error)
+
+
+def test_stop_while_not_parked_raises_at_the_next_step() -> None:
+    lot = ParkingLot()
+    lot.release(stop_reason="killMaster")
+    with Trainer(lot) as trainer:
+        assert trainer.finished.wait(10)
+    assert isinstance(trainer.error, TrainingStopped)
+    assert trainer.step == 1
+
+
+def test_idle_step_check_is_a_plain_comparison() -> None:
+    lot = ParkingLot()
+    assert lot.request_epoch == lot.handled_epoch and not lot.pending
