@@ -54,6 +54,45 @@ CODE_PROCESS_NOT_READY = 404
 CODE_NOT_INITED = 408
 CODE_CLIENT_ERROR = 499
 
+# Pause between opening the process-manage stream and letting the notify stream open.
+GATE_SETTLE_S = 0.01
+
+
+class StreamGate:
+    """Lets the notify stream open only while (and after) the process-manage stream is open.
+
+    Each opening of the process-manage stream is a new ``generation``: it resets ClusterD's job
+    controller and so ends the notify stream opened before it. After its own stream ended, the
+    notify subscriber waits for a newer generation, so it reopens *after* the reset.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()  # guards _open and generation
+        self._open = False
+        self.generation = 0
+
+    def open(self) -> None:
+        with self._cond:
+            self._open, self.generation = True, self.generation + 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._open = False
+            self._cond.notify_all()
+
+    def is_set(self) -> bool:
+        return self._open
+
+    def wait(self, newer_than: int, timeout: float) -> bool:
+        """True once open with a generation above ``newer_than``; False after ``timeout``."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._open and self.generation > newer_than, timeout)
+
+    def wait_open(self, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self._open, timeout)
+
 
 class RegistrationRefused(Exception):
     """ClusterD refused Init/Register with a code that retrying cannot change."""
@@ -114,7 +153,7 @@ class ProcessManageClient:
         self._on_signal = on_signal
         self._on_stream_end = on_stream_end
         self._on_fatal = on_fatal
-        self.gate = threading.Event()  # set while our stream is open: the notify stream may open
+        self.gate = StreamGate()  # open while our stream is open: the notify stream may open
         self._stop = threading.Event()
         self._lock = threading.Lock()  # guards _call and the counters below
         self._call: Any = None
@@ -136,7 +175,7 @@ class ProcessManageClient:
 
     def stop(self) -> bool:
         self._stop.set()
-        self.gate.clear()
+        self.gate.close()
         with self._lock:
             call = self._call
         if call is not None:
@@ -235,8 +274,11 @@ class ProcessManageClient:
                     self.opens += 1
                 if self._stop.is_set():
                     call.cancel()
-                opened = True
-                self.gate.set()
+                opened, opened_at, signals_before = True, time.monotonic(), self.signals
+                # The server handles our subscribe (and its reset) concurrently with whatever
+                # comes next on the connection; give it a moment before the notify stream opens.
+                if not self._stop.wait(GATE_SETTLE_S):
+                    self.gate.open()
                 for signal in call:
                     self._dispatch(signal)
                     if failing is not None:
@@ -248,6 +290,8 @@ class ProcessManageClient:
                     logger.info("process-manage stream restored after: %s", failing)
                     failing = None
                 reason = "clean end"
+                if self.signals == signals_before and time.monotonic() - opened_at < 0.5:
+                    delay = next(delays)  # a server that ends every stream at once: do not spin
             except RegistrationRefused as exc:
                 logger.error("%s; the agent cannot pause training for switches", exc)
                 if self._on_fatal is not None:
@@ -273,7 +317,7 @@ class ProcessManageClient:
                 reason = text
                 delay = next(delays)
             finally:
-                self.gate.clear()
+                self.gate.close()
                 with self._lock:
                     self._call = None
             if opened and self._on_stream_end is not None and not self._stop.is_set():

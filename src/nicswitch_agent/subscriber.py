@@ -23,14 +23,21 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.transport import RecoverStub
 
+if TYPE_CHECKING:
+    from nicswitch_agent.process_manage import StreamGate
+
 logger = logging.getLogger("nicswitch_agent.subscriber")
+
+# After a clean end, how long to wait for the process-manage stream to be reopened (pause mode
+# agent) before opening anyway: a notify-only end (no reset) must not block the subscription.
+GATE_REOPEN_WAIT_S = 1.0
 
 _TERMINATING = frozenset(
     {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
@@ -94,7 +101,7 @@ class NotifySubscriber:
         *,
         on_fatal: Callable[[BaseException], None] | None = None,
         on_health: Callable[[bool, str], None] | None = None,
-        gate: threading.Event | None = None,
+        gate: StreamGate | None = None,
     ) -> None:
         self._stub = stub
         self._settings = settings
@@ -161,13 +168,22 @@ class NotifySubscriber:
         recent_eofs: deque[float] = deque(maxlen=settings.eof_burst)
         failing_since: str | None = None
         self._ready.set()
+        used_generation = 0
+        ended_cleanly = False
         while not self._stop.is_set():
             got_message = False
-            if self._gate is not None and not self._gate.is_set():
-                # Opening before the process-manage stream would be ended by its reset.
-                while not self._gate.wait(0.05):
-                    if self._stop.is_set():
-                        return
+            gate = self._gate
+            if gate is not None:
+                # A stream opened before the process-manage stream's reset would be ended by it.
+                # A clean end means ClusterD reset the job (which also ends the process-manage
+                # stream): wait for it to be reopened, briefly, then for it to be open at all.
+                if ended_cleanly:
+                    self._wait_gate(gate, used_generation, GATE_REOPEN_WAIT_S)
+                self._wait_gate(gate, None, None)
+                if self._stop.is_set():
+                    return
+                used_generation = gate.generation
+            ended_cleanly = False
             try:
                 call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=True)
                 with self._lock:
@@ -184,6 +200,7 @@ class NotifySubscriber:
                     self._on_list(message)
                 with self._lock:
                     self.clean_ends += 1
+                ended_cleanly = True
                 self._set_health(True, "stream ended cleanly")
                 logger.debug("notify stream ended cleanly; resubscribing")
                 if failing_since is not None:
@@ -228,6 +245,15 @@ class NotifySubscriber:
                     self._call = None
             if delay > 0 and self._stop.wait(delay):
                 break
+
+    def _wait_gate(self, gate: StreamGate, newer_than: int | None, limit: float | None) -> None:
+        """Wait until the gate is open (with a generation above ``newer_than`` when given), stop()
+        is called, or ``limit`` seconds pass; in short slices so stop() stays prompt."""
+        deadline = None if limit is None else time.monotonic() + limit
+        while not self._stop.is_set():
+            ok = gate.wait_open(0.05) if newer_than is None else gate.wait(newer_than, 0.05)
+            if ok or (deadline is not None and time.monotonic() >= deadline):
+                return
 
     def _set_health(self, healthy: bool, why: str) -> None:
         changed = healthy != self.healthy
