@@ -17,7 +17,6 @@ from nicswitch_agent.errors import (
     ConfigError,
     InvalidOrder,
     NicSwitchError,
-    SubscriberTerminated,
 )
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher
@@ -35,7 +34,6 @@ __all__ = [
     "DryRunSwitcher",
     "InvalidOrder",
     "NicSwitchError",
-    "SubscriberTerminated",
     "SwitchAgent",
     "SwitchOrder",
     "Switcher",

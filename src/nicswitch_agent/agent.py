@@ -236,7 +236,8 @@ class SwitchAgent:
         self._subscriber.start()
         self._started_mono = time.monotonic()
         with self._lock:
-            self._state = RUNNING
+            if self._state == "starting":  # a fatal error may already have marked it failed
+                self._state = RUNNING
         _register_exit_hooks(self)
         logger.info("nicswitch-agent started: job=%s server=%s pause=%s (%s)%s", cfg.job_id, cfg.server,
                     self.pause_mode, self._pause_reason, " (dry run)" if cfg.dry_run else "")
@@ -305,7 +306,7 @@ class SwitchAgent:
             "server": self.config.server,
             "pause": self.pause_mode,
             "dry_run": self.config.dry_run,
-            "connected": bool(sub and sub.running and sub.healthy and sub.stream_open),
+            "connected": bool(sub and sub.running and sub.connected()),
             "stream_open": bool(sub and sub.stream_open),
             "last_error": sub.last_error if sub else "",
             "last_message_age_s": None if last_msg is None else round(time.monotonic() - last_msg, 3),

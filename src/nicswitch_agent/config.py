@@ -73,7 +73,8 @@ class AgentConfig:
 
     pause_timeout_s: float = 300.0
     """Pause mode agent: how long training may take to reach a step boundary after ClusterD's
-    pause_train; past it the pause is reported failed (499) and training goes on."""
+    pause_train. Past it the pause is reported failed (499) and withdrawn, so training is never
+    left parked; ClusterD answers a failed pause by killing the job (killMaster)."""
     guard_timeout_s: float = 300.0
     """Budget of the checkpoint guard for one order."""
     switch_timeout_s: float = 120.0
@@ -89,8 +90,9 @@ class AgentConfig:
 
     world_size: int | None = None
     """Ranks in the job when known (env WORLD_SIZE); lists naming a rank outside it are refused."""
-    max_ranks: int = 1 << 20
-    """Largest rank list accepted (entries); a larger one is answered false, never run."""
+    max_ranks: int = 1 << 18
+    """Largest rank list accepted (entries); a larger one is answered false, never run. The
+    default (262,144) keeps the largest accepted list well inside max_message_bytes."""
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message accepted from ClusterD (it sends up to 8 MiB)."""
 

@@ -17,7 +17,3 @@ class InvalidOrder(NicSwitchError, ValueError):
 
 class AgentStateError(NicSwitchError, RuntimeError):
     """The agent was used out of order (e.g. started twice, or used after stop())."""
-
-
-class SubscriberTerminated(NicSwitchError):
-    """The notify stream hit an error that retrying cannot fix (e.g. UNIMPLEMENTED: not ClusterD)."""

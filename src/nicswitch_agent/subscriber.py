@@ -119,6 +119,7 @@ class NotifySubscriber:
         self.errors = 0
         self.messages = 0
         self.last_message_mono: float | None = None
+        self.last_open_mono: float | None = None
         self.last_error = ""
         # Optimistic until the first error: a stream that is open but silent looks the same as
         # a healthy idle one (ClusterD sends no headers before the first message).
@@ -155,6 +156,15 @@ class NotifySubscriber:
         with self._lock:
             return self._call is not None
 
+    def connected(self, settle_s: float = 1.0) -> bool:
+        """True when a stream is open and either healthy or open for ``settle_s`` without error
+        (ClusterD refuses a bad subscription within milliseconds, and sends nothing otherwise)."""
+        with self._lock:
+            if self._call is None:
+                return False
+            opened = self.last_open_mono
+        return self.healthy or (opened is not None and time.monotonic() - opened >= settle_s)
+
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
@@ -189,6 +199,7 @@ class NotifySubscriber:
                 with self._lock:
                     self._call = call
                     self.opens += 1
+                    self.last_open_mono = time.monotonic()
                 if self._stop.is_set():
                     call.cancel()
                 for message in call:

@@ -1,0 +1,489 @@
+"""``nicswitch-agent switch`` and ``nicswitch-agent watch``: the operator's commands.
+
+``switch`` calls SwitchNicTrack, then follows SubscribeSwitchNicSignal and says what happened;
+``watch`` only follows (it may be started before the switch). Both print a few plain lines, or
+one JSON object with ``--json``.
+
+Exit codes (also in ``--help``):
+
+===  ==========================================================================================
+0    the switch finished ("switch nic finish"); ``switch --no-wait``: accepted
+1    the switch failed: ClusterD sent a failure message (it now recovers or restarts the job)
+2    usage error
+3    busy (411): another switch or a fault recovery is running for the job
+4    invalid request (413): ClusterD's reason is printed
+5    ClusterD answered another non-zero code
+6    ClusterD unreachable, or another gRPC error
+7    timed out waiting for the result
+8    no result: the result stream ended without a message, or ClusterD is not switching the job
+130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD
+===  ==========================================================================================
+
+The lead wires these into ``cli.py``::
+
+    p = sub.add_parser("switch", help=SWITCH_HELP); add_switch_arguments(p); ... run_switch(args)
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import ipaddress
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from nicswitch_agent.om import (
+    DEFAULT_FOLLOW_TIMEOUT_S,
+    DEFAULT_RPC_TIMEOUT_S,
+    NicOps,
+    OmClient,
+    OmRpcError,
+    Outcome,
+    OutcomeKind,
+    SwitchBusy,
+    SwitchInvalid,
+    SwitchRejected,
+    describe_nic_ops,
+    op_name,
+    parse_nic_groups,
+)
+
+CLUSTERD_PORT = 8899
+
+
+class ExitCode(enum.IntEnum):
+    """Process exit codes of ``switch`` and ``watch`` (see the module docstring)."""
+
+    OK = 0
+    SWITCH_FAILED = 1
+    USAGE = 2
+    BUSY = 3
+    INVALID = 4
+    REJECTED = 5
+    RPC_ERROR = 6
+    TIMED_OUT = 7
+    NO_RESULT = 8
+    INTERRUPTED = 130
+
+
+_OUTCOME_EXIT: dict[OutcomeKind, ExitCode] = {
+    OutcomeKind.FINISHED: ExitCode.OK,
+    OutcomeKind.FAILED: ExitCode.SWITCH_FAILED,
+    OutcomeKind.NO_RESULT: ExitCode.NO_RESULT,
+    OutcomeKind.NOT_SWITCHING: ExitCode.NO_RESULT,
+    OutcomeKind.NOT_REGISTERED: ExitCode.NO_RESULT,
+    OutcomeKind.TIMED_OUT: ExitCode.TIMED_OUT,
+    OutcomeKind.RPC_ERROR: ExitCode.RPC_ERROR,
+    OutcomeKind.CANCELLED: ExitCode.INTERRUPTED,
+}
+
+
+def exit_code_for(outcome: Outcome) -> ExitCode:
+    """The exit code for a followed switch."""
+    return _OUTCOME_EXIT[outcome.kind]
+
+
+SWITCH_HELP = "request a link switch (SwitchNicTrack) and wait for ClusterD's result"
+WATCH_HELP = "wait for the result of a job's link switch (SubscribeSwitchNicSignal)"
+
+_EXIT_LINES = {
+    ExitCode.OK: '0    the switch finished ("switch nic finish")',
+    ExitCode.SWITCH_FAILED: "1    the switch failed (ClusterD's message is printed; the job goes to recovery)",
+    ExitCode.USAGE: "2    usage error",
+    ExitCode.BUSY: "3    busy (411): another switch or a fault recovery is running for the job",
+    ExitCode.INVALID: "4    invalid request (413): ClusterD's reason is printed",
+    ExitCode.REJECTED: "5    ClusterD answered another non-zero code",
+    ExitCode.RPC_ERROR: "6    ClusterD unreachable, or another gRPC error",
+    ExitCode.TIMED_OUT: "7    timed out waiting for the result",
+    ExitCode.NO_RESULT: "8    no result: the stream ended without a message, or the job is not switching",
+    ExitCode.INTERRUPTED: "130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD",
+}
+
+_SERVER_HELP = (
+    "ClusterD address host:port (default: $NICSWITCH_SERVER, else 127.0.0.1:8899 if "
+    "LOCAL_PROXY_ENABLE=on, else $MINDX_SERVER_IP:8899)"
+)
+_JOB_HELP = "job id, ClusterD's job key (default: $NICSWITCH_JOB_ID, else $MINDX_TASK_ID)"
+
+SWITCH_EPILOG = (
+    "example:\n"
+    "  nicswitch-agent switch --job J --node node-1 --dev 0,1 --op standby \\\n"
+    "                         --node node-2 --dev 3 --op primary\n\n"
+    "ops: standby|backup|true = standby NIC, primary|false = primary NIC; one op applies to all\n"
+    "devices of its --node, or give one per device.\n\n"
+    "exit codes:\n  " + "\n  ".join(_EXIT_LINES.values()) + "\n  with --no-wait, 0 means accepted."
+)
+WATCH_EPILOG = (
+    "watch may be started before the switch: it retries until ClusterD reports one in progress.\n"
+    "ClusterD gives the result to one follower only: do not watch a job whose `switch` is waiting.\n\n"
+    "exit codes:\n  "
+    + "\n  ".join(
+        line for code, line in _EXIT_LINES.items() if code not in (ExitCode.BUSY, ExitCode.INVALID, ExitCode.REJECTED)
+    )
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Arguments
+# --------------------------------------------------------------------------------------------
+
+
+class _NicFlag(argparse.Action):
+    """Records ``--node/--dev/--op`` in command-line order, so each group is exactly the flags
+    that follow its ``--node`` (argparse's ``append`` would lose that pairing)."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        flags = list(getattr(namespace, self.dest, None) or [])
+        flags.append((self.option_strings[0], str(values)))
+        setattr(namespace, self.dest, flags)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def _adopt_help(parser: argparse.ArgumentParser, epilog: str) -> None:
+    """Add our epilog unless the caller set one; keep its line breaks."""
+    if parser.epilog is None:
+        parser.epilog = epilog
+        if parser.formatter_class is argparse.HelpFormatter:
+            parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", metavar="HOST:PORT", help=_SERVER_HELP)
+    parser.add_argument("--job", metavar="JOB_ID", help=_JOB_HELP)
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=DEFAULT_FOLLOW_TIMEOUT_S,
+        metavar="S",
+        help="how long to wait for the result, seconds (default: %(default)g, "
+        "a minute past ClusterD's own 15-min waits)",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``nicswitch-agent switch``."""
+    _add_common(parser)
+    group = parser.add_argument_group("devices (repeat --node/--dev/--op for more nodes)")
+    group.add_argument("--node", dest="nic_flags", action=_NicFlag, metavar="NODE", help="k8s node name of the devices")
+    group.add_argument(
+        "--dev", dest="nic_flags", action=_NicFlag, metavar="IDS", help="device ids on the node, e.g. 0,1"
+    )
+    group.add_argument(
+        "--op",
+        dest="nic_flags",
+        action=_NicFlag,
+        metavar="OPS",
+        help="standby|primary (aliases backup|true, false), one or one per device",
+    )
+    parser.add_argument(
+        "--rpc-timeout",
+        type=_positive_float,
+        default=DEFAULT_RPC_TIMEOUT_S,
+        metavar="S",
+        help="deadline of the SwitchNicTrack call, seconds (default: %(default)g)",
+    )
+    parser.add_argument("--no-wait", action="store_true", help="exit once ClusterD accepts the request (exit code 0)")
+    _adopt_help(parser, SWITCH_EPILOG)
+
+
+def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``nicswitch-agent watch``."""
+    _add_common(parser)
+    _adopt_help(parser, WATCH_EPILOG)
+
+
+def nic_groups_from_flags(flags: Sequence[tuple[str, str]]) -> list[tuple[str, str, str]]:
+    """Split the ordered ``--node/--dev/--op`` flags into ``(node, devs, ops)`` groups.
+
+    Raises:
+        ValueError: a ``--dev``/``--op`` before any ``--node``, given twice, or missing.
+    """
+    groups: list[dict[str, str]] = []
+    for flag, value in flags:
+        if flag == "--node":
+            groups.append({"--node": value})
+            continue
+        if not groups:
+            raise ValueError(f"{flag} {value!r} comes before any --node")
+        current = groups[-1]
+        if flag in current:
+            raise ValueError(
+                f"{flag}: given twice for --node {current['--node']!r} ({current[flag]!r}, {value!r}); "
+                "each --node takes one --dev and one --op"
+            )
+        current[flag] = value
+    if not groups:
+        raise ValueError("--node: at least one --node/--dev/--op group is required")
+    for group in groups:
+        for flag in ("--dev", "--op"):
+            if flag not in group:
+                raise ValueError(f"--node {group['--node']!r} has no {flag} (give it after that --node)")
+    return [(g["--node"], g["--dev"], g["--op"]) for g in groups]
+
+
+def normalize_server(text: str) -> str:
+    """``host:port`` as given; a bare host or IP gets ``:8899``; a bare IPv6 is bracketed.
+
+    Raises:
+        ValueError: naming ``--server`` and the value.
+    """
+    value = text.strip()
+    if not value:
+        raise ValueError("--server: empty value")
+    try:
+        addr = ipaddress.ip_address(value.strip("[]"))
+    except ValueError:
+        addr = None
+    if addr is not None and addr.version == 6 and not value.startswith("["):
+        return f"[{addr}]:{CLUSTERD_PORT}"
+    host, sep, port = value.rpartition(":")
+    if not sep or (value.startswith("[") and value.endswith("]")):
+        return f"{value}:{CLUSTERD_PORT}"
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--server: {text!r} must look like host:port (IPv6 as [addr]:port)")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"--server: {text!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
+    return value
+
+
+def resolve_server(given: str | None, env: Mapping[str, str]) -> str:
+    """``--server``, else the agent's discovery: NICSWITCH_SERVER, the local mTLS proxy when
+    LOCAL_PROXY_ENABLE=on (it wins over MINDX_SERVER_IP, as in taskd's GetClusterdAddr), else
+    MINDX_SERVER_IP:8899.
+
+    Raises:
+        ValueError: nothing set, or a malformed value (named).
+    """
+    if given is not None:
+        return normalize_server(given)
+    explicit = env.get("NICSWITCH_SERVER", "").strip()
+    if explicit:
+        return normalize_server(explicit)
+    if env.get("LOCAL_PROXY_ENABLE", "").strip().lower() == "on":
+        return f"127.0.0.1:{CLUSTERD_PORT}"
+    ip = env.get("MINDX_SERVER_IP", "").strip()
+    if ip:
+        try:
+            addr = ipaddress.ip_address(ip)
+        except ValueError:
+            raise ValueError(f"--server: MINDX_SERVER_IP={ip!r} is not an IP address") from None
+        host = f"[{addr}]" if addr.version == 6 else str(addr)
+        return f"{host}:{CLUSTERD_PORT}"
+    raise ValueError("--server: not given, and none of NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE=on")
+
+
+def resolve_job(given: str | None, env: Mapping[str, str]) -> str:
+    """``--job``, else NICSWITCH_JOB_ID, else MINDX_TASK_ID.
+
+    Raises:
+        ValueError: none set.
+    """
+    for value in (given, env.get("NICSWITCH_JOB_ID"), env.get("MINDX_TASK_ID")):
+        if value is not None and value.strip():
+            return value.strip()
+    if given is not None:
+        raise ValueError("--job: empty value")
+    raise ValueError("--job: not given, and neither NICSWITCH_JOB_ID nor MINDX_TASK_ID is set")
+
+
+# --------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------
+
+
+def format_seconds(seconds: float) -> str:
+    """``12 ms``, ``1.7 s``, ``2 min 5 s``, ``16 min``: short and unambiguous."""
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+
+
+class _Report:
+    """Prints human lines as they happen, or collects one JSON object printed at the end."""
+
+    def __init__(self, command: str, as_json: bool) -> None:
+        self.as_json = as_json
+        self.data: dict[str, Any] = {"command": command}
+
+    def say(self, text: str, *, error: bool = False) -> None:
+        if not self.as_json:
+            print(text, file=sys.stderr if error else sys.stdout, flush=True)
+
+    def done(self, code: ExitCode, **fields: Any) -> int:
+        self.data.update(fields)
+        self.data["exit_code"] = int(code)
+        self.data["result"] = code.name.lower()
+        if self.as_json:
+            print(json.dumps(self.data), flush=True)
+        return int(code)
+
+    def usage(self, prog: str, message: str) -> int:
+        print(f"nicswitch-agent {prog}: error: {message}", file=sys.stderr, flush=True)
+        return self.done(ExitCode.USAGE, error=message)
+
+
+def _request_json(nic_ops: NicOps) -> dict[str, Any]:
+    return {node: {"dev": list(devs), "op": [op_name(op) for op in ops]} for node, (devs, ops) in nic_ops.items()}
+
+
+def _outcome_json(outcome: Outcome) -> dict[str, Any]:
+    return {
+        "outcome": outcome.kind.value,
+        "message": outcome.message,
+        "detail": outcome.detail or None,
+        "elapsed_s": round(outcome.elapsed_s, 3),
+        "attempts": outcome.attempts,
+    }
+
+
+def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: float, *, hint: bool) -> None:
+    took = format_seconds(elapsed_s)
+    kind = outcome.kind
+    if kind is OutcomeKind.FINISHED:
+        report.say(f"switch finished after {took}: {outcome.message}")
+    elif kind is OutcomeKind.FAILED:
+        report.say(f"switch FAILED after {took}: {outcome.message}")
+        report.say("ClusterD now recovers or restarts the job (often with a checkpoint); check it before retrying.")
+    elif kind is OutcomeKind.TIMED_OUT:
+        report.say(f"timed out after {took}: {outcome.detail}", error=True)
+        if hint:
+            report.say(f"the switch may still be running: nicswitch-agent watch --job {job_id}", error=True)
+    elif kind is OutcomeKind.RPC_ERROR:
+        report.say(f"gRPC error after {took}: {outcome.detail}", error=True)
+    elif kind is OutcomeKind.CANCELLED:
+        report.say(f"stopped waiting after {took}", error=True)
+    elif kind is OutcomeKind.NOT_REGISTERED:
+        report.say(f"no result: ClusterD does not know job {job_id} ({outcome.detail})", error=True)
+    elif kind is OutcomeKind.NOT_SWITCHING:
+        report.say(f"no result: ClusterD is not switching job {job_id} ({outcome.detail})", error=True)
+    else:
+        report.say(f"no result after {took}: {outcome.detail}; check the job", error=True)
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
+    """``nicswitch-agent switch``: request, follow, report; returns the exit code."""
+    env = os.environ if env is None else env
+    report = _Report("switch", args.json)
+    try:
+        server = resolve_server(args.server, env)
+        job_id = resolve_job(args.job, env)
+        nic_ops = parse_nic_groups(nic_groups_from_flags(args.nic_flags or []))
+    except ValueError as exc:
+        return report.usage("switch", str(exc))
+    report.data.update(server=server, job=job_id, request=_request_json(nic_ops))
+    report.say(f"switch job {job_id} on {server}: {describe_nic_ops(nic_ops)}")
+
+    with OmClient(server, rpc_timeout_s=args.rpc_timeout) as client:
+        try:
+            accepted = client.switch(job_id, nic_ops)
+        except ValueError as exc:  # what parsing let through but the request check refuses
+            return report.usage("switch", str(exc))
+        except SwitchRejected as exc:
+            code, label = _rejection(exc)
+            report.say(f"rejected ({exc.code}, {label}): {exc.info}", error=True)
+            if code is ExitCode.BUSY:
+                report.say("another switch or a fault recovery is running for this job; retry later", error=True)
+            return report.done(code, accepted=False, status={"code": exc.code, "info": exc.info})
+        except OmRpcError as exc:
+            if exc.maybe_delivered:
+                report.say(
+                    f"no answer from ClusterD at {server} within {args.rpc_timeout:g} s; the switch may have "
+                    f"been accepted: nicswitch-agent watch --job {job_id}",
+                    error=True,
+                )
+            else:
+                report.say(f"cannot reach ClusterD at {server}: {exc.code}: {exc.details}", error=True)
+            return report.done(ExitCode.RPC_ERROR, accepted=None, rpc_code=exc.code, detail=exc.details)
+        except KeyboardInterrupt:
+            report.say("interrupted before ClusterD answered; the switch may have been accepted", error=True)
+            return report.done(ExitCode.INTERRUPTED, accepted=None)
+
+        report.data.update(accepted=True, status={"code": 0, "info": accepted.info})
+        report.say(f"accepted ({format_seconds(accepted.rpc_s)}): {accepted.info}")
+        if args.no_wait:
+            report.say(f"not waiting for the result; follow it with: nicswitch-agent watch --job {job_id}")
+            return report.done(ExitCode.OK, elapsed_s=round(accepted.rpc_s, 3))
+        report.say(f"waiting for the result (up to {format_seconds(args.timeout)})...")
+        try:
+            outcome = client.follow(job_id, args.timeout, server_seen=True)
+        except KeyboardInterrupt:
+            report.say("interrupted; the switch goes on inside ClusterD", error=True)
+            return report.done(ExitCode.INTERRUPTED)
+    elapsed = accepted.rpc_s + outcome.elapsed_s
+    _say_outcome(report, outcome, job_id, elapsed, hint=True)
+    return report.done(exit_code_for(outcome), **{**_outcome_json(outcome), "elapsed_s": round(elapsed, 3)})
+
+
+def _rejection(exc: SwitchRejected) -> tuple[ExitCode, str]:
+    if isinstance(exc, SwitchBusy):
+        return ExitCode.BUSY, "busy"
+    if isinstance(exc, SwitchInvalid):
+        return ExitCode.INVALID, "invalid request"
+    return ExitCode.REJECTED, "refused"
+
+
+def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
+    """``nicswitch-agent watch``: wait (retrying until a switch starts) and report its result."""
+    env = os.environ if env is None else env
+    report = _Report("watch", args.json)
+    try:
+        server = resolve_server(args.server, env)
+        job_id = resolve_job(args.job, env)
+    except ValueError as exc:
+        return report.usage("watch", str(exc))
+    report.data.update(server=server, job=job_id)
+    report.say(f"watching job {job_id} on {server} (up to {format_seconds(args.timeout)})...")
+    with OmClient(server) as client:
+        try:
+            outcome = client.follow(job_id, args.timeout, wait_for_start=True)
+        except KeyboardInterrupt:
+            report.say("interrupted", error=True)
+            return report.done(ExitCode.INTERRUPTED)
+    _say_outcome(report, outcome, job_id, outcome.elapsed_s, hint=False)
+    return report.done(exit_code_for(outcome), **_outcome_json(outcome))
+
+
+__all__ = [
+    "SWITCH_EPILOG",
+    "SWITCH_HELP",
+    "WATCH_EPILOG",
+    "WATCH_HELP",
+    "ExitCode",
+    "add_switch_arguments",
+    "add_watch_arguments",
+    "exit_code_for",
+    "format_seconds",
+    "nic_groups_from_flags",
+    "normalize_server",
+    "resolve_job",
+    "resolve_server",
+    "run_switch",
+    "run_watch",
+]
