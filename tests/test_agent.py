@@ -12,6 +12,7 @@ from scripted import Answer, End, Fail, Hold, ScriptedClusterD, Send, WaitFor, r
 
 from nicswitch_agent import AgentStateError, SwitchAgent, SwitchOrder
 from nicswitch_agent import events as ev
+from nicswitch_agent.coordination import InProcessStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -107,7 +108,7 @@ def test_happy_path_switches_full_list_in_received_order_and_replies_true_once(
     assert status["counters"]["replies_delivered"] == 1
     assert status["counters"]["switches_ok"] == 1
     assert status["last_switch"]["result"] is True
-    assert kinds(agent)[:4] == [ev.AGENT_STARTED, ev.LIST_RECEIVED, ev.SWITCH_DONE, ev.REPLY_SENT]
+    assert kinds(agent)[:5] == [ev.AGENT_STARTED, ev.LIST_RECEIVED, ev.MEMBER_RESULT, ev.SWITCH_DONE, ev.REPLY_SENT]
     assert len(clusterd.replies) == 1
 
 
@@ -175,7 +176,8 @@ def test_invalid_list_runs_no_hook_and_replies_false(
 ) -> None:
     clusterd.script(Send(rank_list(ranks, ops)), End())
     guard, hook = Recorder(), Recorder()
-    agent = make_agent(switch_hook=hook, checkpoint_hook=guard, world_size=8, max_ranks=4)
+    # world_size=8 with one process: the other 7 ranks never answer, but invalid lists never get that far.
+    agent = make_agent(switch_hook=hook, checkpoint_hook=guard, world_size=8, max_ranks=4, store=InProcessStore())
     assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
     assert hook.orders == [] and guard.orders == []
     assert needle in caplog.text
@@ -232,7 +234,7 @@ def test_failing_hooks_reply_false(
     hook = Recorder(switch_result)
     agent = make_agent(switch_hook=hook, checkpoint_hook=guard)
     assert [r.result for r in replies_of(clusterd, agent, 1)] == [False]
-    assert agent.status()["last_switch"]["reason"] == needle
+    assert agent.status()["last_switch"]["reason"] == f"rank 0: {needle}"
     if guard is not None:
         assert hook.orders == []
 
@@ -273,7 +275,7 @@ def test_hung_switch_hook_times_out_refuses_overlap_and_never_replies_twice(
     assert "still running past its timeout" in agent.status()["last_switch"]["reason"]
     release.set()
     assert finished.wait(10)
-    agent._runner._straggler.join(5)  # type: ignore[union-attr]
+    agent._member._runner._straggler.join(5)  # type: ignore[union-attr]
     third.set()
     assert [r.result for r in replies_of(clusterd, agent, 3)] == [False, False, True]
     assert calls == [1, 3]

@@ -300,12 +300,13 @@ def test_registration_refused_is_reported_not_retried(harness: Any, caplog: Any)
 
 def test_unknown_signal_is_logged_and_changes_nothing() -> None:
     from nicswitch_agent.controller import AgentModeController, HookSettings
-    from nicswitch_agent.pause import ParkingLot
+    from nicswitch_agent.coordination import KV, Coordinator, InProcessStore
 
-    lot = ParkingLot()
-    controller = AgentModeController(lot, HookSettings(None, None, 1, 1, 1, False), on_stop=lambda r: None)
+    store = InProcessStore()
+    coordinator = Coordinator(KV(store, "t"), 1)
+    controller = AgentModeController(coordinator, HookSettings(False, 1, 1, 1, False), on_stop=lambda r: None)
     controller._client = object()  # type: ignore[assignment]  # any report call would raise
     controller._handle(pb.ProcessManageSignal(uuid="u", jobId=JOB, signalType="somethingNew", actions=["x"]))
-    assert not lot.pending and not lot.parked
+    assert not coordinator.paused and store.keys() == []  # nothing was published
     assert "somethingNew" in controller.last_signal
 

@@ -36,7 +36,8 @@ def test_float_fields_are_the_expected_ones() -> None:
     # Guards the parametrisations below: a new *_s field must be covered by them.
     assert sorted(FLOAT_FIELDS) == sorted([
         "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s",
-        "resubscribe_after_eof_s", "pause_timeout_s", "guard_timeout_s", "switch_timeout_s", "reply_timeout_s",
+        "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
+        "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
     ])
 

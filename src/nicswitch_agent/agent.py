@@ -24,10 +24,12 @@ attribute writes and one comparison.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -41,13 +43,14 @@ from nicswitch_agent import events as ev
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.controller import AgentModeController, HookSettings
-from nicswitch_agent.errors import AgentStateError, InvalidOrder
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks, key_prefix
+from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.events import AgentEvent, EventListener, EventLog
-from nicswitch_agent.execute import Execution, HookRunner, execute_order
+from nicswitch_agent.execute import Execution
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
-from nicswitch_agent.orders import SwitchOrder, build_order
+from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 from nicswitch_agent.pause import ParkingLot
 from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
 from nicswitch_agent.reply import Replier, ReplyOutcome, ReplyPolicy, ReplyReport
@@ -107,6 +110,9 @@ class SwitchAgent:
         on_stop: pause mode agent: called with a reason when ClusterD's recovery decides that
             training must stop (dump, exit, killMaster); ``step()`` then raises TrainingStopped.
         on_event: optional listener called with every :class:`AgentEvent`.
+        store: the key-value Store ranks coordinate through (a ``torch.distributed`` Store);
+            default: the job's default store when torch.distributed is initialised with more
+            than one rank, an in-process store for a single rank.
         config: a ready :class:`AgentConfig` (then the other settings must not be given).
         **settings: any :class:`AgentConfig` field, e.g. ``switch_timeout_s=60``.
 
@@ -124,6 +130,7 @@ class SwitchAgent:
         *,
         on_stop: Callable[[str], None] | None = None,
         on_event: EventListener | None = None,
+        store: Any | None = None,
         config: AgentConfig | None = None,
         **settings: Any,
     ) -> None:
@@ -138,6 +145,7 @@ class SwitchAgent:
             switch_hook = DryRunSwitcher() if config.dry_run else TorchNpuSwitcher()
         self._switch_hook = switch_hook
         self._checkpoint_hook = checkpoint_hook
+        self._store = store
         self._events = EventLog()
         if on_event is not None:
             self._events.add_listener(on_event)
@@ -148,7 +156,6 @@ class SwitchAgent:
         self._current: _Owed | None = None
         self._seq = itertools.count(1)
         self._queue: queue.Queue[_Owed | None] = queue.Queue()
-        self._runner = HookRunner()
         self._channel: grpc.Channel | None = None
         self._stub: RecoverStub | None = None
         self._replier: Replier | None = None
@@ -161,6 +168,10 @@ class SwitchAgent:
         self._parking = ParkingLot(on_event=lambda kind, detail: self._emit(kind, detail=detail))
         self._controller: AgentModeController | None = None
         self._process_manage: ProcessManageClient | None = None
+        self._coordinator: Coordinator | None = None
+        self._member: Member | None = None
+        self.rank = 0
+        self.world_size = 1
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -185,6 +196,27 @@ class SwitchAgent:
                 self._state = CREATED
             raise
         cfg = self.config
+        self.rank, self.world_size = self._topology()
+        kv = self._coordination_kv()
+        rank_map = RankMap.from_env(rank=self.rank)
+        self._member = Member(
+            kv.clone(), self.rank, self._parking,
+            MemberHooks(switch_hook=self._switch_hook, checkpoint_hook=self._checkpoint_hook,
+                        guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
+                        dry_run=cfg.dry_run, local_ranks=rank_map.local_ranks),
+            lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
+            on_event=lambda kind, detail: self._emit(kind, detail=detail),
+        )
+        self._member.start()
+        if self.rank != 0:  # a member only: the leader (rank 0) holds ClusterD's streams
+            with self._lock:
+                self._state = RUNNING
+            _register_exit_hooks(self)
+            logger.info("nicswitch-agent started as member: rank %d of %d, job=%s", self.rank, self.world_size,
+                        cfg.job_id)
+            self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
+            return self
+        self._coordinator = Coordinator(kv.clone(), self.world_size)
         self._channel = open_channel(ChannelSettings(
             target=cfg.server,
             keepalive_time_s=cfg.keepalive_time_s,
@@ -202,8 +234,8 @@ class SwitchAgent:
         gate = None
         if self.pause_mode == "agent":
             self._controller = AgentModeController(
-                self._parking,
-                HookSettings(switch_hook=self._switch_hook, checkpoint_hook=self._checkpoint_hook,
+                self._coordinator,
+                HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
                              guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
                              pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run),
                 on_stop=self._training_must_stop,
@@ -239,9 +271,11 @@ class SwitchAgent:
             if self._state == "starting":  # a fatal error may already have marked it failed
                 self._state = RUNNING
         _register_exit_hooks(self)
-        logger.info("nicswitch-agent started: job=%s server=%s pause=%s (%s)%s", cfg.job_id, cfg.server,
-                    self.pause_mode, self._pause_reason, " (dry run)" if cfg.dry_run else "")
-        self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run})
+        logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s",
+                    self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
+                    " (dry run)" if cfg.dry_run else "")
+        self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run,
+                                             "rank": self.rank, "role": "leader", "world_size": self.world_size})
         return self
 
     def step(self, step: int | None = None) -> None:
@@ -276,8 +310,16 @@ class SwitchAgent:
             if self._controller is not None:
                 self._controller.stop(self.config.stop_timeout_s)
             self._settle_owed_replies(reason)
+            if self._coordinator is not None and self._coordinator.paused:
+                try:
+                    self._coordinator.release()  # never leave any rank parked behind a stopped leader
+                except Exception:
+                    logger.warning("could not release the members", exc_info=True)
+            if self._member is not None:
+                self._member.stop()
             self._parking.release()  # never leave training parked behind a stopped agent
-            self._queue.put(None)
+            if self._executor is not None:
+                self._queue.put(None)
             executor = self._executor
             if executor is not None and executor is not threading.current_thread():
                 executor.join(self.config.stop_timeout_s)
@@ -395,6 +437,37 @@ class SwitchAgent:
         if self._on_stop is not None:
             self._on_stop(reason)
 
+    def _topology(self) -> tuple[int, int]:
+        """(rank, world size): configured, else torch.distributed's, else a single rank."""
+        cfg = self.config
+        rank, world = cfg.rank, cfg.world_size
+        dist = sys.modules.get("torch.distributed")
+        if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
+            rank = dist.get_rank() if rank is None else rank
+            world = dist.get_world_size() if world is None else world
+        world = world or 1
+        rank = rank or 0
+        if rank >= world:
+            raise ConfigError(f"rank={rank} is outside world_size={world}")
+        return rank, world
+
+    def _coordination_kv(self) -> KV:
+        prefix = key_prefix(self.config.job_id)
+        if self._store is not None:
+            return KV(self._store, prefix)
+        if self.world_size == 1:
+            return KV(InProcessStore(), prefix)
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_initialized():
+            raise ConfigError(
+                f"world_size={self.world_size} needs a Store to coordinate ranks: call "
+                "torch.distributed.init_process_group() before start(), or pass store=..."
+            )
+        from torch.distributed import distributed_c10d
+
+        store: Any = distributed_c10d._get_default_store()  # clone() exists on every Store since torch 2.4
+        return KV(store, prefix)
+
     def _on_health(self, healthy: bool, why: str) -> None:
         self._emit(ev.STREAM_RESTORED if healthy else ev.STREAM_LOST, detail={"why": why})
 
@@ -422,14 +495,15 @@ class SwitchAgent:
             self._current = owed
         try:
             cfg = self.config
+            started = time.monotonic()
             if self._controller is not None:
                 execution = self._controller.execute(order)
-            else:
-                execution = execute_order(
-                    order, runner=self._runner, switch_hook=self._switch_hook,
-                    checkpoint_hook=self._checkpoint_hook, guard_timeout_s=cfg.guard_timeout_s,
-                    switch_timeout_s=cfg.switch_timeout_s, dry_run=cfg.dry_run,
-                )
+            else:  # pause mode external: members run it on their background threads
+                assert self._coordinator is not None
+                outcome = self._coordinator.run(order, kind=KIND_SWITCH,
+                                                budget_s=cfg.guard_timeout_s + cfg.switch_timeout_s)
+                execution = Execution(outcome.ok, "switched on every rank" if outcome.ok else outcome.reason)
+            execution = dataclasses.replace(execution, duration_s=time.monotonic() - started)
             self._record_execution(order, execution)
             self._reply(owed, execution.ok, execution.reason, execution)
         finally:
@@ -439,13 +513,9 @@ class SwitchAgent:
                     self._state = RUNNING
 
     def _record_execution(self, order: SwitchOrder, execution: Execution) -> None:
-        if execution.guard is not None:
-            self._emit(ev.GUARD_DONE, order.seq, {"status": execution.guard.status.value,
-                                                  "duration_s": execution.guard.duration_s,
-                                                  "detail": execution.guard.detail})
         self._emit(ev.SWITCH_DONE, order.seq, {
-            "ok": execution.ok, "reason": execution.reason,
-            "duration_s": execution.switch.duration_s if execution.switch else 0.0,
+            "ok": execution.ok, "reason": execution.reason, "ranks": self.world_size,
+            "duration_s": execution.duration_s,
         })
         with self._lock:
             if execution.ok:

@@ -89,7 +89,13 @@ class AgentConfig:
     """How long stop() waits for each agent thread."""
 
     world_size: int | None = None
-    """Ranks in the job when known (env WORLD_SIZE); lists naming a rank outside it are refused."""
+    """Ranks in the job (env WORLD_SIZE; else torch.distributed's, else 1). Lists naming a rank
+    outside it are refused; above 1, every rank coordinates through the torch Store."""
+    rank: int | None = None
+    """This process's global rank (env RANK; else torch.distributed's, else 0). Rank 0 leads: it
+    alone holds ClusterD's streams (ClusterD has one queue per job, read by competing subscribers)."""
+    max_parked_s: float = 1800.0
+    """A member parked this long without a word from the leader lets training go on."""
     max_ranks: int = 1 << 18
     """Largest rank list accepted (entries); a larger one is answered false, never run. The
     default (262,144) keeps the largest accepted list well inside max_message_bytes."""
@@ -125,6 +131,8 @@ class AgentConfig:
             values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
         if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
             values["world_size"] = _parse("world_size", "int | None", env["WORLD_SIZE"].strip(), "WORLD_SIZE")
+        if "rank" not in values and env.get("RANK", "").strip():
+            values["rank"] = _parse("rank", "int | None", env["RANK"].strip(), "RANK")
         return cls(**values)
 
     def replace(self, **changes: Any) -> AgentConfig:
@@ -169,7 +177,8 @@ class AgentConfig:
             )
         if self.keepalive_timeout_s <= 0:
             raise ConfigError(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive")
-        positive = ("pause_timeout_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s", "switch_timeout_s",
+        positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
+                    "switch_timeout_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -199,6 +208,11 @@ class AgentConfig:
             isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1
         ):
             raise ConfigError(f"world_size={self.world_size!r} must be a positive integer")
+        bad_rank = isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
+        if self.rank is not None and bad_rank:
+            raise ConfigError(f"rank={self.rank!r} must be a non-negative integer")
+        if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
+            raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size!r}")
         for name in ("max_ranks", "max_message_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

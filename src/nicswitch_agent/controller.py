@@ -34,14 +34,12 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.execute import Execution, InlineRunner, execute_order
+from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator
+from nicswitch_agent.execute import Execution
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import ParkingLot
 from nicswitch_agent.process_manage import (
     ACTION_PAUSE,
     ACTION_STOP,
@@ -65,8 +63,9 @@ logger = logging.getLogger("nicswitch_agent.controller")
 
 @dataclass(frozen=True)
 class HookSettings:
-    switch_hook: Callable[[SwitchOrder], Any] | None
-    checkpoint_hook: Callable[[SwitchOrder], Any] | None
+    """What the controller needs to know about the hooks (members run them)."""
+
+    has_checkpoint_hook: bool
     guard_timeout_s: float
     switch_timeout_s: float
     pause_timeout_s: float
@@ -93,16 +92,10 @@ class LinkState:
 
 
 class AgentModeController:
-    """Turns process-manage signals into parking, hooks and reports."""
+    """Turns process-manage signals into pauses, orders on every rank, and reports."""
 
-    def __init__(
-        self,
-        parking: ParkingLot,
-        hooks: HookSettings,
-        *,
-        on_stop: Callable[[str], None],
-    ) -> None:
-        self.parking = parking
+    def __init__(self, coordinator: Coordinator, hooks: HookSettings, *, on_stop: Callable[[str], None]) -> None:
+        self.coordinator = coordinator
         self.hooks = hooks
         self.links = LinkState()
         self._on_stop = on_stop
@@ -110,10 +103,9 @@ class AgentModeController:
         self._signals: queue.Queue[pb.ProcessManageSignal | str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the fields below
-        self._uuid = ""
         self._failed_order: SwitchOrder | None = None
         self._failed_switch_attempted = False
-        self._checkpoint_epoch: int | None = None  # pause epoch for which a checkpoint exists
+        self._checkpoint_ok = False  # every rank has a checkpoint of the currently parked step
         self._rollback_ok = False
         self._stopped_reason: str | None = None
         self.last_signal = ""
@@ -141,35 +133,19 @@ class AgentModeController:
     # -- orders (from the agent's executor thread) --------------------------------------------
 
     def execute(self, order: SwitchOrder) -> Execution:
-        """Run guard and switch on the parked training thread; bounded by their timeouts."""
-        hooks = self.hooks
-        if not self.parking.parked:
+        """Run guard and switch on every parked rank; bounded by the hook budgets."""
+        if not self.coordinator.paused:
             return Execution(False, "training is not parked: refusing to switch links under a running step")
-        future = self.parking.run_parked(lambda: execute_order(
-            order, runner=InlineRunner(), switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
-            guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s, dry_run=hooks.dry_run,
-        ))
-        budget = hooks.guard_timeout_s + hooks.switch_timeout_s
-        try:
-            execution: Execution = future.result(timeout=budget)
-        except FutureTimeout:
-            execution = Execution(False, f"hooks did not finish within {budget:g} s on the training thread")
-            attempted = True
-        except Exception as exc:
-            execution = Execution(False, f"could not run on the training thread: {exc}")
-            attempted = False
-        else:
-            attempted = execution.switch is not None
-            if execution.guard is not None and execution.guard.ok:
-                with self._lock:
-                    self._checkpoint_epoch = self.parking.request_epoch
+        hooks = self.hooks
+        outcome = self.coordinator.run(order, kind=KIND_SWITCH, budget_s=hooks.guard_timeout_s + hooks.switch_timeout_s)
         with self._lock:
-            if execution.ok:
+            self._checkpoint_ok = self._checkpoint_ok or outcome.guard_ok
+            if outcome.ok:
                 self.links.apply(order)
                 self._failed_order = None
             else:
-                self._failed_order, self._failed_switch_attempted = order, attempted
-        return execution
+                self._failed_order, self._failed_switch_attempted = order, outcome.attempted
+        return Execution(outcome.ok, "switched on every rank" if outcome.ok else outcome.reason)
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -189,7 +165,6 @@ class AgentModeController:
     def _handle(self, signal: pb.ProcessManageSignal) -> None:
         client = self._client
         assert client is not None
-        self._uuid = signal.uuid
         self.last_signal = describe_signal(signal)
         kind, actions = signal.signalType, list(signal.actions)
         logger.info("ClusterD signal: %s", self.last_signal)
@@ -208,15 +183,15 @@ class AgentModeController:
             logger.warning("unknown process-manage signal, ignored: %s", self.last_signal)
 
     def _pause(self, client: ProcessManageClient) -> None:
-        epoch = self.parking.request()
         with self._lock:
-            self._failed_order, self._rollback_ok = None, False
-        if self.parking.wait_parked(epoch, self.hooks.pause_timeout_s):
+            self._failed_order, self._rollback_ok, self._checkpoint_ok = None, False, False
+        outcome = self.coordinator.pause(self.hooks.pause_timeout_s)
+        if outcome.ok:
             client.report_stop_complete(CODE_OK)
             return
-        logger.error("training did not reach a step boundary within pause_timeout_s=%g s; reporting pause "
-                     "failure (499) and letting training go on", self.hooks.pause_timeout_s)
-        client.report_stop_complete(CODE_CLIENT_ERROR, "training did not reach a step boundary in time")
+        logger.error("pause failed within pause_timeout_s=%g s (%s); reporting 499 and letting training go on",
+                     self.hooks.pause_timeout_s, outcome.reason)
+        client.report_stop_complete(CODE_CLIENT_ERROR, outcome.reason[:256])
 
     def _strategies_we_can_honour(self) -> list[str]:
         strategies: list[str] = []
@@ -229,67 +204,51 @@ class AgentModeController:
         return strategies
 
     def _rollback(self) -> bool:
-        """Put the failed order's ranks back on their previous links, on the parked thread."""
+        """Put the failed order's ranks back on their previous links, on every parked rank."""
         with self._lock:
             failed, attempted = self._failed_order, self._failed_switch_attempted
-        if not self.parking.parked:
-            return False
-        if failed is None or not attempted:
+        if not self.coordinator.paused:
+            ok = False
+        elif failed is None or not attempted:
             ok = True  # no link was touched
-        elif self.hooks.dry_run or self.hooks.switch_hook is None:
-            ok = self.hooks.dry_run
         else:
             back = self.links.rollback_of(failed)
-            hook = self.hooks.switch_hook
-            future = self.parking.run_parked(lambda: InlineRunner().run(
-                "rollback", hook, back, self.hooks.switch_timeout_s, expect_bool=True
-            ))
-            try:
-                ok = future.result(timeout=self.hooks.switch_timeout_s).ok
-            except Exception as exc:
-                logger.error("rollback of order #%d did not finish: %s", failed.seq, exc)
-                ok = False
-            logger.log(logging.INFO if ok else logging.ERROR, "rollback of order #%d %s", failed.seq,
-                       "succeeded" if ok else "failed")
+            outcome = self.coordinator.run(back, kind=KIND_ROLLBACK, budget_s=self.hooks.switch_timeout_s)
+            ok = outcome.ok
+            logger.log(logging.INFO if ok else logging.ERROR, "rollback of order #%d %s%s", failed.seq,
+                       "succeeded" if ok else "failed: ", "" if ok else outcome.reason)
         with self._lock:
             self._rollback_ok = ok
         return ok
 
     def _checkpoint_available(self) -> bool:
         with self._lock:
-            have = self._checkpoint_epoch == self.parking.request_epoch
-        return have or (self.hooks.checkpoint_hook is not None and self.parking.parked)
+            have = self._checkpoint_ok
+        return have or (self.hooks.has_checkpoint_hook and self.coordinator.paused)
 
     def _ensure_checkpoint(self) -> bool:
         with self._lock:
-            if self._checkpoint_epoch == self.parking.request_epoch:
+            if self._checkpoint_ok:
                 return True  # the guard's pre-switch checkpoint of this very step counts
-        hook = self.hooks.checkpoint_hook
-        if hook is None or not self.parking.parked:
+            failed = self._failed_order
+        if not self.hooks.has_checkpoint_hook or not self.coordinator.paused:
             return False
-        failed = self._failed_order or SwitchOrder(seq=0, job_id="", ranks=(), ops=())
-        future = self.parking.run_parked(lambda: InlineRunner().run(
-            "checkpoint", hook, failed, self.hooks.guard_timeout_s, expect_bool=False
-        ))
-        try:
-            ok = bool(future.result(timeout=self.hooks.guard_timeout_s).ok)
-        except Exception:
-            ok = False
-        if ok:
-            with self._lock:
-                self._checkpoint_epoch = self.parking.request_epoch
-        return ok
+        order = failed or SwitchOrder(seq=0, job_id="", ranks=(), ops=())
+        outcome = self.coordinator.run(order, kind=KIND_CHECKPOINT, budget_s=self.hooks.guard_timeout_s)
+        with self._lock:
+            self._checkpoint_ok = outcome.ok
+        return outcome.ok
 
     def _change_strategy(self, client: ProcessManageClient, signal: pb.ProcessManageSignal) -> None:
         strategy = signal.changeStrategy
         if strategy == STRATEGY_CONTINUE:
-            self.parking.release()
+            self.coordinator.release()
             client.report_recover_status(CODE_OK, STRATEGY_CONTINUE)
         elif strategy == STRATEGY_RECOVER:
             with self._lock:
                 rolled_back = self._rollback_ok
             if rolled_back:
-                self.parking.release()
+                self.coordinator.release()
                 client.report_recover_status(CODE_OK, STRATEGY_RECOVER)
             else:  # never offered; do not claim a recovery that did not happen
                 client.report_recover_status(CODE_CLIENT_ERROR, STRATEGY_RECOVER, "rollback did not succeed")
@@ -308,13 +267,12 @@ class AgentModeController:
             logger.warning("unknown strategy, ignored: %s", describe_signal(signal))
 
     def _handle_stream_end(self, reason: str) -> None:
-        if self.parking.parked or self.parking.pending:
-            with self._lock:
-                stopping = self._stopped_reason is not None
-            if not stopping:
-                logger.warning("process-manage stream ended (%s) while training was held; ClusterD has "
-                               "reset the job and will not send continue: resuming training", reason)
-                self.parking.release()
+        with self._lock:
+            stopping = self._stopped_reason is not None
+        if self.coordinator.paused and not stopping:
+            logger.warning("process-manage stream ended (%s) while training was parked; ClusterD has reset the "
+                           "job and will not send continue: resuming training", reason)
+            self.coordinator.release()
 
     def _stop_training(self, reason: str) -> None:
         with self._lock:
@@ -326,7 +284,7 @@ class AgentModeController:
             self._on_stop(reason)
         except Exception:
             logger.exception("on_stop hook raised; ignored")
-        self.parking.release(stop_reason=reason)
+        self.coordinator.release(stop_reason=reason)
 
 
 __all__ = ["AgentModeController", "HookSettings", "LinkState"]

@@ -107,10 +107,14 @@ def _describe_event(event: AgentEvent) -> str | None:
     if event.kind == "list_received":
         return f"rank list #{event.seq} received: {d['ranks']} rank(s), {d['to_standby']} to standby, " \
                f"{d['to_primary']} to primary"
-    if event.kind == "guard_done":
-        return f"checkpoint guard {d['status']} in {d['duration_s'] * 1000:.1f} ms"
+    if event.kind == "member_result":
+        where = "on the parked training thread" if d["parked"] else "on the member thread"
+        what = "guard + switch" if d["kind"] == "switch" else d["kind"]
+        result = "ok" if d["ok"] else "FAILED: " + d["reason"]
+        return f"rank {d['rank']}: {what} {result} in {d['duration_s'] * 1000:.1f} ms {where}"
     if event.kind == "switch_done":
-        return f"switch {'done' if d['ok'] else 'FAILED: ' + d['reason']} in {d['duration_s'] * 1000:.1f} ms"
+        verdict = "switched" if d["ok"] else "FAILED: " + d["reason"]
+        return f"order #{event.seq} {verdict} on all {d['ranks']} rank(s) in {d['duration_s'] * 1000:.1f} ms"
     if event.kind == "reply_sent":
         return f"ReplySwitchNicResult({str(d['result']).lower()}) delivered in {d['duration_s'] * 1000:.1f} ms"
     if event.kind == "reply_failed":
@@ -172,7 +176,7 @@ def run_demo(out: TextIO, *, verbose: bool = False) -> int:
             steps: list[int] = [0]
             progress = _Progress()
             guard = FileCheckpoint(ckpt_dir, lambda: steps[-1])
-            agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent", world_size=world,
+            agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent",
                                 switch_hook=links, checkpoint_hook=guard,
                                 on_event=lambda e: _timeline_event(timeline, e))
             trainer = threading.Thread(target=_train, args=(agent, stop_training, steps, progress),

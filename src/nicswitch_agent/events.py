@@ -34,6 +34,7 @@ PAUSE_REQUESTED = "pause_requested"
 PARKED = "parked"
 RESUMED = "resumed"
 TRAINING_STOP = "training_stop"
+MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / rollback / checkpoint)
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ class Execution:
     reason: str
     guard: HookResult | None = None
     switch: HookResult | None = None
+    duration_s: float = 0.0
 
 
 class HookRunner:

@@ -35,6 +35,7 @@ class SwitchOrder:
         ops: ``ops[i]`` is the target of ``ranks[i]``: True = standby link, False = primary.
         received_at: ``time.monotonic()`` when the list was received.
         received_wall: ``time.time()`` when the list was received (for logs and events).
+        local_ranks: see below.
     """
 
     seq: int
@@ -43,6 +44,9 @@ class SwitchOrder:
     ops: tuple[bool, ...]
     received_at: float = field(default_factory=time.monotonic, compare=False)
     received_wall: float = field(default_factory=time.time, compare=False)
+    local_ranks: tuple[int, ...] | None = field(default=None, compare=False)
+    """On a member: the listed ranks that live on this rank's node (see :class:`RankMap`), for
+    per-device hooks and logs. The switch itself always takes the full list."""
 
     def __post_init__(self) -> None:
         if len(self.ranks) != len(self.ops):
@@ -128,3 +132,38 @@ def build_order(
                 raise InvalidOrder(f"rankID[{i}]={rank} is listed more than once")
             seen.add(rank)
     return SwitchOrder(seq=seq, job_id=job_id, ranks=ranks, ops=tuple(bool(op) for op in ops))
+
+
+@dataclass(frozen=True)
+class RankMap:
+    """Global rank -> node and local rank, for a job with the same number of ranks per node.
+
+    ClusterD's rank ids are rank-table ``rank_id`` = podRank x devicesPerPod + index, which is
+    torchrun's global rank when one pod runs one node's ranks in device order.
+    """
+
+    local_world_size: int
+    node_rank: int
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1 or self.node_rank < 0:
+            raise InvalidOrder(f"bad RankMap: local_world_size={self.local_world_size} node_rank={self.node_rank}")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, rank: int = 0) -> RankMap:
+        import os
+
+        env = dict(os.environ) if env is None else env
+        lws = int(env.get("LOCAL_WORLD_SIZE", "0") or 0) or 1
+        node = env.get("GROUP_RANK") or env.get("NODE_RANK")
+        return cls(lws, int(node) if node else rank // lws)
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_world_size
+
+    def local_rank_of(self, rank: int) -> int:
+        return rank % self.local_world_size
+
+    def local_ranks(self, order: SwitchOrder) -> tuple[int, ...]:
+        """The ranks of ``order`` on this node, in the order's order."""
+        return tuple(r for r in order.ranks if r // self.local_world_size == self.node_rank)

@@ -36,9 +36,13 @@ class TrainingStopped(NicSwitchError):
 class ParkingLot:
     """One training thread's parking spot (single-process coordination)."""
 
-    def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 *, align_timeout_s: float = 60.0) -> None:
         self._on_event = on_event  # ("parked" | "resumed", detail); called on the training thread
+        self._align_timeout_s = align_timeout_s
         self._cond = threading.Condition()  # guards everything below
+        self._aligned = False  # the current request parks at a target step, once it is known
+        self._target: int | None = None
         self.request_epoch = 0  # written by the agent thread only
         self.handled_epoch = 0  # written by the training thread only
         self._cancelled_epoch = 0
@@ -64,12 +68,32 @@ class ParkingLot:
     def parked_step(self) -> int | None:
         return self._parked_step
 
-    def request(self) -> int:
-        """Ask the training thread to park at its next step boundary; returns the epoch."""
+    def request(self, *, aligned: bool = False) -> int:
+        """Ask the training thread to park; returns the epoch.
+
+        Unaligned: at its next step boundary. Aligned (several ranks): at the target step given
+        later by :meth:`set_target`; until then a training thread that reaches a boundary waits
+        for the target (it arrives within milliseconds: the leader computes it as soon as every
+        rank has said which step it completed last).
+        """
         with self._cond:
             self.request_epoch += 1
+            self._aligned, self._target = aligned, None
             self._cond.notify_all()
             return self.request_epoch
+
+    def set_target(self, epoch: int, step: int) -> None:
+        """The step at which the training thread parks for ``epoch`` (aligned requests)."""
+        with self._cond:
+            if epoch == self.request_epoch:
+                self._target = step
+                self._cond.notify_all()
+
+    def cancel(self, epoch: int) -> None:
+        """Withdraw ``epoch``'s request if the training thread has not parked for it yet."""
+        with self._cond:
+            self._cancelled_epoch = max(self._cancelled_epoch, epoch)
+            self._cond.notify_all()
 
     def wait_parked(self, epoch: int, timeout: float) -> bool:
         """Wait until the training thread parked for ``epoch``; on timeout cancel the request.
@@ -119,13 +143,29 @@ class ParkingLot:
     # -- training side -------------------------------------------------------------------------
 
     def at_step_boundary(self, step: int | None) -> None:
-        """Called by the training thread when ``pending``; parks if the request still stands."""
+        """Called by the training thread when ``pending``; parks if the request still stands.
+
+        Aligned requests: below the target step, training goes on (the request stays pending);
+        at the target it parks. Nothing lets a rank pass the target, and every rank reaches it.
+        """
         with self._cond:
             epoch = self.request_epoch
-            if self._cancelled_epoch >= epoch or self._released_epoch >= epoch:
+            if self._aligned and self._target is None and not self._withdrawn(epoch):
+                if not self._cond.wait_for(lambda: self._target is not None or self._withdrawn(epoch)
+                                           or self.request_epoch != epoch, self._align_timeout_s):
+                    logger.error("no target step for pause #%d within %.0f s (leader lost?); training goes on",
+                                 epoch, self._align_timeout_s)
+                    self._cancelled_epoch = max(self._cancelled_epoch, epoch)
+                epoch = self.request_epoch
+            if self._withdrawn(epoch):
                 self.handled_epoch = epoch
                 self._raise_if_stopped()
                 return
+            target = self._target if self._aligned else None
+            if target is not None and step is not None and step < target:
+                return  # train on to the target step
+            if target is not None and step is not None and step > target:
+                logger.error("reached step %s past the pause target %s; parking here", step, target)
             self._parked, self._parked_step, self._parked_at = True, step, time.monotonic()
             self._cond.notify_all()
             logger.info("training parked at step %s", step)
@@ -161,6 +201,9 @@ class ParkingLot:
                 self._on_event(kind, detail)
             except Exception:
                 logger.exception("parking event listener failed; ignored")
+
+    def _withdrawn(self, epoch: int) -> bool:
+        return self._cancelled_epoch >= epoch or self._released_epoch >= epoch
 
     def _raise_if_stopped(self) -> None:
         if self._stop_reason is not None:

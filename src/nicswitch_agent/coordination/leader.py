@@ -1,0 +1,165 @@
+"""Coordinator: the leader's side of coordination (pause every rank at one step, run, release).
+
+Used by the leader's agent threads only; one operation at a time (a lock), on the leader's own
+Store connection. Every wait is bounded: a member that died or hangs shows up as a missing key
+when the budget runs out, and the caller answers ClusterD false instead of waiting for ever.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.orders import SwitchOrder
+
+logger = logging.getLogger("nicswitch_agent.coordination")
+
+RESULT_SLACK_S = 2.0  # members enforce the hook budgets; the leader waits this much longer
+
+
+@dataclass(frozen=True)
+class PauseOutcome:
+    ok: bool
+    step: int | None = None
+    reason: str = ""
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class RunOutcome:
+    ok: bool
+    reason: str
+    attempted: bool = False  # some rank called the switch hook (its links may have moved)
+    guard_ok: bool = False  # every rank has a checkpoint of the parked step
+    duration_s: float = 0.0
+
+
+class Coordinator:
+    """Publishes events to every member and gathers their answers."""
+
+    def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size={world_size} must be positive")
+        self.kv = kv
+        self.world_size = world_size
+        self._stop = stop or threading.Event()
+        self._lock = threading.Lock()  # one operation at a time; guards the fields below
+        self._n = 0  # events published (each member's queue index)
+        self._epoch = 0
+        self._paused = False
+        self._garbage: list[str] = []  # keys of the last epoch, deleted when the next one starts
+        self.last_pause: PauseOutcome | None = None
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _publish(self, message: dict[str, object]) -> None:
+        self._n += 1
+        text = p.encode(message)
+        for rank in range(self.world_size):
+            self.kv.set(p.queue_key(rank, self._n), text)
+
+    def _new_epoch(self) -> int:
+        if self._garbage:
+            self.kv.delete(self._garbage)
+            self._garbage = []
+        self._epoch += 1
+        return self._epoch
+
+    # -- operations ----------------------------------------------------------------------------
+
+    def pause(self, timeout_s: float) -> PauseOutcome:
+        """Park every rank at one step boundary, S = max(last completed step) + 1."""
+        with self._lock:
+            started = time.monotonic()
+            deadline = started + timeout_s
+            epoch = self._new_epoch()
+            self._publish({"t": p.PAUSE, "e": epoch})
+            c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
+            self._garbage += c_keys
+            missing = self.kv.poll_all(c_keys, deadline, self._stop)
+            if missing:
+                return self._abandon(epoch, started, f"no answer to the pause from rank(s) {_ranks(missing)}")
+            target = max(int(self.kv.get(k)) for k in c_keys) + 1
+            self._publish({"t": p.TARGET, "e": epoch, "S": target,
+                           "timeout": max(0.0, deadline - time.monotonic())})
+            parked_keys = [p.parked_key(epoch, r) for r in range(self.world_size)]
+            self._garbage += parked_keys
+            missing = self.kv.poll_all(parked_keys, deadline, self._stop)
+            if missing:
+                return self._abandon(epoch, started, f"rank(s) {_ranks(missing)} did not park at step {target}")
+            self._paused = True
+            outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
+            self.last_pause = outcome
+            logger.info("all %d rank(s) parked at step %d in %.1f ms", self.world_size, target,
+                        outcome.duration_s * 1000)
+            return outcome
+
+    def _abandon(self, epoch: int, started: float, reason: str) -> PauseOutcome:
+        self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": True})
+        outcome = PauseOutcome(False, None, reason, time.monotonic() - started)
+        self.last_pause = outcome
+        logger.error("pause failed: %s", reason)
+        return outcome
+
+    def run(self, order: SwitchOrder, *, kind: str, budget_s: float) -> RunOutcome:
+        """Run ``order`` on every rank (``kind``: switch, rollback or checkpoint). The first
+        failing rank decides at once; a rank silent past the budget counts as failed."""
+        with self._lock:
+            started = time.monotonic()
+            session = not self._paused  # pause mode external: a session of its own
+            epoch = self._new_epoch() if session else self._epoch
+            name = f"{epoch}.{order.seq}.{kind}"
+            self.kv.set(p.order_key(name), p.encode_order(order))
+            self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s})
+            deadline = started + budget_s + RESULT_SLACK_S
+            outcome = self._gather(epoch, name, deadline, started)
+            self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
+            self._garbage += [p.result_counter_key(epoch, name)]
+            if outcome.reason != "incomplete":
+                self._garbage.append(p.order_key(name))  # every rank has read it
+            if session:
+                self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
+            return outcome
+
+    def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
+        attempted, guards = False, 0
+        for index in range(1, self.world_size + 1):
+            key = p.result_key(epoch, name, index)
+            if self.kv.poll_all([key], deadline, self._stop):
+                seen = index - 1
+                return RunOutcome(False, f"{self.world_size - seen} rank(s) did not answer within the budget",
+                                  attempted=True, duration_s=time.monotonic() - started)
+            result = p.MemberResult.decode(self.kv.get(key))
+            attempted = attempted or result.attempted
+            guards += int(result.guard_ok)
+            if not result.ok:
+                # Known only if every rank answered: a guard that checkpointed everywhere counts
+                # for a later dump (otherwise the guard is asked again and skips a step it has).
+                everyone = index == self.world_size and guards == self.world_size
+                return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
+                                  guard_ok=everyone, duration_s=time.monotonic() - started)
+        return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
+                          duration_s=time.monotonic() - started)
+
+    def release(self, *, stop_reason: str | None = None) -> None:
+        """Let every rank go on (or stop, with ``stop_reason``)."""
+        with self._lock:
+            if not self._paused and stop_reason is None:
+                return
+            self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
+            self._paused = False
+
+
+def _ranks(keys: list[str]) -> str:
+    ranks = [k.rsplit("/", 1)[-1] for k in keys]
+    return ", ".join(ranks[:16]) + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")

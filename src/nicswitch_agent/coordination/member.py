@@ -1,0 +1,240 @@
+"""Member: every training rank's side of coordination, on a background thread.
+
+The member reads its event queue (see protocol.py) and drives the rank's :class:`ParkingLot`:
+
+- ``pause``: first set the local pause flag (``lot.request(aligned=True)``), *then* read the last
+  step the training thread completed (``c_r``) and publish it. The training thread records its
+  step *before* it checks the flag, so every step that ended without seeing the flag is <= c_r;
+  the leader's target ``S = max(c_r) + 1`` is therefore reachable by every rank and passed by
+  none (docs/architecture.md has the full argument; reading c_r first deadlocked in 6 trials).
+- ``target``: hand S to the training thread, wait until it parks, publish ``parked``.
+- ``order``: run the guard/switch (or rollback, or checkpoint) — on the parked training thread
+  when parked (pause mode agent), else on this thread with timeouts (pause mode external) — and
+  publish the result. Every rank runs the same full list in the received order.
+- ``release``: let the training thread go (or make ``step()`` raise TrainingStopped).
+
+A member never blocks training for ever: parked longer than ``max_parked_s`` without a word from
+the leader, or with the Store gone, it lets training go on and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, replace
+from typing import Any
+
+from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.execute import HookResult, HookRunner, InlineRunner, execute_order
+from nicswitch_agent.orders import SwitchOrder
+from nicswitch_agent.pause import ParkingLot
+
+logger = logging.getLogger("nicswitch_agent.member")
+
+IDLE_WAIT_S = 3600.0  # one blocking wait per hour when idle; stop() wakes it at once
+
+
+@dataclass(frozen=True)
+class MemberHooks:
+    switch_hook: Callable[[SwitchOrder], Any] | None
+    checkpoint_hook: Callable[[SwitchOrder], Any] | None
+    guard_timeout_s: float
+    switch_timeout_s: float
+    dry_run: bool
+    local_ranks: Callable[[SwitchOrder], tuple[int, ...]] | None = None
+
+
+class Member:
+    """One rank's coordination thread (``nicswitch-member``)."""
+
+    def __init__(
+        self,
+        kv: KV,
+        rank: int,
+        lot: ParkingLot,
+        hooks: MemberHooks,
+        last_step: Callable[[], int | None],
+        *,
+        max_parked_s: float = 1800.0,
+        stop_timeout_s: float = 1.0,
+        on_lost: Callable[[str], None] | None = None,
+        on_event: Callable[[str, dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.kv = kv
+        self.rank = rank
+        self.lot = lot
+        self.hooks = hooks
+        self._last_step = last_step
+        self._max_parked_s = max_parked_s
+        self._stop_timeout_s = stop_timeout_s
+        self._on_lost = on_lost
+        self._on_event = on_event
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._next = 1  # the queue index this member waits for
+        self._local_epoch: dict[int, int] = {}  # leader epoch -> ParkingLot epoch
+        self._runner = HookRunner()
+        self.events_handled = 0
+        self.lost = ""
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("Member already started")
+        self._thread = threading.Thread(target=self._run, name="nicswitch-member", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        try:  # wake our own idle wait: nobody else reads this member's queue
+            self.kv.clone().set(p.queue_key(self.rank, self._next), p.encode({"t": p.WAKE}))
+        except Exception:
+            logger.debug("could not wake the member thread", exc_info=True)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._stop_timeout_s)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        kv = self.kv
+        while not self._stop.is_set():
+            key = p.queue_key(self.rank, self._next)
+            try:
+                timeout = self._max_parked_s if self.lot.parked else IDLE_WAIT_S
+                if not kv.wait([key], timeout):
+                    if self.lot.parked:
+                        logger.error("parked for %.0f s without a word from the leader; letting training go on",
+                                     self._max_parked_s)
+                        self.lot.release()
+                    continue
+                text = kv.get(key)
+                kv.delete([key])
+            except RuntimeError as exc:  # DistNetworkError and friends: the Store is gone
+                self._coordination_lost(f"{type(exc).__name__}: {exc}")
+                return
+            self._next += 1
+            try:
+                message = p.decode(text)
+            except ValueError as exc:
+                logger.error("rank %d: ignoring a malformed coordination message: %s", self.rank, exc)
+                continue
+            if message["t"] == p.WAKE:
+                continue
+            try:
+                self._handle(message)
+            except RuntimeError as exc:
+                self._coordination_lost(f"{type(exc).__name__}: {exc}")
+                return
+            except Exception:
+                logger.exception("rank %d: handling %s failed", self.rank, message.get("t"))
+            self.events_handled += 1
+
+    def _coordination_lost(self, why: str) -> None:
+        self.lost = why
+        if self._stop.is_set():
+            return
+        logger.error("rank %d: coordination store lost (%s); switches cannot run here, training goes on",
+                     self.rank, why)
+        self.lot.release()
+        if self._on_lost is not None:
+            try:
+                self._on_lost(why)
+            except Exception:
+                logger.exception("on_lost callback failed")
+
+    def _handle(self, message: dict[str, Any]) -> None:
+        kind, epoch = message["t"], int(message.get("e", 0))
+        if kind == p.PAUSE:
+            local = self.lot.request(aligned=True)  # the flag first ...
+            self._local_epoch[epoch] = local
+            completed = self._last_step()  # ... then the last completed step
+            self.kv.set(p.c_key(epoch, self.rank), str(completed if completed is not None else 0))
+        elif kind == p.TARGET:
+            target_epoch = self._local_epoch.get(epoch)
+            if target_epoch is None:
+                return
+            self.lot.set_target(target_epoch, int(message["S"]))
+            if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
+                self.kv.set(p.parked_key(epoch, self.rank), str(self.lot.parked_step))
+        elif kind == p.ORDER:
+            started = time.monotonic()
+            result = self._run_order(epoch, message)
+            self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
+                                         "reason": result.reason, "duration_s": time.monotonic() - started,
+                                         "parked": self.lot.parked})
+            name = str(message["key"])
+            index = self.kv.add(p.result_counter_key(epoch, name), 1)
+            self.kv.set(p.result_key(epoch, name, index), result.encode())
+        elif kind == p.RELEASE:
+            released = self._local_epoch.pop(epoch, None)
+            stop = message.get("stop")
+            if released is not None or stop:
+                self.lot.release(stop_reason=str(stop) if stop else None)
+        else:
+            logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
+
+    def _emit(self, kind: str, detail: dict[str, Any]) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(kind, detail)
+            except Exception:
+                logger.exception("member event listener failed; ignored")
+
+    def _run_order(self, epoch: int, message: dict[str, Any]) -> p.MemberResult:
+        order = p.decode_order(self.kv.get(p.order_key(str(message["key"]))))
+        if self.hooks.local_ranks is not None:
+            order = replace(order, local_ranks=self.hooks.local_ranks(order))
+        kind, budget = str(message["kind"]), float(message["budget"])
+        parked = self.lot.parked
+        runner: HookRunner = InlineRunner() if parked else self._runner
+        hooks = self.hooks
+
+        def work() -> p.MemberResult:
+            if kind == p.KIND_SWITCH:
+                execution = execute_order(
+                    order, runner=runner, switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
+                    guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s,
+                    dry_run=hooks.dry_run)
+                return p.MemberResult(self.rank, execution.ok, execution.reason,
+                                      attempted=execution.switch is not None,
+                                      guard_ok=execution.guard is not None and execution.guard.ok)
+            if kind == p.KIND_ROLLBACK:
+                return self._one_hook(runner, "rollback", hooks.switch_hook, order, hooks.switch_timeout_s, True)
+            if kind == p.KIND_CHECKPOINT:
+                result = self._one_hook(runner, "checkpoint", hooks.checkpoint_hook, order, hooks.guard_timeout_s,
+                                        False)
+                return replace(result, guard_ok=result.ok)
+            return p.MemberResult(self.rank, False, f"unknown order kind {kind!r}")
+
+        if not parked:
+            return work()
+        future = self.lot.run_parked(work)
+        try:
+            result: p.MemberResult = future.result(timeout=budget)
+            return result
+        except FutureTimeout:
+            return p.MemberResult(self.rank, False, f"hooks did not finish within {budget:g} s on the training "
+                                  "thread", attempted=kind != p.KIND_CHECKPOINT)
+        except Exception as exc:
+            return p.MemberResult(self.rank, False, f"could not run on the training thread: {exc}")
+
+    def _one_hook(self, runner: HookRunner, name: str, hook: Callable[[SwitchOrder], Any] | None,
+                  order: SwitchOrder, timeout: float, expect_bool: bool) -> p.MemberResult:
+        if self.hooks.dry_run:
+            return p.MemberResult(self.rank, True, "dry run")
+        if hook is None:
+            return p.MemberResult(self.rank, False, f"no {name} hook")
+        busy = runner.busy()
+        if busy is not None:
+            return p.MemberResult(self.rank, False, f"refused: the {busy} is still running past its timeout")
+        result: HookResult = runner.run(name, hook, order, timeout, expect_bool=expect_bool)
+        return p.MemberResult(self.rank, result.ok, result.detail, attempted=name == "rollback")
+

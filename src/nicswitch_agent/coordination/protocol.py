@@ -1,0 +1,105 @@
+"""Keys and messages between the leader and the members, in one place.
+
+All keys live under ``nicswitch/<job>/<restart count>/`` (torchrun keeps its store's keys
+across restarts, so a new incarnation must not read the old one's keys).
+
+Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read)::
+
+    q/<r>/<n>                  {"t": "pause", "e": E}
+                               {"t": "target", "e": E, "S": S, "timeout": seconds}
+                               {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
+                                "budget": seconds}
+                               {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
+    o/<K>                      the order itself (written once, read by every member)
+
+Member ``r`` -> leader, per pause/session ``E``::
+
+    e/<E>/c/<r>                the last step r completed when it saw the pause (c_r)
+    e/<E>/parked/<r>           the step r parked at
+    e/<E>/res/<K>/n            results counter (an integer key: add() only)
+    e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"}
+
+A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
+on; nobody else reads a member's queue.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from nicswitch_agent.orders import SwitchOrder
+
+PAUSE, TARGET, ORDER, RELEASE, WAKE = "pause", "target", "order", "release", "wake"
+KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
+
+
+def key_prefix(job_id: str, restart_count: str | None = None) -> str:
+    restart = restart_count if restart_count is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"nicswitch/{job_id}/{restart}"
+
+
+def queue_key(rank: int, n: int) -> str:
+    return f"q/{rank}/{n}"
+
+
+def c_key(epoch: int, rank: int) -> str:
+    return f"e/{epoch}/c/{rank}"
+
+
+def parked_key(epoch: int, rank: int) -> str:
+    return f"e/{epoch}/parked/{rank}"
+
+
+def order_key(name: str) -> str:
+    return f"o/{name}"
+
+
+def result_counter_key(epoch: int, name: str) -> str:
+    return f"e/{epoch}/res/{name}/n"
+
+
+def result_key(epoch: int, name: str, index: int) -> str:
+    return f"e/{epoch}/res/{name}/{index}"
+
+
+def encode(message: dict[str, Any]) -> str:
+    return json.dumps(message, separators=(",", ":"))
+
+
+def decode(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict) or "t" not in value:
+        raise ValueError(f"not a coordination message: {text[:200]!r}")
+    return value
+
+
+def encode_order(order: SwitchOrder) -> str:
+    return encode({"t": "o", "seq": order.seq, "job": order.job_id, "ranks": list(order.ranks),
+                   "ops": [1 if op else 0 for op in order.ops]})
+
+
+def decode_order(text: str) -> SwitchOrder:
+    value = decode(text)
+    return SwitchOrder(seq=int(value["seq"]), job_id=str(value["job"]), ranks=tuple(int(r) for r in value["ranks"]),
+                       ops=tuple(bool(op) for op in value["ops"]))
+
+
+@dataclass(frozen=True)
+class MemberResult:
+    rank: int
+    ok: bool
+    reason: str
+    attempted: bool = False  # the switch hook was called (links may have moved)
+    guard_ok: bool = False  # a checkpoint of the parked step exists on this rank
+
+    def encode(self) -> str:
+        return encode({"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
+                       "attempted": self.attempted, "guard": self.guard_ok})
+
+    @classmethod
+    def decode(cls, text: str) -> MemberResult:
+        v = decode(text)
+        return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]))
