@@ -1,0 +1,266 @@
+"""Several ranks as threads, one agent each, coordinating through one in-process Store.
+
+Rank 0 leads (the only ClusterD client); every rank is a member that parks its own training
+thread. The training threads also meet at a barrier every step, like a collective, so a rank that
+ran past the pause step while another parked would deadlock the test instead of passing it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from nicswitch_agent import SwitchAgent, SwitchOrder
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.coordination import InProcessStore
+from nicswitch_agent.pause import TrainingStopped
+from nicswitch_agent.sim import SimJob, Simulator, SimSettings
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+pytestmark = pytest.mark.timeout(90)
+
+JOB = "job-mr"
+WORLD = 4
+NODES = {"node-0": ["0", "1"], "node-1": ["0", "1"]}
+FAST = SimSettings(report_timeout_s=30.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
+                   schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+
+
+class Collective:
+    """A reusable barrier for the training threads: every step ends with all ranks meeting."""
+
+    def __init__(self, world: int) -> None:
+        self.barrier = threading.Barrier(world, timeout=30)
+
+
+class Rank:
+    """One rank: an agent and a training thread that steps, meets the others, calls step()."""
+
+    def __init__(self, rank: int, agent: SwitchAgent, collective: Collective) -> None:
+        self.rank = rank
+        self.agent = agent
+        self.collective = collective
+        self.step = 0
+        self.parked_steps: list[int] = []
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.done = threading.Event()
+        self._cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name=f"train-{rank}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                self.collective.barrier.wait()  # the "all-reduce" of this step
+                with self._cond:
+                    self.step += 1
+                    self._cond.notify_all()
+                self.agent.step(self.step)
+        except threading.BrokenBarrierError:
+            pass
+        except BaseException as exc:
+            self.error = exc
+            self.collective.barrier.abort()
+        finally:
+            self.done.set()
+
+    def wait_step(self, step: int, timeout: float = 20) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.step >= step, timeout)
+
+
+class Hook:
+    """Records (rank, thread, ranks, ops, step) for every call; scripted results per call."""
+
+    def __init__(self, rank: int, calls: list[tuple[Any, ...]], lock: threading.Lock,
+                 results: list[Any] | None = None, hang: threading.Event | None = None) -> None:
+        self.rank, self.calls, self.lock = rank, calls, lock
+        self.results = list(results or [])
+        self.hang = hang
+        self.agent: SwitchAgent | None = None
+
+    def __call__(self, order: SwitchOrder) -> Any:
+        with self.lock:
+            self.calls.append((self.rank, threading.current_thread().name, order.ranks, order.ops,
+                               self.agent.last_step if self.agent else None, order.local_ranks))
+        if self.hang is not None:
+            self.hang.wait(30)
+        return self.results.pop(0) if self.results else True
+
+
+class Job:
+    def __init__(self, sim: Simulator, pause: str = "agent", hooks: dict[int, dict[str, Any]] | None = None,
+                 **settings: Any) -> None:
+        self.sim = sim
+        self.store = InProcessStore()
+        self.calls: list[tuple[Any, ...]] = []
+        self.lock = threading.Lock()
+        self.collective = Collective(WORLD)
+        self.ranks: list[Rank] = []
+        self.stops: list[tuple[int, str]] = []
+        for r in range(WORLD):
+            options = dict((hooks or {}).get(r, {}))
+            hook = Hook(r, self.calls, self.lock, options.pop("results", None), options.pop("hang", None))
+            agent = SwitchAgent(server=sim.address, job_id=JOB, pause=pause, switch_hook=hook, store=self.store,
+                                rank=r, world_size=WORLD, reconnect_initial_s=0.02, reconnect_max_s=0.1,
+                                on_stop=lambda reason, r=r: self.stops.append((r, reason)), **settings, **options)
+            hook.agent = agent
+            self.ranks.append(Rank(r, agent, self.collective))
+        for rank in self.ranks:
+            rank.agent.start()
+        for rank in self.ranks:
+            rank.thread.start()
+
+    def close(self) -> None:
+        for rank in self.ranks:
+            rank.stop.set()
+        self.collective.barrier.abort()
+        for rank in self.ranks:
+            rank.agent.stop()
+        for rank in self.ranks:
+            rank.thread.join(10)
+
+
+def streams_ready(sim: Simulator) -> bool:
+    view = sim.job_view(JOB)
+    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
+        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
+    )
+
+
+def switch(sim: Simulator, node: str, devs: list[str], ops: list[bool], *, wait: bool = True) -> str:
+    channel = open_channel(ChannelSettings(target=sim.address))
+    try:
+        stub = RecoverStub(channel)
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps[node].dev.extend(devs)
+        request.nicOps[node].op.extend(ops)
+        status = stub.SwitchNicTrack(request, timeout=5)
+        assert status.code == 0, status
+        if not wait:
+            return ""
+        for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB), timeout=40):
+            return str(response.msg)
+        return "(no message)"
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def sim() -> Iterator[Simulator]:
+    simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("dump",))], settings=FAST)
+    simulator.start()
+    yield simulator
+    simulator.stop()
+
+
+@pytest.fixture
+def make_job(sim: Simulator) -> Iterator[Any]:
+    jobs: list[Job] = []
+
+    def make(**kwargs: Any) -> Job:
+        job = Job(sim, **kwargs)
+        jobs.append(job)
+        return job
+
+    yield make
+    for job in jobs:
+        job.close()
+
+
+def test_all_ranks_park_at_one_step_and_switch_with_identical_arguments(sim: Simulator, make_job: Any) -> None:
+    job = make_job()
+    assert sim.wait_until(streams_ready, 10)
+    for rounds in range(3):
+        assert job.ranks[0].wait_step(job.ranks[0].step + 3)
+        assert switch(sim, "node-1", ["1", "0"], [True, False]) == "switch nic finish"
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-1", ["1", "0"], [False, False]) == "switch nic finish"
+        assert sim.wait_until(streams_ready, 10)
+    for rank in job.ranks:
+        assert rank.wait_step(rank.step + 3), f"rank {rank.rank} did not resume"
+        assert rank.error is None
+    assert len(job.calls) == WORLD * 6
+    by_order: dict[int, list[tuple[Any, ...]]] = {}
+    for i, call in enumerate(job.calls):
+        by_order.setdefault(i // WORLD, []).append(call)
+    for calls in by_order.values():
+        assert sorted(c[0] for c in calls) == list(range(WORLD))  # every rank, once
+        assert len({(c[2], c[3]) for c in calls}) == 1  # identical arguments, full list, received order
+        assert calls[0][2] == (3, 2)
+        assert len({c[4] for c in calls}) == 1  # all parked at the same step
+        assert all(c[1] == f"train-{c[0]}" for c in calls)  # on each rank's own training thread
+        for rank, _thread, _ranks, _ops, _step, local in calls:
+            # No LOCAL_WORLD_SIZE here: one rank per "node", so the local subset is the rank itself.
+            assert local == ((rank,) if rank in (3, 2) else ())
+    view = sim.job_view(JOB)
+    assert view.replies == [True] * 6
+    assert view.violations == []
+    # Exactly one ClusterD client for the whole job: one process-manage and one notify stream at a time.
+    assert view.open_streams.get("SubscribeNotifySwitch", 0) == 1
+    assert view.open_streams.get("SubscribeProcessManageSignal", 0) == 1
+    assert all(r.agent.status()["process_manage"] is None for r in job.ranks[1:])
+
+
+@pytest.mark.parametrize("pause", ["agent", "external"])
+def test_one_rank_failing_makes_the_reply_false(sim: Simulator, make_job: Any, pause: str) -> None:
+    job = make_job(pause=pause, hooks={2: {"results": [False, True]}})
+    if pause == "external":
+        from nicswitch_agent.sim import MindIOStandIn
+
+        standin = MindIOStandIn(sim.address, JOB)
+        standin.start()
+        assert standin.ready.wait(10)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
+        assert sim.job_view(JOB).replies == [False]
+        assert any(c[0] == 2 for c in job.calls)
+    finally:
+        if pause == "external":
+            standin.stop()
+
+
+def test_a_hanging_rank_gives_false_within_the_switch_timeout(sim: Simulator, make_job: Any) -> None:
+    hang = threading.Event()
+    job = make_job(hooks={1: {"hang": hang}}, switch_timeout_s=0.5, guard_timeout_s=0.5)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-0", ["1"], [True]) == "switch nic failed, switch nic failed"
+        assert sim.job_view(JOB).replies == [False]
+        status = job.ranks[0].agent.status()
+        assert "rank 1" in status["last_switch"]["reason"] or "did not answer" in status["last_switch"]["reason"]
+    finally:
+        hang.set()
+
+
+def test_a_member_that_is_gone_makes_the_pause_fail_and_no_rank_stays_parked(sim: Simulator,
+                                                                                make_job: Any) -> None:
+    job = make_job(pause_timeout_s=0.5)
+    assert sim.wait_until(streams_ready, 10)
+    gone = job.ranks[3]
+    gone.agent._member.stop()  # type: ignore[union-attr]  # its coordination thread is gone, training is not
+    switch(sim, "node-1", ["1"], [True], wait=False)
+    assert sim.wait_until(lambda s: any(sig.signalType == "killMaster" for sig in s.job_view(JOB).signals_sent),
+                          20)
+    for rank in job.ranks:
+        assert rank.done.wait(20) or rank.error is None
+    assert not any(r.agent.status()["parked"] for r in job.ranks)
+    assert sim.job_view(JOB).replies == []  # the list was never sent: the pause failed first
+
+
+def test_failed_switch_rolls_back_on_every_rank_then_dump_stops_every_rank(sim: Simulator,
+                                                                           make_job: Any) -> None:
+    job = make_job(hooks={0: {"results": [False]}}, checkpoint_hook=lambda order: None)
+    assert sim.wait_until(streams_ready, 10)
+    assert switch(sim, "node-1", ["0"], [True]) == "switch nic failed, switch nic failed"
+    for rank in job.ranks:
+        assert rank.done.wait(20), f"rank {rank.rank} was not stopped"
+        assert isinstance(rank.error, TrainingStopped) or rank.error is None
+    assert any(isinstance(r.error, TrainingStopped) for r in job.ranks)
+    assert [r for r, _ in job.stops] == [0]  # on_stop runs where the decision is made: the leader
+    rollbacks = [c for c in job.calls if c[3] == (False,)]
+    assert sorted(c[0] for c in rollbacks) == list(range(WORLD))
