@@ -17,7 +17,7 @@ from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.pause import TrainingStopped
-from nicswitch_agent.sim import SimJob, Simulator, SimSettings
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(90)
@@ -174,7 +174,7 @@ def make_job(sim: Simulator) -> Iterator[Any]:
 def test_all_ranks_park_at_one_step_and_switch_with_identical_arguments(sim: Simulator, make_job: Any) -> None:
     job = make_job()
     assert sim.wait_until(streams_ready, 10)
-    for rounds in range(3):
+    for _round in range(3):
         assert job.ranks[0].wait_step(job.ranks[0].step + 3)
         assert switch(sim, "node-1", ["1", "0"], [True, False]) == "switch nic finish"
         assert sim.wait_until(streams_ready, 10)
