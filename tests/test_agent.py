@@ -10,7 +10,7 @@ import grpc
 import pytest
 from scripted import Answer, End, Fail, Hold, ScriptedClusterD, Send, WaitFor, rank_list
 
-from nicswitch_agent import AgentStateError, SwitchAgent, SwitchOrder
+from nicswitch_agent import AgentStateError, ConfigError, SwitchAgent, SwitchOrder
 from nicswitch_agent import events as ev
 from nicswitch_agent.coordination import InProcessStore
 
@@ -408,3 +408,28 @@ def test_guard_timeout_replies_false_and_skips_switch(clusterd: ScriptedClusterD
         assert hook.orders == []
     finally:
         release.set()
+
+
+def test_failed_start_leaves_nothing_running_and_can_be_retried(clusterd: ScriptedClusterD) -> None:
+    before = set(threading.enumerate())
+    agent = SwitchAgent(server=clusterd.address, job_id="job-1", switch_hook=Recorder(), pause="external",
+                        world_size=2, rank=0)  # two ranks, but no torch.distributed and no store
+    with pytest.raises(ConfigError, match="world_size=2 needs a Store"):
+        agent.start()
+    assert agent.status()["state"] == "created"
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("nicswitch-")]
+    with pytest.raises(ConfigError):
+        agent.start()  # still refused for the same reason, not "already started"
+    agent.stop()
+
+
+def test_member_rank_opens_no_clusterd_stream(clusterd: ScriptedClusterD) -> None:
+    store = InProcessStore()
+    member = SwitchAgent(server=clusterd.address, job_id="job-1", switch_hook=Recorder(), pause="external",
+                         world_size=2, rank=1, store=store).start()
+    try:
+        assert member.status()["state"] == "running"
+        assert member._channel is None and member._subscriber is None
+        assert clusterd.opens == 0
+    finally:
+        member.stop()

@@ -19,9 +19,9 @@ from nicswitch_agent.errors import (
     NicSwitchError,
 )
 from nicswitch_agent.events import AgentEvent
-from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher
-from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
+from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher, TorchCheckpointGuard, TorchNpuSwitcher
 from nicswitch_agent.orders import SwitchOrder
+from nicswitch_agent.pause import TrainingStopped
 
 __version__ = "0.1.0"
 
@@ -37,6 +37,8 @@ __all__ = [
     "SwitchAgent",
     "SwitchOrder",
     "Switcher",
+    "TorchCheckpointGuard",
     "TorchNpuSwitcher",
+    "TrainingStopped",
     "__version__",
 ]

@@ -5,15 +5,14 @@ job gets exactly one ReplySwitchNicResult. Each accepted list becomes a :class:`
 the moment it is received; whoever claims the token first (the executor with the real result, or
 ``stop()`` with a false) sends the reply, and nobody else can.
 
-Threads (all daemon, all named ``nicswitch-*``):
+Every rank runs a member (``nicswitch-member``, see coordination/member.py) that parks its
+training thread and runs the hooks. Rank 0 is also the leader, the job's only ClusterD client:
 
 - ``nicswitch-notify``: reads SubscribeNotifySwitch, validates, enqueues (see subscriber.py);
-- ``nicswitch-executor``: runs orders one at a time (guard, switch, reply);
-- hook threads, one per hook call, so a hook that hangs cannot wedge the executor.
-
+- ``nicswitch-executor``: runs orders one at a time on every rank, then replies;
 - pause mode ``agent`` only: ``nicswitch-process-manage`` (Init/Register and ClusterD's pause and
   continue signals, see process_manage.py) and ``nicswitch-signals`` (what they mean, see
-  controller.py).
+  controller.py). docs/architecture.md has the whole picture.
 
 In pause mode ``external`` (MindIO/TaskD pause training around the switch) the training thread
 is never involved. In pause mode ``agent`` it parks inside ``step()`` when ClusterD asks for a
@@ -169,6 +168,7 @@ class SwitchAgent:
         self._controller: AgentModeController | None = None
         self._process_manage: ProcessManageClient | None = None
         self._coordinator: Coordinator | None = None
+        self._coordination_stop = threading.Event()  # cuts the leader's waits short on stop()
         self._member: Member | None = None
         self.rank = 0
         self.world_size = 1
@@ -195,6 +195,32 @@ class SwitchAgent:
             with self._lock:
                 self._state = CREATED
             raise
+        try:
+            return self._start()
+        except BaseException:
+            self._abort_start()
+            raise
+
+    def _abort_start(self) -> None:
+        """Undo a start() that failed half way, so nothing keeps running and start() may be retried."""
+        for stop in (self._subscriber, self._process_manage, self._member):
+            if stop is not None:
+                stop.stop()
+        if self._controller is not None:
+            self._controller.stop(self.config.stop_timeout_s)
+        if self._executor is not None:
+            self._queue.put(None)
+            self._queue = queue.Queue()
+        if self._replier is not None:
+            self._replier.close()
+        if self._channel is not None:
+            self._channel.close()
+        self._subscriber = self._process_manage = self._member = self._controller = None
+        self._executor = self._channel = self._replier = self._stub = self._coordinator = None
+        with self._lock:
+            self._state = CREATED
+
+    def _start(self) -> SwitchAgent:
         cfg = self.config
         self.rank, self.world_size = self._topology()
         kv = self._coordination_kv()
@@ -216,7 +242,7 @@ class SwitchAgent:
                         cfg.job_id)
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
             return self
-        self._coordinator = Coordinator(kv.clone(), self.world_size)
+        self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
         self._channel = open_channel(ChannelSettings(
             target=cfg.server,
             keepalive_time_s=cfg.keepalive_time_s,
@@ -304,15 +330,16 @@ class SwitchAgent:
         if was_started:
             logger.info("nicswitch-agent stopping: %s", reason)
             if self._subscriber is not None:
-                self._subscriber.stop()
+                self._subscriber.stop()  # no new lists
+            self._settle_owed_replies(reason)  # false for every list still owed a reply, before anything else
+            self._coordination_stop.set()  # then cut the leader's waits short
             if self._process_manage is not None:
                 self._process_manage.stop()
             if self._controller is not None:
                 self._controller.stop(self.config.stop_timeout_s)
-            self._settle_owed_replies(reason)
             if self._coordinator is not None and self._coordinator.paused:
                 try:
-                    self._coordinator.release()  # never leave any rank parked behind a stopped leader
+                    self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
                 except Exception:
                     logger.warning("could not release the members", exc_info=True)
             if self._member is not None:

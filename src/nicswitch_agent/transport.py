@@ -124,7 +124,9 @@ class ConnectivityWatch:
         self._cond = threading.Condition()
         self._state: grpc.ChannelConnectivity | None = None
         self._closed = False
-        channel.subscribe(self._on_change, try_to_connect=True)
+        # Subscribed on first use, not here: gRPC's polling thread, if it starts right before the
+        # channel is closed (an agent stopped just after it started), dies with "Channel closed!".
+        self._subscribed = False
 
     def _on_change(self, state: grpc.ChannelConnectivity) -> None:
         with self._cond:
@@ -138,6 +140,9 @@ class ConnectivityWatch:
     def wait_ready(self, timeout: float) -> bool:
         """True once the channel is READY; False if it is not within ``timeout``."""
         with self._cond:
+            if not self._subscribed and not self._closed:
+                self._subscribed = True
+                self._channel.subscribe(self._on_change, try_to_connect=True)
             if self._state is grpc.ChannelConnectivity.IDLE and not self._closed:
                 # Nothing else is dialing: ask for a connection (a fresh subscription does).
                 self._channel.unsubscribe(self._on_change)
@@ -149,8 +154,10 @@ class ConnectivityWatch:
     def close(self) -> None:
         with self._cond:
             self._closed = True
+            subscribed = self._subscribed
             self._cond.notify_all()
-        self._channel.unsubscribe(self._on_change)
+        if subscribed:
+            self._channel.unsubscribe(self._on_change)
 
 
 class RecoverStub:

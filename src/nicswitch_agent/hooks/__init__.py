@@ -8,5 +8,17 @@ when the job starts, not in the middle of a switch.
 
 from nicswitch_agent.hooks.base import CheckpointGuard, CheckpointHook, Switcher, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
+from nicswitch_agent.hooks.torch_checkpoint import GuardRefused, TorchCheckpointGuard
+from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 
-__all__ = ["CheckpointGuard", "CheckpointHook", "DryRunSwitcher", "SwitchHook", "Switcher", "check_hook"]
+__all__ = [
+    "CheckpointGuard",
+    "CheckpointHook",
+    "DryRunSwitcher",
+    "GuardRefused",
+    "SwitchHook",
+    "Switcher",
+    "TorchCheckpointGuard",
+    "TorchNpuSwitcher",
+    "check_hook",
+]

@@ -1,0 +1,7 @@
+"""``python -m nicswitch_agent`` is the same as the ``nicswitch-agent`` command."""
+
+import sys
+
+from nicswitch_agent.cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""``nicswitch-agent``: the command line.
+
+Subcommands:
+  demo    failover + switchback against the embedded simulator, with a timeline (no arguments)
+  sim     run the ClusterD-compatible simulator (for rehearsals and tests)
+  switch  O&M: ask ClusterD to switch NICs and wait for the outcome
+  watch   O&M: follow a job's switch result stream
+  version print the version
+
+The demo (and its simulator run) is imported only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nicswitch-agent",
+        description="Training-side client for MindCluster ClusterD's link failover and switchback.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    demo = sub.add_parser("demo", help="run a failover and a switchback against the embedded simulator")
+    demo.set_defaults(run=_run_demo)
+
+    sim = sub.add_parser("sim", help="run the ClusterD-compatible simulator")
+    import nicswitch_agent.sim.cli as sim_cli
+
+    sim_cli.add_arguments(sim)
+    sim.set_defaults(run=sim_cli.run)
+
+    from nicswitch_agent import om_cli
+
+    switch = sub.add_parser("switch", help="O&M: switch NICs of a job and wait for the outcome",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    om_cli.add_switch_arguments(switch)
+    switch.set_defaults(run=om_cli.run_switch)
+
+    watch = sub.add_parser("watch", help="O&M: follow a job's switch result stream",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    om_cli.add_watch_arguments(watch)
+    watch.set_defaults(run=om_cli.run_watch)
+
+    version = sub.add_parser("version", help="print the version")
+    version.set_defaults(run=_run_version)
+    return parser
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from nicswitch_agent.demo import run_demo
+
+    return run_demo(sys.stdout, verbose=bool(args.verbose))
+
+
+def _run_version(args: argparse.Namespace) -> int:
+    from nicswitch_agent import __version__
+
+    print(f"nicswitch-agent {__version__}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.run(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

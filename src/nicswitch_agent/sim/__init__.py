@@ -1,0 +1,16 @@
+"""A ClusterD-compatible ``Recover`` server in pure Python: tests, the demo, operators' rehearsals.
+
+Same method paths, codes, strings and state machine as the real server (reference
+``clusterd-protocol.md`` §1-§2, ``clusterd-observed.md``, ``clusterd-observed-2.md``), with every
+wait configurable so failure paths run in milliseconds. Protocol misuse that would hurt the real
+server is recorded in :attr:`JobView.violations`.
+"""
+
+from __future__ import annotations
+
+from nicswitch_agent.sim.controller import JobView
+from nicswitch_agent.sim.server import Simulator
+from nicswitch_agent.sim.settings import SimJob, SimSettings
+from nicswitch_agent.sim.standin import MindIOStandIn
+
+__all__ = ["JobView", "MindIOStandIn", "SimJob", "SimSettings", "Simulator"]

@@ -1,0 +1,376 @@
+"""The simulated ClusterD ``Recover`` service: a real gRPC server on the exact upstream paths.
+
+:class:`Simulator` owns the gRPC server and one :class:`~nicswitch_agent.sim.controller.JobController`
+per job. Handlers here only adapt RPCs (contexts, aborts, termination callbacks) to the
+controllers; protocol behaviour lives in the controller.
+
+How ClusterD answers, and therefore how this server answers (observed §pre, §4):
+unary methods always end with gRPC OK and put the outcome in ``Status{code, info}``; stream
+methods report errors as gRPC UNKNOWN with the message as details, and end with OK when the
+server returns normally.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent import futures
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim.controller import JobController, JobView, RpcAbort, StreamToken
+from nicswitch_agent.sim.settings import SimJob, SimSettings
+from nicswitch_agent.sim.standin import MindIOStandIn
+from nicswitch_agent.transport import generic_handler
+
+logger = logging.getLogger("nicswitch_agent.sim")
+
+__all__ = ["Simulator"]
+
+
+class _Notifier:
+    """A version counter every controller bumps on change; ``wait_until`` sleeps on it.
+
+    Its lock is only ever taken last (after a job's lock), and never held while a predicate
+    reads the jobs, so it cannot deadlock with them.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._version = 0
+
+    def bump(self) -> None:
+        with self._cond:
+            self._version += 1
+            self._cond.notify_all()
+
+    def version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def wait_change(self, seen: int, timeout: float) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._version != seen, timeout)
+
+
+def _server_options() -> list[tuple[str, int]]:
+    """ClusterD's server options (reference §1.4, upstream ``main.go`` ``initGrpcServer``)."""
+    return [
+        ("grpc.max_receive_message_length", P.MAX_RECEIVE_BYTES),
+        ("grpc.max_send_message_length", P.MAX_SEND_BYTES),
+        ("grpc.max_concurrent_streams", P.MAX_CONCURRENT_STREAMS),
+        # ServerParameters{Time: 1m, Timeout: 5s}
+        ("grpc.keepalive_time_ms", 60_000),
+        ("grpc.keepalive_timeout_ms", 5_000),
+        # EnforcementPolicy{MinTime: 3s, PermitWithoutStream: true}: a client pinging more often
+        # gets GOAWAY too_many_pings (observed-2 §6). gRPC core's default is 5 min, far stricter.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", P.KEEPALIVE_MIN_TIME_MS),
+        ("grpc.http2.max_ping_strikes", 2),
+        # A second simulator on a fixed port must fail, not share the port.
+        ("grpc.so_reuseport", 0),
+    ]
+
+
+class Simulator:
+    """A ClusterD-compatible ``Recover`` server in-process, for tests, the demo and rehearsals.
+
+    Args:
+        jobs: the jobs ClusterD knows (its PodGroup/job caches); other job ids behave as unknown.
+        settings: timings; defaults are the real server's.
+        host, port: where to listen; ``port=0`` picks a free port (see :meth:`start`).
+        standin: also run one :class:`~nicswitch_agent.sim.standin.MindIOStandIn` per job, the
+            MindIO/TaskD process-manage client, so the switch half can be driven alone
+            ("pause mode external").
+
+    Example::
+
+        with Simulator(jobs=[SimJob("job-1", {"node-0": ["0", "1"]})]) as sim:
+            channel = grpc.insecure_channel(sim.address)
+    """
+
+    def __init__(
+        self,
+        jobs: Iterable[SimJob] = (),
+        settings: SimSettings | None = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        standin: bool = False,
+    ) -> None:
+        self.settings = settings if settings is not None else SimSettings()
+        self.host = host
+        self.port = port
+        self._use_standin = standin
+        self._notifier = _Notifier()
+        self._controllers: dict[str, JobController] = {}
+        for job in jobs:
+            if job.job_id in self._controllers:
+                raise ValueError(f"duplicate job id {job.job_id!r}")
+            seed = None if self.settings.seed is None else f"{self.settings.seed}/{job.job_id}"
+            self._controllers[job.job_id] = JobController(job, self.settings, random.Random(seed), self._notifier.bump)
+        # Guards the lifecycle fields below; never held while calling into gRPC or a job.
+        self._lock = threading.Lock()
+        self._server: Any = None
+        self._address: str | None = None
+        self._started = False
+        self._stopped = False
+        self._standins: list[MindIOStandIn] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server listens on (after :meth:`start`)."""
+        if self._address is None:
+            raise RuntimeError("simulator not started")
+        return self._address
+
+    def start(self) -> str:
+        """Start serving; returns ``host:port``. With ``standin=True``, also waits until every
+        job's stand-in holds its process-manage stream."""
+        with self._lock:
+            if self._started or self._stopped:
+                raise RuntimeError("a Simulator starts once")
+            self._started = True
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=self.settings.max_workers, thread_name_prefix="nicswitch-sim-rpc"),
+            options=_server_options(),
+        )
+        server.add_generic_rpc_handlers((generic_handler(self._handlers()),))
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        try:
+            bound = server.add_insecure_port(f"{host}:{self.port}")
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {host}:{self.port}: {exc}") from exc
+        if not bound:
+            raise OSError(f"cannot listen on {host}:{self.port}")
+        server.start()
+        with self._lock:
+            self._server = server
+            self._address = f"{host}:{bound}"
+        logger.info("ClusterD simulator serving on %s (jobs: %s)", self._address, sorted(self._controllers))
+        if self._use_standin:
+            self._start_standins()
+        return self._address
+
+    def _start_standins(self) -> None:
+        for job_id in self._controllers:
+            standin = MindIOStandIn(self.address, job_id)
+            with self._lock:
+                self._standins.append(standin)
+            standin.start()
+        method = P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL
+        ready = self.wait_until(
+            lambda sim: all(sim.job_view(j).open_streams[method] >= 1 for j in self._controllers),
+            timeout=10.0,
+        )
+        if not ready:
+            self.stop()
+            raise RuntimeError("MindIO stand-ins did not subscribe within 10 s")
+
+    def stop(self, grace: float | None = 0) -> None:
+        """Stop serving and end every stream; idempotent. Stand-ins stop first."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            server, standins = self._server, list(self._standins)
+        for standin in standins:
+            standin.stop()
+        for controller in self._controllers.values():
+            controller.stop()
+        if server is not None:
+            server.stop(grace).wait(5.0)
+        logger.info("ClusterD simulator stopped")
+
+    def __enter__(self) -> Simulator:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ introspection
+
+    def job_view(self, job_id: str) -> JobView:
+        """A thread-safe snapshot of one job (KeyError for a job the simulator does not know)."""
+        return self._controllers[job_id].view()
+
+    def reset_count(self, job_id: str) -> int:
+        """How many times the job's controller was reset."""
+        return self._controllers[job_id].reset_count()
+
+    def job_ids(self) -> list[str]:
+        return list(self._controllers)
+
+    def wait_until(self, predicate: Callable[[Simulator], bool], timeout: float) -> bool:
+        """Block until ``predicate(self)`` holds (re-checked on every state change); False on timeout."""
+        deadline = time.monotonic() + timeout
+        while True:
+            seen = self._notifier.version()
+            if predicate(self):
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._notifier.wait_change(seen, remaining)
+
+    def wait_idle(self, job_id: str, timeout: float) -> bool:
+        """Wait until the job is in INIT with a process-manage stream open, i.e. a SwitchNicTrack
+        now starts a switch at once (after a finished switch the MindIO side must resubscribe
+        first, or its subscribe resets the new switch)."""
+
+        def idle(sim: Simulator) -> bool:
+            view = sim.job_view(job_id)
+            return view.state == P.INIT and view.open_streams[P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL] >= 1
+
+        return self.wait_until(idle, timeout)
+
+    # ------------------------------------------------------------------ RPC handlers
+
+    def _handlers(self) -> dict[str, Callable[..., Any]]:
+        return {
+            "Init": self._init,
+            "Register": self._register,
+            "SubscribeProcessManageSignal": self._subscribe_process_manage,
+            "ReportStopComplete": self._report_stop_complete,
+            "ReportRecoverStrategy": self._report_recover_strategy,
+            "ReportRecoverStatus": self._report_recover_status,
+            "HealthCheck": self._health_check,
+            "SwitchNicTrack": self._switch_nic_track,
+            "SubscribeSwitchNicSignal": self._subscribe_switch_nic_signal,
+            "SubscribeNotifySwitch": self._subscribe_notify_switch,
+            "ReplySwitchNicResult": self._reply_switch_nic_result,
+        }
+
+    def _registered(self, job_id: str) -> JobController | None:
+        controller = self._controllers.get(job_id)
+        if controller is None or not controller.is_registered():
+            return None
+        return controller
+
+    def _init(self, request: pb.ClientInfo, context: Any) -> pb.Status:
+        controller = self._controllers.get(request.jobId)
+        if controller is None:
+            # No PodGroup for this job: getJobBaseInfo's first failure, 502 OperatePodGroupError
+            # (reference §1.3 "502 / other codes on PodGroup errors").
+            return pb.Status(code=P.OPERATE_POD_GROUP_ERROR, info=P.INIT_NO_POD_GROUP.format(job=request.jobId))
+        return controller.init()
+
+    def _register(self, request: pb.ClientInfo, context: Any) -> pb.Status:
+        controller = self._controllers.get(request.jobId)
+        if controller is None:
+            return pb.Status(code=P.UN_INIT, info=P.NOT_INITED.format(job=request.jobId))
+        return controller.register()
+
+    def _health_check(self, request: pb.ClientInfo, context: Any) -> pb.Status:
+        return pb.Status(code=P.OK, info=P.HEALTH_CHECK.format(job=request.jobId))
+
+    def _switch_nic_track(self, request: pb.SwitchNics, context: Any) -> pb.Status:
+        controller = self._controllers.get(request.jobID)
+        if controller is None:
+            return pb.Status(code=P.OM_PARAM_INVALID, info=P.JOB_NOT_EXIST_MSG.format(job=request.jobID))
+        return controller.switch_nic_track(request)
+
+    def _reply_switch_nic_result(self, request: pb.SwitchResult, context: Any) -> pb.Status:
+        controller = self._registered(request.jobId)
+        if controller is None:
+            return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
+        try:
+            return controller.reply_switch_nic_result(request)
+        except RpcAbort as exc:
+            context.abort(getattr(grpc.StatusCode, exc.code), exc.details)
+            raise  # unreachable: abort raises
+
+    def _report_stop_complete(self, request: pb.StopCompleteRequest, context: Any) -> pb.Status:
+        controller = self._registered(request.jobId)
+        if controller is None:
+            return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
+        return controller.report_stop_complete(request)
+
+    def _report_recover_strategy(self, request: pb.RecoverStrategyRequest, context: Any) -> pb.Status:
+        controller = self._registered(request.jobId)
+        if controller is None:
+            return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
+        return controller.report_recover_strategy(request)
+
+    def _report_recover_status(self, request: pb.RecoverStatusRequest, context: Any) -> pb.Status:
+        controller = self._registered(request.jobId)
+        if controller is None:
+            return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
+        return controller.report_recover_status(request)
+
+    @staticmethod
+    def _watch(context: Any, controller: JobController, token: StreamToken) -> None:
+        """Tell the controller when the RPC ends, whatever ends it (client cancel included)."""
+        if not context.add_callback(lambda: controller.stream_terminated(token)):
+            controller.stream_terminated(token)
+
+    def _subscribe_process_manage(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.ProcessManageSignal]:
+        """``SubscribeProcessManageSignal``: reset the job, then forward signals (§1.3, §2.4)."""
+        controller = self._registered(request.jobId)
+        if controller is None:
+            context.abort(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED.format(job=request.jobId))
+            return
+        token = controller.open_stream(P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL, context.peer())
+        self._watch(context, controller, token)
+        # Headers right away: a client can tell its subscribe (and the reset) has happened.
+        # grpc-go ClusterD sends them with the first message; iterating clients see no difference.
+        context.send_initial_metadata(())
+        while True:
+            signal = controller.next_signal(token)
+            if signal is None:
+                return
+            yield signal
+            # Reaching here means the message was written: gRPC resumes a response generator
+            # only after the previous send completed.
+            controller.signal_sent(token, signal)
+
+    def _subscribe_notify_switch(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.SwitchRankList]:
+        """``SubscribeNotifySwitch``: competing readers of the job's one-slot rank-list channel."""
+        controller = self._registered(request.jobId)
+        if controller is None:
+            context.abort(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED_WAIT_AGENT.format(job=request.jobId))
+            return
+        token = controller.open_stream(P.SUBSCRIBE_NOTIFY_SWITCH, context.peer())
+        self._watch(context, controller, token)
+        while True:
+            rank_list = controller.next_rank_list(token)
+            if rank_list is None:
+                return
+            try:
+                yield rank_list
+            except GeneratorExit:
+                # gRPC dropped the generator without resuming it: the send never completed.
+                controller.rank_list_unconfirmed(token)
+                raise
+            controller.rank_list_sent(token, rank_list)
+
+    def _subscribe_switch_nic_signal(
+        self, request: pb.SwitchNicRequest, context: Any
+    ) -> Iterator[pb.SwitchNicResponse]:
+        """``SubscribeSwitchNicSignal``: only while switching; at most one message (§2.7)."""
+        controller = self._registered(request.jobID)
+        if controller is None:
+            context.abort(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED.format(job=request.jobID))
+            return
+        token = controller.open_om_stream(context.peer())
+        if token is None:
+            context.abort(grpc.StatusCode.UNKNOWN, P.NOT_SWITCHING.format(job=request.jobID))
+            return
+        self._watch(context, controller, token)
+        response = controller.next_om_response(token)
+        if response is not None:
+            yield response

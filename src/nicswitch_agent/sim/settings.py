@@ -1,0 +1,122 @@
+"""What the simulator serves (:class:`SimJob`) and how fast it runs (:class:`SimSettings`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+__all__ = ["SimJob", "SimSettings"]
+
+
+@dataclass(frozen=True)
+class SimJob:
+    """One training job as ClusterD sees it: its rank table and its PodGroup settings.
+
+    Args:
+        job_id: the job key (``MINDX_TASK_ID``; a job UID upstream).
+        nodes: node name -> that node's rank-table ``device_id``s, nodes in pod-rank order. Every
+            node has the same number of devices (upstream builds ``rank_id`` as
+            ``podRank * podDevNum + index``, reference §2.2).
+        running: the job's status in ClusterD's job cache; ``False`` makes SwitchNicTrack answer
+            413 ``job:%s is not running`` (reference §2.1 check 4).
+        superpod_ids: node -> SuperPoD id from the device-info cache (default 0 for every node);
+            a negative id makes SwitchNicTrack answer 413 ``node:%s should operate in superPodID``.
+        recover_strategies: the PodGroup annotation ``recover-strategy``; ``exit`` is always
+            allowed on top (clusterd-observed-2 summary, point 6).
+    """
+
+    job_id: str
+    nodes: Mapping[str, Sequence[str]]
+    running: bool = True
+    superpod_ids: Mapping[str, int] | None = None
+    recover_strategies: tuple[str, ...] = ("retry", "recover", "dump")
+
+    def __post_init__(self) -> None:
+        if not self.job_id:
+            raise ValueError("job_id must not be empty")
+        if not self.nodes:
+            raise ValueError(f"job {self.job_id}: nodes must not be empty")
+        normalised: dict[str, tuple[str, ...]] = {}
+        width: int | None = None
+        for node, devices in self.nodes.items():
+            if isinstance(devices, str):
+                raise ValueError(f"job {self.job_id}: node {node}: devices must be a sequence of ids")
+            devs = tuple(str(d) for d in devices)
+            if not devs:
+                raise ValueError(f"job {self.job_id}: node {node} has no devices")
+            if len(set(devs)) != len(devs):
+                raise ValueError(f"job {self.job_id}: node {node} lists a device twice: {devs}")
+            if width is not None and len(devs) != width:
+                raise ValueError(
+                    f"job {self.job_id}: every node needs the same number of devices "
+                    f"(rank_id = podRank * podDevNum + index); {node} has {len(devs)}, not {width}"
+                )
+            width = len(devs)
+            normalised[str(node)] = devs
+        object.__setattr__(self, "nodes", normalised)
+        if self.superpod_ids is not None:
+            unknown = set(self.superpod_ids) - set(normalised)
+            if unknown:
+                raise ValueError(f"job {self.job_id}: superpod_ids for unknown nodes {sorted(unknown)}")
+            object.__setattr__(self, "superpod_ids", dict(self.superpod_ids))
+        object.__setattr__(self, "recover_strategies", tuple(self.recover_strategies))
+
+    def superpod_id(self, node: str) -> int:
+        """The node's SuperPoD id (0 unless configured)."""
+        if self.superpod_ids is None:
+            return 0
+        return int(self.superpod_ids.get(node, 0))
+
+    def allowed_strategies(self) -> frozenset[str]:
+        """The annotation plus ``exit``, which ClusterD always allows."""
+        return frozenset(self.recover_strategies) | {"exit"}
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    """Timings of the simulated ClusterD. Defaults are the real server's.
+
+    Tests shrink them to milliseconds. Every wait of the real server that a switch can reach
+    is here, so no test has to wait for a real-world minute.
+
+    Args:
+        report_timeout_s: ``reportTimeoutMinutes`` (15 min): pause ack, switch reply, continue
+            ack, stop ack, strategy report, recover status, and the O&M result stream.
+        keepalive_interval_s: keep-alive signal period on the process-manage stream (5 s).
+        enqueue_timeout_s: how long a signal or rank list may wait for its one-slot queue (1 s)
+            before ClusterD gives up with 504 and resets the job.
+        fault_flush_s: ``faultFlushSeconds`` (1 s) after the stop report.
+        force_release_s: ``dealWithForceRelease`` sleep (10 s) before ``globalFault``.
+        schedule_wait_s: ``SleepSecondBeforeCheckPGRunning`` (5 s): ListenScheduleResult and
+            the FaultRetry check after ``dump_exit``.
+        restart_wait_s: ``handleWaitRestartAllProcess`` (1 min).
+        shuffle_nodes: emulate Go map iteration (random node order in the rank list and in
+            validation); devices keep the request's order either way.
+        seed: seed for that shuffle and nothing else.
+        max_workers: gRPC server threads; every open stream and every blocked call holds one.
+    """
+
+    report_timeout_s: float = 900.0
+    keepalive_interval_s: float = 5.0
+    enqueue_timeout_s: float = 1.0
+    fault_flush_s: float = 1.0
+    force_release_s: float = 10.0
+    schedule_wait_s: float = 5.0
+    restart_wait_s: float = 60.0
+    shuffle_nodes: bool = True
+    seed: int | None = None
+    max_workers: int = field(default=32)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "report_timeout_s",
+            "keepalive_interval_s",
+            "enqueue_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        for name in ("fault_flush_s", "force_release_s", "schedule_wait_s", "restart_wait_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.max_workers < 8:
+            raise ValueError("max_workers must be >= 8 (streams hold a worker each)")
