@@ -519,3 +519,22 @@ def test_forced_pause_mode_ignores_markers(pause: str) -> None:
 
 def test_pause_timeout_must_stay_inside_clusterd_wait() -> None:
     assert "pause_timeout_s=900" in refused("below ClusterD's 900 s", pause_timeout_s=900)
+
+
+@pytest.mark.parametrize("leader", ["rank0", "launcher"])
+def test_leader_places(leader: str) -> None:
+    assert from_env({"NICSWITCH_LEADER": leader}, **BASE).leader == leader
+
+
+def test_unknown_leader_place_refused() -> None:
+    assert "leader='rank1'" in refused("choose one of rank0, launcher", leader="rank1")
+
+
+def test_store_address_from_env_and_validated() -> None:
+    assert from_env({"NICSWITCH_STORE_ADDRESS": "10.0.0.1:29600"}, **BASE).store_address == "10.0.0.1:29600"
+    assert "store_address='nohost'" in refused("host:port", store_address="nohost")
+
+
+def test_rank_from_env_and_inside_world() -> None:
+    assert from_env({"RANK": "3", "WORLD_SIZE": "4"}, **BASE).rank == 3
+    assert "rank=4 is outside world_size=4" in refused("outside", rank=4, world_size=4)

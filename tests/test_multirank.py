@@ -264,3 +264,38 @@ def test_failed_switch_rolls_back_on_every_rank_then_dump_stops_every_rank(sim: 
     assert [r for r, _ in job.stops] == [0]  # on_stop runs where the decision is made: the leader
     rollbacks = [c for c in job.calls if c[3] == (False,)]
     assert sorted(c[0] for c in rollbacks) == list(range(WORLD))
+
+
+def test_leader_in_a_launcher_process_and_every_rank_a_member(sim: Simulator) -> None:
+    """The launcher hosts the leader (and the Store); all training ranks, rank 0 included, are members."""
+    store = InProcessStore()
+    leader = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", store=store, world_size=2,
+                         leader_only=True, reconnect_initial_s=0.02, reconnect_max_s=0.1).start()
+    calls: list[tuple[Any, ...]] = []
+    lock = threading.Lock()
+    collective = Collective(2)
+    ranks = []
+    for r in range(2):
+        hook = Hook(r, calls, lock)
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=hook, store=store, rank=r,
+                            world_size=2, leader="launcher")
+        hook.agent = agent
+        ranks.append(Rank(r, agent.start(), collective))
+    for rank in ranks:
+        rank.thread.start()
+    try:
+        assert leader.status()["role"] == "leader" and leader._member is None
+        assert all(r.agent.status()["role"] == "member" and r.agent._channel is None for r in ranks)
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-0", ["0", "1"], [True, True]) == "switch nic finish"
+        assert sorted(c[0] for c in calls) == [0, 1] and len({c[4] for c in calls}) == 1
+        for rank in ranks:
+            assert rank.wait_step(rank.step + 2)
+    finally:
+        for rank in ranks:
+            rank.stop.set()
+        collective.barrier.abort()
+        for rank in ranks:
+            rank.agent.stop()
+            rank.thread.join(10)
+        leader.stop()

@@ -112,6 +112,8 @@ class SwitchAgent:
         store: the key-value Store ranks coordinate through (a ``torch.distributed`` Store);
             default: the job's default store when torch.distributed is initialised with more
             than one rank, an in-process store for a single rank.
+        leader_only: run only the leader, for ``world_size`` members elsewhere (the
+            ``nicswitch-agent launch`` process, which hosts the Store its children join).
         config: a ready :class:`AgentConfig` (then the other settings must not be given).
         **settings: any :class:`AgentConfig` field, e.g. ``switch_timeout_s=60``.
 
@@ -130,6 +132,7 @@ class SwitchAgent:
         on_stop: Callable[[str], None] | None = None,
         on_event: EventListener | None = None,
         store: Any | None = None,
+        leader_only: bool = False,
         config: AgentConfig | None = None,
         **settings: Any,
     ) -> None:
@@ -145,6 +148,7 @@ class SwitchAgent:
         self._switch_hook = switch_hook
         self._checkpoint_hook = checkpoint_hook
         self._store = store
+        self._leader_only = leader_only
         self._events = EventLog()
         if on_event is not None:
             self._events.add_listener(on_event)
@@ -187,7 +191,7 @@ class SwitchAgent:
                 raise AgentStateError(f"start() called on an agent that is {self._state}")
             self._state = "starting"
         try:
-            if not self.config.dry_run:
+            if not self.config.dry_run and not self._leader_only:  # a leader-only process runs no hooks
                 check_hook(self._switch_hook)
                 if self._checkpoint_hook is not None:
                     check_hook(self._checkpoint_hook)
@@ -224,6 +228,9 @@ class SwitchAgent:
         cfg = self.config
         self.rank, self.world_size = self._topology()
         kv = self._coordination_kv()
+        leads = self._leader_only or (cfg.leader == "rank0" and self.rank == 0)
+        if self._leader_only:
+            return self._start_leader(kv)
         rank_map = RankMap.from_env(rank=self.rank)
         self._member = Member(
             kv.clone(), self.rank, self._parking,
@@ -234,14 +241,18 @@ class SwitchAgent:
             on_event=lambda kind, detail: self._emit(kind, detail=detail),
         )
         self._member.start()
-        if self.rank != 0:  # a member only: the leader (rank 0) holds ClusterD's streams
+        if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:
                 self._state = RUNNING
             _register_exit_hooks(self)
-            logger.info("nicswitch-agent started as member: rank %d of %d, job=%s", self.rank, self.world_size,
-                        cfg.job_id)
+            logger.info("nicswitch-agent started as member: rank %d of %d, job=%s, leader=%s", self.rank,
+                        self.world_size, cfg.job_id, cfg.leader)
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
             return self
+        return self._start_leader(kv)
+
+    def _start_leader(self, kv: KV) -> SwitchAgent:
+        cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
         self._channel = open_channel(ChannelSettings(
             target=cfg.server,
@@ -371,6 +382,9 @@ class SwitchAgent:
         last_msg = sub.last_message_mono if sub else None
         return {
             "state": state,
+            "role": "leader" if self._coordinator is not None else ("member" if self._member is not None else None),
+            "rank": self.rank,
+            "world_size": self.world_size,
             "job_id": self.config.job_id,
             "server": self.config.server,
             "pause": self.pause_mode,
@@ -468,6 +482,10 @@ class SwitchAgent:
         """(rank, world size): configured, else torch.distributed's, else a single rank."""
         cfg = self.config
         rank, world = cfg.rank, cfg.world_size
+        if self._leader_only:
+            if world is None:
+                raise ConfigError("leader_only=True needs world_size: the number of training ranks it leads")
+            return 0, world
         dist = sys.modules.get("torch.distributed")
         if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
             rank = dist.get_rank() if rank is None else rank
@@ -479,9 +497,13 @@ class SwitchAgent:
         return rank, world
 
     def _coordination_kv(self) -> KV:
-        prefix = key_prefix(self.config.job_id)
+        cfg = self.config
+        # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
+        prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or self._leader_only) else None)
         if self._store is not None:
             return KV(self._store, prefix)
+        if cfg.store_address is not None:
+            return KV(_connect_tcp_store(cfg.store_address, cfg.rpc_timeout_s), prefix)
         if self.world_size == 1:
             return KV(InProcessStore(), prefix)
         dist = sys.modules.get("torch.distributed")
@@ -607,6 +629,22 @@ class SwitchAgent:
 
     def _emit(self, kind: str, seq: int | None = None, detail: dict[str, Any] | None = None) -> None:
         self._events.emit(AgentEvent(kind=kind, job_id=self.config.job_id, seq=seq, detail=detail or {}))
+
+
+def _connect_tcp_store(address: str, timeout_s: float) -> Any:
+    """A client of the TCPStore at ``host:port`` (hosted by the launcher)."""
+    import datetime
+
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise ConfigError(f"store_address={address!r} needs torch (pip install nicswitch-agent[torch])") from exc
+    host, _, port = address.rpartition(":")
+    try:
+        return TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=max(timeout_s, 30.0)),
+                        wait_for_workers=False)
+    except RuntimeError as exc:
+        raise ConfigError(f"store_address={address!r}: cannot reach the Store: {exc}") from exc
 
 
 _live_agents: weakref.WeakSet[SwitchAgent] = weakref.WeakSet()

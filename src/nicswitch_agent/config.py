@@ -27,6 +27,7 @@ CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
 CLUSTERD_MIN_PING_INTERVAL_S = 3.0
 LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
+LEADER_PLACES = ("rank0", "launcher")
 ENV_PREFIX = "NICSWITCH_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -94,6 +95,12 @@ class AgentConfig:
     rank: int | None = None
     """This process's global rank (env RANK; else torch.distributed's, else 0). Rank 0 leads: it
     alone holds ClusterD's streams (ClusterD has one queue per job, read by competing subscribers)."""
+    leader: str = "rank0"
+    """Where the job's leader runs: ``rank0`` (global rank 0's agent) or ``launcher`` (the
+    ``nicswitch-agent launch`` process; every training rank is then a member only)."""
+    store_address: str | None = None
+    """``host:port`` of a TCPStore to coordinate through instead of the job's default store (the
+    launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
     max_parked_s: float = 1800.0
     """A member parked this long without a word from the leader lets training go on."""
     max_ranks: int = 1 << 18
@@ -157,6 +164,10 @@ class AgentConfig:
             raise ConfigError("job_id is not set: pass job_id=..., or set NICSWITCH_JOB_ID or MINDX_TASK_ID")
         if self.job_id != self.job_id.strip() or any(ord(c) < 32 for c in self.job_id):
             raise ConfigError(f"job_id={self.job_id!r} has surrounding spaces or control characters")
+        if self.leader not in LEADER_PLACES:
+            raise ConfigError(f"leader={self.leader!r} is not supported; choose one of {', '.join(LEADER_PLACES)}")
+        if self.store_address is not None:
+            _check_target("store_address", self.store_address)
         if self.pause not in PAUSE_MODES:
             raise ConfigError(
                 f"pause={self.pause!r} is not supported; choose one of {', '.join(PAUSE_MODES)}"

@@ -53,6 +53,8 @@ class Coordinator:
         self._paused = False
         self._garbage: list[str] = []  # keys of the last epoch, deleted when the next one starts
         self.last_pause: PauseOutcome | None = None
+        if kv.check([p.QUEUE_HEAD]):  # a leader restarted on a Store that outlived it: continue the count
+            self._n = int(kv.get(p.QUEUE_HEAD))
 
     @property
     def paused(self) -> bool:
@@ -67,6 +69,7 @@ class Coordinator:
         text = p.encode(message)
         for rank in range(self.world_size):
             self.kv.set(p.queue_key(rank, self._n), text)
+        self.kv.set(p.QUEUE_HEAD, str(self._n))
 
     def _new_epoch(self) -> int:
         if self._garbage:

@@ -105,6 +105,12 @@ class Member:
 
     def _run(self) -> None:
         kv = self.kv
+        try:
+            if kv.check([p.QUEUE_HEAD]):  # joining a leader that already published: start after it
+                self._next = int(kv.get(p.QUEUE_HEAD)) + 1
+        except RuntimeError as exc:
+            self._coordination_lost(f"{type(exc).__name__}: {exc}")
+            return
         while not self._stop.is_set():
             key = p.queue_key(self.rank, self._next)
             try:

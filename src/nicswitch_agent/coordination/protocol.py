@@ -19,7 +19,9 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"}
 
-A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
+``q/head`` holds the number of the last event published, so a member that starts late (a training
+process restarted under a launcher-hosted leader) begins with the next event instead of replaying
+old ones. A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
 on; nobody else reads a member's queue.
 """
 
@@ -39,6 +41,9 @@ KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 def key_prefix(job_id: str, restart_count: str | None = None) -> str:
     restart = restart_count if restart_count is not None else os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return f"nicswitch/{job_id}/{restart}"
+
+
+QUEUE_HEAD = "q/head"  # the number of the last event published (a member joining late starts after it)
 
 
 def queue_key(rank: int, n: int) -> str:
