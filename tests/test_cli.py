@@ -22,9 +22,10 @@ def test_demo_runs_a_failover_and_a_switchback_and_exits_zero() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert out.count("result: 'switch nic finish'") == 2
-    assert out.count("training parked at step") == 2
+    assert out.count("training parked at step") == 2 * 4  # every rank, twice
     assert out.count("ReplySwitchNicResult(true) delivered") == 2
-    assert "ranks on standby: 4, 5" in out and "ranks on standby: none" in out
+    assert "every rank parked at the same steps: yes" in out
+    assert "ranks on standby: 2, 3" in out and "ranks on standby: none" in out
     assert "misuse" not in out
     assert out.rstrip().endswith("demo succeeded")
 

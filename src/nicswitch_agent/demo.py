@@ -9,6 +9,7 @@ exits 0 only if both switches ended in "switch nic finish" with every link where
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -22,13 +23,14 @@ from typing import TextIO
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.agent import SwitchAgent
+from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 JOB_ID = "demo-job"
-NODES = {"node-0": ["0", "1", "2", "3"], "node-1": ["0", "1", "2", "3"]}
+NODES = {"node-0": ["0", "1"], "node-1": ["0", "1"]}
 STEP_INTERVAL_S = 0.02
 WARMUP_STEPS = 10
 
@@ -73,6 +75,7 @@ class FileCheckpoint:
     """Writes a tiny checkpoint (the step) before each switch, atomically."""
 
     def __init__(self, directory: str, current_step: Callable[[], int | None]) -> None:
+        os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.current_step = current_step
         self.paths: list[str] = []
@@ -111,7 +114,7 @@ def _describe_event(event: AgentEvent) -> str | None:
         where = "on the parked training thread" if d["parked"] else "on the member thread"
         what = "guard + switch" if d["kind"] == "switch" else d["kind"]
         result = "ok" if d["ok"] else "FAILED: " + d["reason"]
-        return f"rank {d['rank']}: {what} {result} in {d['duration_s'] * 1000:.1f} ms {where}"
+        return f"{what} {result} in {d['duration_s'] * 1000:.1f} ms {where}"
     if event.kind == "switch_done":
         verdict = "switched" if d["ok"] else "FAILED: " + d["reason"]
         return f"order #{event.seq} {verdict} on all {d['ranks']} rank(s) in {d['duration_s'] * 1000:.1f} ms"
@@ -149,9 +152,21 @@ def _operator_switch(stub: RecoverStub, nic_ops: dict[str, tuple[list[str], list
     return "stream ended without a result"
 
 
+@dataclass
+class _DemoRank:
+    """One training rank of the demo: its agent, its view of the links, its checkpoints."""
+
+    rank: int
+    agent: SwitchAgent
+    links: LinkTable
+    guard: FileCheckpoint
+    progress: _Progress
+    thread: threading.Thread | None = None
+    parked_at: list[int] = field(default_factory=list)
+
+
 def run_demo(out: TextIO, *, verbose: bool = False) -> int:
     """Run the demo, print its timeline to ``out``; 0 when both switches finished correctly."""
-
     timeline = Timeline()
     sim_logger = logging.getLogger("nicswitch_agent.sim")
     handler = _SimLogToTimeline(timeline)
@@ -160,12 +175,14 @@ def run_demo(out: TextIO, *, verbose: bool = False) -> int:
     sim_logger.setLevel(logging.INFO)
     sim_logger.propagate = verbose
     world = sum(len(devs) for devs in NODES.values())
-    links = LinkTable(world)
     stop_training = threading.Event()
+    collective = threading.Barrier(world, timeout=60)
     results: list[str] = []
-    out.write("nicswitch-agent demo: ClusterD simulator + a training loop with the agent, all on loopback\n")
-    out.write(f"job {JOB_ID}: {len(NODES)} nodes x {len(NODES['node-0'])} devices = {world} ranks; "
-              f"pause mode agent; a step every {STEP_INTERVAL_S * 1000:.0f} ms\n\n")
+    ranks: list[_DemoRank] = []
+    out.write("nicswitch-agent demo: ClusterD simulator + a training job with the agent, all in this process\n")
+    out.write(f"job {JOB_ID}: {len(NODES)} nodes x {len(NODES['node-0'])} devices = {world} ranks (threads, "
+              f"meeting every step like an all-reduce); pause mode agent; a step every "
+              f"{STEP_INTERVAL_S * 1000:.0f} ms; rank 0 leads\n\n")
     try:
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as ckpt_dir, Simulator(
             jobs=[SimJob(job_id=JOB_ID, nodes=NODES)],
@@ -173,57 +190,94 @@ def run_demo(out: TextIO, *, verbose: bool = False) -> int:
         ) as sim:
             address = sim.address
             timeline.add("demo", f"simulator serving on {address}")
-            steps: list[int] = [0]
-            progress = _Progress()
-            guard = FileCheckpoint(ckpt_dir, lambda: steps[-1])
-            agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent",
-                                switch_hook=links, checkpoint_hook=guard,
-                                on_event=lambda e: _timeline_event(timeline, e))
-            trainer = threading.Thread(target=_train, args=(agent, stop_training, steps, progress),
-                                       name="demo-train", daemon=True)
-            with agent:
-                trainer.start()
-                channel = open_channel(ChannelSettings(target=address))
-                stub = RecoverStub(channel)
-                try:
-                    _wait_streams(sim)
-                    progress.wait_for_step(WARMUP_STEPS)
-                    timeline.add("demo", f"training at step {steps[-1]}; failover: move node-1's devices 0 and 1 "
-                                         "to their standby NICs")
-                    results.append(_operator_switch(stub, {"node-1": (["0", "1"], [True, True])}, timeline, 60))
-                    timeline.add("demo", links.describe())
-                    _wait_streams(sim)
-                    progress.wait_for_step(steps[-1] + WARMUP_STEPS)
-                    timeline.add("demo", f"training at step {steps[-1]}; switchback: move them back to their "
-                                         "primary NICs")
-                    results.append(_operator_switch(stub, {"node-1": (["0", "1"], [False, False])}, timeline, 60))
-                    timeline.add("demo", links.describe())
-                    progress.wait_for_step(steps[-1] + WARMUP_STEPS)
-                finally:
-                    channel.close()
-                    stop_training.set()
-                    trainer.join(5)
-            checkpoints = len(guard.paths)
+            store = InProcessStore()  # a torch job would coordinate through its own TCPStore
+            for r in range(world):
+                progress = _Progress()
+                links = LinkTable(world)
+                guard = FileCheckpoint(os.path.join(ckpt_dir, f"rank{r}"), progress.current)
+                agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent", rank=r, world_size=world,
+                                    store=store, switch_hook=links, checkpoint_hook=guard)
+                demo_rank = _DemoRank(r, agent, links, guard, progress)
+                agent.add_listener(functools.partial(_on_event, timeline, rank=demo_rank))
+                ranks.append(demo_rank)
+            for demo_rank in ranks:
+                demo_rank.agent.start()
+            for demo_rank in ranks:
+                demo_rank.thread = threading.Thread(target=_train, args=(demo_rank, stop_training, collective),
+                                                    name=f"demo-rank{demo_rank.rank}", daemon=True)
+                demo_rank.thread.start()
+            leader = ranks[0]
+            channel = open_channel(ChannelSettings(target=address))
+            stub = RecoverStub(channel)
+            try:
+                _wait_streams(sim)
+                leader.progress.wait_for_step(WARMUP_STEPS)
+                timeline.add("demo", f"training at step {leader.progress.step}; failover: move node-1's devices "
+                                     "0 and 1 to their standby NICs")
+                results.append(_operator_switch(stub, {"node-1": (["0", "1"], [True, True])}, timeline, 60))
+                timeline.add("demo", leader.links.describe())
+                _wait_streams(sim)
+                leader.progress.wait_for_step(leader.progress.step + WARMUP_STEPS)
+                timeline.add("demo", f"training at step {leader.progress.step}; switchback: move them back to "
+                                     "their primary NICs")
+                results.append(_operator_switch(stub, {"node-1": (["0", "1"], [False, False])}, timeline, 60))
+                timeline.add("demo", leader.links.describe())
+                leader.progress.wait_for_step(leader.progress.step + WARMUP_STEPS)
+            finally:
+                channel.close()
+                stop_training.set()
+                collective.abort()
+                for demo_rank in ranks:
+                    demo_rank.agent.stop()
+                    if demo_rank.thread is not None:
+                        demo_rank.thread.join(5)
+            checkpoints = sum(len(r.guard.paths) for r in ranks)
     finally:
         sim_logger.removeHandler(handler)
         sim_logger.setLevel(old_level)
         sim_logger.propagate = old_propagate
     timeline.render(out)
-    ok = results == ["switch nic finish", "switch nic finish"] and not any(links.standby) and links.calls == 2
-    status = agent.status()
+    same_links = all(r.links.standby == ranks[0].links.standby for r in ranks)
+    same_steps = all(r.parked_at == ranks[0].parked_at for r in ranks) and len(ranks[0].parked_at) == 2
+    ok = (results == ["switch nic finish", "switch nic finish"] and same_links and same_steps
+          and not any(ranks[0].links.standby) and all(r.links.calls == 2 for r in ranks))
+    status = ranks[0].agent.status()
     out.write("\n")
     out.write(f"switches: {len(results)}, results: {results}\n")
-    out.write(f"checkpoints written by the guard: {checkpoints}; training reached step {agent.last_step}\n")
+    out.write(f"every rank parked at the same steps: {'yes' if same_steps else 'NO'} "
+              f"({', '.join(str(s) for s in ranks[0].parked_at)}); every rank switched the same links: "
+              f"{'yes' if same_links else 'NO'}\n")
+    out.write(f"checkpoints written by the guards: {checkpoints} ({world} ranks x 2 switches); "
+              f"training reached step {ranks[0].progress.step}\n")
     out.write(f"replies delivered: {status['counters']['replies_delivered']}, "
               f"failed: {status['counters']['replies_failed']}\n")
     out.write("demo " + ("succeeded" if ok else "FAILED") + "\n")
     return 0 if ok else 1
 
 
-def _timeline_event(timeline: Timeline, event: AgentEvent) -> None:
+_LEADER_EVENTS = {"list_received", "switch_done", "reply_sent", "reply_failed"}
+
+
+def _on_event(timeline: Timeline, event: AgentEvent, *, rank: _DemoRank) -> None:
+    if event.kind == "parked":
+        rank.parked_at.append(int(event.detail["step"]))
+    _timeline_event(timeline, event, rank.rank)
+
+
+def _timeline_event(timeline: Timeline, event: AgentEvent, rank: int) -> None:
+    if event.kind in _LEADER_EVENTS or event.kind.startswith("agent_"):
+        if rank != 0 and event.kind.startswith("agent_"):
+            return  # one line for the job's start and stop is enough
+        who = "leader"
+    elif event.kind in ("parked", "resumed"):
+        if rank != 0 and event.kind == "resumed":
+            return
+        who = f"rank {rank}"
+    else:
+        who = f"rank {rank}"
     text = _describe_event(event)
     if text is not None:
-        timeline.add("agent", text)
+        timeline.add(who, text)
 
 
 class _Progress:
@@ -232,6 +286,9 @@ class _Progress:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self.step = 0
+
+    def current(self) -> int:
+        return self.step
 
     def advance(self, step: int) -> None:
         with self._cond:
@@ -243,14 +300,18 @@ class _Progress:
             self._cond.wait_for(lambda: self.step >= step, timeout)
 
 
-def _train(agent: SwitchAgent, stop: threading.Event, steps: list[int], progress: _Progress) -> None:
+def _train(rank: _DemoRank, stop: threading.Event, collective: threading.Barrier) -> None:
+    """A rank's training loop: compute, meet the others (the all-reduce), mark the step boundary."""
     step = 0
-    while not stop.wait(STEP_INTERVAL_S):
-        step += 1
-        steps.append(step)
-        del steps[:-1]
-        agent.step(step)
-        progress.advance(step)
+    agent = rank.agent
+    try:
+        while not stop.wait(STEP_INTERVAL_S):
+            collective.wait()
+            step += 1
+            agent.step(step)
+            rank.progress.advance(step)
+    except threading.BrokenBarrierError:
+        return
 
 
 def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
