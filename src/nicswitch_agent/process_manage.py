@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.stream_thread import StreamThread
 from nicswitch_agent.subscriber import backoff_delays, describe_rpc_error, should_terminate
 from nicswitch_agent.transport import RecoverStub
 
@@ -136,7 +137,7 @@ class ProcessManageSettings:
     stop_timeout_s: float = 1.0
 
 
-class ProcessManageClient:
+class ProcessManageClient(StreamThread):
     """Registers the job and keeps SubscribeProcessManageSignal open; one named daemon thread."""
 
     def __init__(
@@ -148,16 +149,13 @@ class ProcessManageClient:
         on_stream_end: Callable[[str], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
+        super().__init__("nicswitch-process-manage", settings.stop_timeout_s)
         self._stub = stub
         self._settings = settings
         self._on_signal = on_signal
         self._on_stream_end = on_stream_end
         self._on_fatal = on_fatal
         self.gate = StreamGate()  # open while our stream is open: the notify stream may open
-        self._stop = threading.Event()
-        self._lock = threading.Lock()  # guards _call and the counters below
-        self._call: Any = None
-        self._thread: threading.Thread | None = None
         self.registered = False
         self.opens = 0
         self.errors = 0
@@ -165,38 +163,8 @@ class ProcessManageClient:
         self.last_keepalive_mono: float | None = None
         self.last_error = ""
 
-    # -- lifecycle ---------------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self._thread is not None:
-            raise RuntimeError("ProcessManageClient already started")
-        self._thread = threading.Thread(target=self._run, name="nicswitch-process-manage", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> bool:
-        self._stop.set()
+    def _on_stop(self) -> None:
         self.gate.close()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(self._settings.stop_timeout_s)
-        if thread.is_alive():
-            logger.warning("process-manage thread did not stop within %.1f s", self._settings.stop_timeout_s)
-            return False
-        return True
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    @property
-    def stream_open(self) -> bool:
-        with self._lock:
-            return self._call is not None
 
     # -- reports (called from the agent's worker thread) ----------------------------------------
 
@@ -269,11 +237,9 @@ class ProcessManageClient:
                 if not self.registered:
                     self._register()
                 call = self._stub.SubscribeProcessManageSignal(request, wait_for_ready=True)
+                self._set_call(call)
                 with self._lock:
-                    self._call = call
                     self.opens += 1
-                if self._stop.is_set():
-                    call.cancel()
                 opened, opened_at, signals_before = True, time.monotonic(), self.signals
                 # The server handles our subscribe (and its reset) concurrently with whatever
                 # comes next on the connection; give it a moment before the notify stream opens.
@@ -318,8 +284,7 @@ class ProcessManageClient:
                 delay = next(delays)
             finally:
                 self.gate.close()
-                with self._lock:
-                    self._call = None
+                self._set_call(None)
             if opened and self._on_stream_end is not None and not self._stop.is_set():
                 try:
                     self._on_stream_end(reason)

@@ -23,11 +23,12 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.stream_thread import StreamThread
 from nicswitch_agent.transport import RecoverStub
 
 if TYPE_CHECKING:
@@ -90,7 +91,7 @@ class SubscriberSettings:
     eof_burst: int = 5
 
 
-class NotifySubscriber:
+class NotifySubscriber(StreamThread):
     """Keeps one SubscribeNotifySwitch stream open and passes every received list on."""
 
     def __init__(
@@ -103,17 +104,14 @@ class NotifySubscriber:
         on_health: Callable[[bool, str], None] | None = None,
         gate: StreamGate | None = None,
     ) -> None:
+        super().__init__("nicswitch-notify", settings.stop_timeout_s)
         self._stub = stub
         self._settings = settings
         self._on_list = on_list
         self._on_fatal = on_fatal
         self._on_health = on_health
         self._gate = gate  # when given, open only while it is set (the process-manage stream is open)
-        self._stop = threading.Event()
         self._ready = threading.Event()
-        self._lock = threading.Lock()  # guards _call and the counters below
-        self._call: Any = None
-        self._thread: threading.Thread | None = None
         self.opens = 0
         self.clean_ends = 0
         self.errors = 0
@@ -129,32 +127,8 @@ class NotifySubscriber:
 
     def start(self) -> None:
         """Start the thread; returns once it runs. A second start() is refused."""
-        if self._thread is not None:
-            raise RuntimeError("NotifySubscriber already started")
-        self._thread = threading.Thread(target=self._run, name="nicswitch-notify", daemon=True)
-        self._thread.start()
+        super().start()
         self._ready.wait()
-
-    def stop(self) -> bool:
-        """Cancel the stream and join the thread (bounded). Idempotent. True if the thread ended."""
-        self._stop.set()
-        with self._lock:
-            call = self._call
-        if call is not None:
-            call.cancel()
-        thread = self._thread
-        if thread is None or thread is threading.current_thread():
-            return True
-        thread.join(self._settings.stop_timeout_s)
-        if thread.is_alive():
-            logger.warning("notify thread did not stop within %.1f s", self._settings.stop_timeout_s)
-            return False
-        return True
-
-    @property
-    def stream_open(self) -> bool:
-        with self._lock:
-            return self._call is not None
 
     def connected(self, settle_s: float = 1.0) -> bool:
         """True when a stream is open and either healthy or open for ``settle_s`` without error
@@ -164,10 +138,6 @@ class NotifySubscriber:
                 return False
             opened = self.last_open_mono
         return self.healthy or (opened is not None and time.monotonic() - opened >= settle_s)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -196,12 +166,10 @@ class NotifySubscriber:
             ended_cleanly = False
             try:
                 call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=True)
+                self._set_call(call)
                 with self._lock:
-                    self._call = call
                     self.opens += 1
                     self.last_open_mono = time.monotonic()
-                if self._stop.is_set():
-                    call.cancel()
                 for message in call:
                     got_message = True
                     self._set_health(True, "message received")
@@ -252,8 +220,7 @@ class NotifySubscriber:
                     self.last_error = f"{type(exc).__name__}: {exc}"
                 delay = next(delays)
             finally:
-                with self._lock:
-                    self._call = None
+                self._set_call(None)
             if delay > 0 and self._stop.wait(delay):
                 break
 

@@ -1,0 +1,76 @@
+"""StreamThread: one named daemon thread that owns one cancellable gRPC call at a time.
+
+The notify subscriber and the process-manage client share this lifecycle (python-api-core's
+``BackgroundConsumer`` is the model): ``start()`` once; ``stop()`` sets an Event, cancels the call
+in flight (the reading thread then gets CANCELLED at once: a blocked ``__next__`` has no timeout
+of its own, grpc/grpc#20562), and joins with a bound. Subclasses implement ``_run`` and publish
+their call through ``_set_call`` so that ``stop()`` can reach it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import threading
+from typing import Any
+
+logger = logging.getLogger("nicswitch_agent.streams")
+
+
+class StreamThread(abc.ABC):
+    """Lifecycle of a background stream reader; see the module docstring."""
+
+    def __init__(self, name: str, stop_timeout_s: float) -> None:
+        self._name = name
+        self._stop_timeout_s = stop_timeout_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _call and the subclass's counters
+        self._call: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Start the thread. A second start() is refused."""
+        if self._thread is not None:
+            raise RuntimeError(f"{self._name} already started")
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> bool:
+        """Cancel the call and join the thread (bounded). Idempotent. True if the thread ended."""
+        self._stop.set()
+        self._on_stop()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+        thread = self._thread
+        if thread is None or thread is threading.current_thread():
+            return True
+        thread.join(self._stop_timeout_s)
+        if thread.is_alive():
+            logger.warning("%s did not stop within %.1f s", self._name, self._stop_timeout_s)
+            return False
+        return True
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def stream_open(self) -> bool:
+        with self._lock:
+            return self._call is not None
+
+    def _set_call(self, call: Any) -> None:
+        """Publish the call in flight (None when it ended); cancel at once if stop() came first."""
+        with self._lock:
+            self._call = call
+        if call is not None and self._stop.is_set():
+            call.cancel()
+
+    def _on_stop(self) -> None:  # noqa: B027 - optional hook
+        """Called by stop() before the call is cancelled (e.g. to close a gate)."""
+
+    @abc.abstractmethod
+    def _run(self) -> None:
+        """The thread's loop; must return soon after ``self._stop`` is set."""
