@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("torch")
 
-from nicswitch_agent._pb import recover_pb2 as pb  # noqa: E402
-from nicswitch_agent.sim import SimJob, Simulator, SimSettings  # noqa: E402
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel  # noqa: E402
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parent.parent

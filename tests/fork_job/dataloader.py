@@ -11,10 +11,10 @@ import sys
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
-import torch  # noqa: E402
-from torch.utils.data import DataLoader, Dataset  # noqa: E402
+import torch
+from torch.utils.data import DataLoader, Dataset
 
-from nicswitch_agent import SwitchAgent  # noqa: E402
+from nicswitch_agent import SwitchAgent
 
 
 class Numbers(Dataset[torch.Tensor]):
