@@ -43,7 +43,7 @@ def test_dataloader_workers_fork_cleanly_and_the_agent_still_switches(sim: Simul
     env.pop("GRPC_ENABLE_FORK_SUPPORT", None)
     if fork_support is not None:
         env["GRPC_ENABLE_FORK_SUPPORT"] = fork_support
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fork_job.dataloader", "2"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "tests.fork_job.dataloader", "1"], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None and proc.stdin is not None
