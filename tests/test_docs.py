@@ -3,13 +3,22 @@
 - docs/configuration.md names every AgentConfig field and its NICSWITCH_* variable;
 - docs/protocol.md names every method path the transport knows;
 - the README's first code block is exactly the demo command and the test command, and the
-  test command is what .ci/run runs, verbatim.
+  test command is what .ci/run runs, verbatim;
+- every `nicswitch-agent ...` / `python -m nicswitch_agent ...` command in a ```bash block of
+  docs/*.md and the README names a subcommand that exists, whose `--help` exits 0 and lists every
+  `--flag` the doc uses (checked in a subprocess, one per distinct subcommand).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -63,3 +72,198 @@ def test_readme_first_block_is_demo_then_ci_test_command() -> None:
     assert test_command in ci_commands, (
         f".ci/run does not run the README's test command verbatim: {test_command!r}"
     )
+
+
+# -- every command in the docs exists ------------------------------------------------------------
+#
+# Every shell command in a ```bash block of docs/*.md (and the README) that runs the command line
+# (`nicswitch-agent ...` or `python -m nicswitch_agent ...`) is checked against the real CLI, in a
+# subprocess: its subcommand is listed by `--help`, `<subcommand> --help` exits 0, and every
+# `--flag` the doc uses appears in that help text. Help texts are cached, so the whole check runs
+# one subprocess per distinct (module, subcommand).
+
+DOC_FILES = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]
+SHELL_FENCES = {"bash", "sh", "shell"}
+CONTROL_OPERATORS = {"&&", "||", ";", "|", "&", ";;"}
+ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+CLI_MODULE = "nicswitch_agent"
+LONG_FLAG = re.compile(r"^--[A-Za-z0-9][\w-]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class DocCommand:
+    where: str  # "docs/x.md:12"
+    text: str
+    module: str  # "nicswitch_agent", or a submodule run with -m (e.g. "nicswitch_agent.sim")
+    pre_flags: tuple[str, ...]  # --flags before the subcommand
+    subcommand: str | None
+    flags: tuple[str, ...]  # --flags after the subcommand
+
+
+def shell_lines(path: Path) -> list[tuple[int, str]]:
+    """(line number, command line) in every ```bash/sh/shell block; continuations joined."""
+    found: list[tuple[int, str]] = []
+    inside, pending, pending_start = False, "", 0
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        fence = line.strip()
+        if not inside:
+            inside = fence.startswith("```") and fence[3:].strip() in SHELL_FENCES
+            continue
+        if fence.startswith("```"):
+            if pending:
+                found.append((pending_start, pending))
+            inside, pending = False, ""
+            continue
+        if not pending:
+            pending_start = number
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        found.append((pending_start, pending + line))
+        pending = ""
+    return found
+
+
+def split_commands(line: str) -> list[list[str]]:
+    """Shell words of each simple command on ``line`` (comments dropped, split at ; && || | &)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    lexer.commenters = "#"
+    commands: list[list[str]] = [[]]
+    for token in lexer:
+        if token in CONTROL_OPERATORS:
+            commands.append([])
+        else:
+            commands[-1].append(token)
+    return [c for c in commands if c]
+
+
+def parse_cli(words: list[str]) -> tuple[str, list[str]] | None:
+    """(module, arguments) when ``words`` runs the command line, else None."""
+    while words and ENV_ASSIGNMENT.match(words[0]):
+        words = words[1:]
+    if not words:
+        return None
+    if words[0] == "nicswitch-agent":
+        return CLI_MODULE, words[1:]
+    program = Path(words[0]).name
+    if re.fullmatch(r"python(3(\.\d+)?)?", program) and len(words) >= 3 and words[1] == "-m":
+        module = words[2]
+        if module == CLI_MODULE or module.startswith(CLI_MODULE + "."):
+            return module, words[3:]
+    return None
+
+
+def flags_of(words: list[str]) -> tuple[str, ...]:
+    return tuple(m.group(0) for w in words if (m := LONG_FLAG.match(w)))
+
+
+def doc_commands() -> list[DocCommand]:
+    found: list[DocCommand] = []
+    for path in DOC_FILES:
+        if not path.exists():
+            continue
+        relative = path.relative_to(ROOT).as_posix()
+        for number, line in shell_lines(path):
+            for words in split_commands(line):
+                parsed = parse_cli(words)
+                if parsed is None:
+                    continue
+                module, args = parsed
+                if "--" in args:  # what follows is another program's command line (a wrapped command)
+                    args = args[:args.index("--")]
+                pre: list[str] = []
+                sub: str | None = None
+                if module == CLI_MODULE:  # global options, then the subcommand, then its options
+                    while args and args[0].startswith("-"):
+                        pre.append(args.pop(0))
+                    sub = args.pop(0) if args else None
+                found.append(DocCommand(f"{relative}:{number}", line.strip(), module, flags_of(pre), sub,
+                                        flags_of(args)))
+    return found
+
+
+def run_help(module: str, subcommand: str | None) -> tuple[int, str]:
+    """(exit code, stdout + stderr) of ``python -m <module> [<subcommand>] --help``."""
+    args = [sys.executable, "-m", module, *([subcommand] if subcommand else []), "--help"]
+    env = {**os.environ, "COLUMNS": "200", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=env, check=False)
+    return result.returncode, result.stdout + result.stderr
+
+
+@functools.lru_cache(maxsize=1)
+def all_help_texts() -> dict[tuple[str, str | None], tuple[int, str]]:
+    """Every help text the doc commands need, fetched once and in parallel (each is a cold start)."""
+    wanted: set[tuple[str, str | None]] = {(c.module, None) for c in DOC_COMMANDS}
+    wanted |= {(c.module, c.subcommand) for c in DOC_COMMANDS if c.subcommand is not None}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2))) as pool:
+        futures = {key: pool.submit(run_help, *key) for key in wanted}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def cli_help(module: str, subcommand: str | None) -> tuple[int, str]:
+    return all_help_texts()[(module, subcommand)]
+
+
+def has_flag(help_text: str, flag: str) -> bool:
+    return re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text) is not None
+
+
+DOC_COMMANDS = doc_commands()
+
+
+def test_docs_show_the_main_commands() -> None:
+    used = {c.subcommand for c in DOC_COMMANDS if c.module == CLI_MODULE}
+    assert {"demo", "sim", "switch", "watch"} <= used, f"docs use only {sorted(used, key=str)}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("command", DOC_COMMANDS, ids=[c.where for c in DOC_COMMANDS])
+def test_doc_command_exists_with_its_flags(command: DocCommand) -> None:
+    code, main_help = cli_help(command.module, None)
+    assert code == 0, f"{command.where}: `python -m {command.module} --help` exited {code}:\n{main_help}"
+    for flag in command.pre_flags:
+        assert has_flag(main_help, flag), f"{command.where}: {flag} is not an option of {command.module}"
+    if command.module == CLI_MODULE:
+        assert command.subcommand is not None, f"{command.where}: no subcommand in {command.text!r}"
+        assert re.search(rf"^\s+{re.escape(command.subcommand)}\s", main_help, re.MULTILINE), (
+            f"{command.where}: `{command.subcommand}` is not listed by `nicswitch-agent --help`"
+        )
+        code, help_text = cli_help(command.module, command.subcommand)
+        assert code == 0, f"{command.where}: `nicswitch-agent {command.subcommand} --help` exited {code}"
+    else:
+        help_text = main_help
+    missing = [flag for flag in command.flags if not has_flag(help_text, flag)]
+    assert not missing, f"{command.where}: {missing} not in the help of {command.subcommand or command.module}"
+
+
+# -- links between the pages -----------------------------------------------------------------------
+
+MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+# Pages whose anchors into other pages are checked too (a page's headings may be renamed by its owner).
+ANCHOR_CHECKED = ("docs/index.md", "docs/quickstart.md", "docs/operations.md", "docs/protocol.md")
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"^```.*?^```", "", path.read_text(encoding="utf-8"), flags=re.DOTALL | re.MULTILINE)
+    return {slug(m.group(1)) for m in re.finditer(r"^#{1,6}\s+(.*)$", text, re.MULTILINE)}
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")))
+def test_doc_links_resolve(page: str) -> None:
+    source = ROOT / page
+    for target in MARKDOWN_LINK.findall(source.read_text(encoding="utf-8")):
+        if re.match(r"^[a-z]+:", target):
+            continue  # http(s), mailto
+        file_part, _, anchor = target.partition("#")
+        linked = (source.parent / file_part).resolve() if file_part else source
+        assert linked.exists(), f"{page}: link to {target} points to a missing file"
+        if anchor and page in ANCHOR_CHECKED and linked.suffix == ".md":
+            assert anchor in anchors(linked), f"{page}: no heading for #{anchor} in {linked.name}"

@@ -85,7 +85,7 @@ class AgentConfig:
     reply_attempt_timeout_s: float = 10.0
     """Deadline of one ReplySwitchNicResult attempt."""
     rpc_timeout_s: float = 10.0
-    """Deadline of other unary calls (HealthCheck)."""
+    """Deadline of the other unary calls: Init, Register, the process-manage reports, HealthCheck."""
     stop_timeout_s: float = 1.0
     """How long stop() waits for each agent thread."""
 

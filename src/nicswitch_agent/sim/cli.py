@@ -143,7 +143,8 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
     sim_logger = logging.getLogger("nicswitch_agent.sim")
     handler = _LineHandler(out)
     sim_logger.addHandler(handler)
-    old_level = sim_logger.level
+    old_level, old_propagate = sim_logger.level, sim_logger.propagate
+    sim_logger.propagate = False  # our handler prints each line; the root handler must not print it again
     wanted = logging.DEBUG if args.verbose else logging.INFO
     handler.setLevel(wanted)
     if sim_logger.getEffectiveLevel() > wanted:
@@ -169,6 +170,7 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
         sim.stop()
         sim_logger.removeHandler(handler)
         sim_logger.setLevel(old_level)
+        sim_logger.propagate = old_propagate
         for signum, old in previous.items():
             signal.signal(signum, old)
 
