@@ -5,6 +5,7 @@ Subcommands:
   sim     run the ClusterD-compatible simulator (for rehearsals and tests)
   switch  O&M: ask ClusterD to switch NICs and wait for the outcome
   watch   O&M: follow a job's switch result stream
+  launch  run a training command (e.g. torchrun) with the job's leader in this process
   version print the version
 
 The demo (and its simulator run) is imported only when it runs.
@@ -47,6 +48,13 @@ def _build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     om_cli.add_watch_arguments(watch)
     watch.set_defaults(run=om_cli.run_watch)
+
+    from nicswitch_agent import launcher
+
+    launch = sub.add_parser("launch", help="run a training command with the job's leader in this process",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    launcher.add_arguments(launch)
+    launch.set_defaults(run=launcher.run)
 
     version = sub.add_parser("version", help="print the version")
     version.set_defaults(run=_run_version)

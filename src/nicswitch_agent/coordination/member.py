@@ -78,19 +78,24 @@ class Member:
         self._next = 1  # the queue index this member waits for
         self._local_epoch: dict[int, int] = {}  # leader epoch -> ParkingLot epoch
         self._runner = HookRunner()
+        self._wake_kv: KV | None = None
         self.events_handled = 0
         self.lost = ""
 
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("Member already started")
+        # The connection stop() uses to wake the idle wait is opened now, while the Store is
+        # surely up: opening one in stop() after the Store's host died blocks for its timeout.
+        self._wake_kv = self.kv.clone()
         self._thread = threading.Thread(target=self._run, name="nicswitch-member", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self._stop.set()
         try:  # wake our own idle wait: nobody else reads this member's queue
-            self.kv.clone().set(p.queue_key(self.rank, self._next), p.encode({"t": p.WAKE}))
+            if self._wake_kv is not None and not self.lost:
+                self._wake_kv.set(p.queue_key(self.rank, self._next), p.encode({"t": p.WAKE}))
         except Exception:
             logger.debug("could not wake the member thread", exc_info=True)
         thread = self._thread
@@ -227,6 +232,9 @@ class Member:
             result: p.MemberResult = future.result(timeout=budget)
             return result
         except FutureTimeout:
+            # Given up on: if the training thread has not started it yet (a hook before it hangs),
+            # it must never run later, after ClusterD has moved on.
+            future.cancel()
             return p.MemberResult(self.rank, False, f"hooks did not finish within {budget:g} s on the training "
                                   "thread", attempted=kind != p.KIND_CHECKPOINT)
         except Exception as exc:

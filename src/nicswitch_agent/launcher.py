@@ -1,0 +1,579 @@
+"""``nicswitch-agent launch [options] -- <training command ...>``: the job's leader outside training.
+
+Why a launcher: ClusterD wants exactly one client per job, and that client should not die with
+the training processes. torchrun restarts its workers after a failure; a leader inside rank 0
+would lose ClusterD's streams (and, in pause mode agent, reset ClusterD's job controller) at
+every restart. The launcher wraps the training command (typically ``torchrun``) and, on the job's
+**first node**, hosts the leader itself (ClusterD streams + a ``torch.distributed.TCPStore``
+server the members coordinate through); every training rank, rank 0 included, is then a member
+only. On the **other nodes** it hosts nothing and only exports where the leader's Store is.
+
+What the child gets (on top of the launcher's own environment, which passes through untouched,
+``NICSWITCH_*`` and ``MINDX_*`` included)::
+
+    NICSWITCH_LEADER=launcher              every in-process SwitchAgent becomes a member
+    NICSWITCH_STORE_ADDRESS=<host>:<port>  the leader's Store (first node: 127.0.0.1 unless
+                                           --store-host; other nodes: the first node's address)
+    NICSWITCH_SERVER, NICSWITCH_JOB_ID     first node: as the leader resolved them (members must
+                                           use the leader's job id: it names the Store keys);
+                                           other nodes: only when given as flags
+    NICSWITCH_PAUSE                        first node: the leader's effective mode; other nodes:
+                                           only when --pause is given
+
+Rules (each one is also in ``--help``):
+
+- **Node role.** ``--leader-only`` hosts the leader here whatever the node rank. Otherwise the
+  node rank comes from ``--node-rank``, else the wrapped torchrun's ``--node-rank`` (or
+  ``PET_NODE_RANK``), else env ``GROUP_RANK``, else ``NODE_RANK``; unset means 0. Rank 0 hosts the
+  leader, any other rank passes through. Exactly one launcher per job may host the leader (ClusterD
+  has one queue per job: a second subscriber steals rank lists).
+- **World size N** (how many members the leader waits for; lists naming ranks >= N are refused):
+  ``--world-size``, else env ``NICSWITCH_WORLD_SIZE``, else, without ``--leader-only``, from the
+  wrapped torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``) as torchrun
+  computes it: ``--nproc-per-node`` (``auto``/``cpu``/``gpu`` resolved like torchrun) times
+  ``--nnodes`` (a fixed count, or ``MIN:MAX`` with MIN == MAX). Anything else is an error (exit 2)
+  that asks for ``--world-size``: an elastic node range or an unknown command has no fixed N.
+- **Store port**: ``--store-port``; else 0 (a free port) for a single-node torchrun
+  (``--standalone`` or ``--nnodes 1``); else ``MASTER_PORT`` + 1, else the torchrun command's
+  ``--master-port`` + 1, else its ``--rdzv-endpoint`` port + 1; else 0 on the first node (fine
+  when all ranks run on it) and an error on the others. A multi-node job needs a fixed port that
+  the other nodes can reach.
+- **Store host exported to the other nodes**: ``--store-host``, else ``MASTER_ADDR``, else the
+  torchrun command's ``--master-addr``, else its ``--rdzv-endpoint`` host.
+
+The child runs in its own process group. SIGINT, SIGTERM and SIGHUP sent to the launcher are
+forwarded to that group (as a terminal would deliver Ctrl-C to its foreground job), exactly once
+per signal; the launcher itself waits for the child and exits with its exit code (128 + N when
+the child died of signal N; 127/126 when it could not be started). The leader never stops the
+child: if the leader fails, it logs why and training goes on without switches. After the child
+exits the leader stops cleanly (a false reply for any list still owed one, streams closed).
+Usage and configuration errors are found before the child starts and exit with 2 (any other
+failure to start the leader: 1), so a job never trains with switches that cannot work.
+
+Limits: SIGKILL on the launcher cannot be forwarded (the child then runs on without a leader);
+the child is not the terminal's foreground group, so it cannot read from the terminal (pdb).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger("nicswitch_agent.launcher")
+
+EXIT_USAGE = 2
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+LOOPBACK = "127.0.0.1"
+
+
+class LaunchError(Exception):
+    """A usage problem found before anything started (exit code 2); the message says what to pass."""
+
+
+# -- the wrapped torchrun ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TorchrunOptions:
+    """The torchrun options of a wrapped command that the launcher needs (None: not given)."""
+
+    nproc_per_node: str
+    nnodes: str
+    standalone: bool
+    node_rank: int | None
+    master_addr: str | None
+    master_port: int | None
+    rdzv_endpoint: str
+
+    def node_range(self) -> tuple[int, int]:
+        """(min, max) nodes, as torchrun reads ``--nnodes``."""
+        from torch.distributed.run import parse_min_max_nnodes
+
+        try:
+            low, high = parse_min_max_nnodes(self.nnodes)
+        except (ValueError, RuntimeError) as exc:
+            raise LaunchError(f"torchrun --nnodes={self.nnodes!r} is not N or MIN:MAX") from exc
+        return int(low), int(high)
+
+    def single_node(self) -> bool:
+        return self.standalone or self.node_range()[1] == 1
+
+    def world_size(self) -> int:
+        """nproc_per_node x nnodes, exactly as torchrun computes them; LaunchError if not fixed."""
+        from torch.distributed.run import determine_local_world_size
+
+        low, high = self.node_range()
+        if low != high:
+            raise LaunchError(
+                f"torchrun --nnodes={self.nnodes} is elastic, so the number of training ranks is not fixed; "
+                "pass --world-size N (the ranks the leader waits for)"
+            )
+        try:
+            per_node = int(determine_local_world_size(self.nproc_per_node))
+        except ValueError as exc:
+            raise LaunchError(
+                f"cannot tell how many processes torchrun --nproc-per-node={self.nproc_per_node} starts "
+                f"({exc}); pass --world-size N"
+            ) from exc
+        return per_node * high
+
+    def rdzv_host_port(self) -> tuple[str | None, int | None]:
+        host, sep, port = self.rdzv_endpoint.rpartition(":")
+        if not sep:
+            return (self.rdzv_endpoint or None), None
+        return (host.strip("[]") or None), (int(port) if port.isdigit() else None)
+
+
+def _torchrun_argv(command: Sequence[str]) -> tuple[list[str], bool] | None:
+    """(the torchrun options and script, is torch.distributed.launch) when ``command`` runs torchrun."""
+    if not command:
+        return None
+    if os.path.basename(command[0]) == "torchrun":
+        return list(command[1:]), False
+    if not os.path.basename(command[0]).startswith("python"):
+        return None
+    for i, arg in enumerate(command[1:], start=1):
+        module = None
+        if arg == "-m" and i + 1 < len(command):
+            module, rest = command[i + 1], command[i + 2:]
+        elif arg.startswith("-m") and len(arg) > 2:
+            module, rest = arg[2:], command[i + 1:]
+        if module in ("torch.distributed.run", "torch.distributed.launch"):
+            return list(rest), module == "torch.distributed.launch"
+        if module is not None or not arg.startswith("-"):
+            return None  # another module, or a script: not torchrun
+    return None
+
+
+def parse_torchrun(command: Sequence[str], environ: Mapping[str, str]) -> TorchrunOptions | None:
+    """The torchrun options of ``command`` (read with torchrun's own parser), or None if it is not torchrun.
+
+    Raises:
+        LaunchError: it is torchrun but its options cannot be read.
+    """
+    found = _torchrun_argv(command)
+    if found is None:
+        return None
+    argv, is_launch = found
+    from torch.distributed.run import get_args_parser
+
+    parser = get_args_parser()
+    if is_launch:  # torch.distributed.launch = torchrun's options + --use-env
+        parser.add_argument("--use-env", "--use_env", action="store_true")
+
+    def fail(message: str) -> Any:
+        raise LaunchError(f"cannot read the torchrun options of the command ({message}); pass --world-size N")
+
+    parser.error = fail  # type: ignore[method-assign]
+    # torchrun defaults these from PET_* env; read them from `environ` and tell "not given" apart.
+    parser.set_defaults(
+        nnodes=environ.get("PET_NNODES", "1:1"),
+        nproc_per_node=environ.get("PET_NPROC_PER_NODE", "1"),
+        node_rank=environ.get("PET_NODE_RANK"),
+        master_addr=environ.get("PET_MASTER_ADDR"),
+        master_port=environ.get("PET_MASTER_PORT"),
+        rdzv_endpoint=environ.get("PET_RDZV_ENDPOINT", ""),
+        standalone=environ.get("PET_STANDALONE", "").strip().lower() in ("1", "true"),
+    )
+    ns = parser.parse_args(argv)
+    return TorchrunOptions(
+        nproc_per_node=str(ns.nproc_per_node),
+        nnodes=str(ns.nnodes),
+        standalone=bool(ns.standalone),
+        node_rank=None if ns.node_rank is None else _int("torchrun --node-rank", ns.node_rank),
+        master_addr=ns.master_addr or None,
+        master_port=None if ns.master_port is None else _int("torchrun --master-port", ns.master_port),
+        rdzv_endpoint=str(ns.rdzv_endpoint or ""),
+    )
+
+
+def _int(what: str, value: object) -> int:
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        raise LaunchError(f"{what}={value!r} is not an integer") from None
+    if number < 0:
+        raise LaunchError(f"{what}={value!r} must not be negative")
+    return number
+
+
+# -- the plan ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What this launcher does, decided before anything starts (pure: no process, no socket)."""
+
+    command: list[str]
+    hosts_leader: bool
+    node_rank: int
+    why: str  # one line for the log: why this node leads or passes through
+    world_size: int | None  # first node only
+    store_port: int  # 0: a free port (first node only)
+    store_host: str  # the Store host exported to the child
+    env: dict[str, str] = field(default_factory=dict)  # exported on top of the launcher's environment
+
+
+def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
+    """Decide the node role, N, the Store port and host, and the child's env (see the module docstring).
+
+    Raises:
+        LaunchError: no command, or something needed cannot be derived.
+    """
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise LaunchError("no training command: nicswitch-agent launch [options] -- <command ...>")
+    leader_only = bool(args.leader_only)
+    torchrun = None if leader_only else parse_torchrun(command, environ)
+
+    if args.node_rank is not None:
+        node_rank, source = _int("--node-rank", args.node_rank), "--node-rank"
+    elif torchrun is not None and torchrun.node_rank is not None:
+        node_rank, source = torchrun.node_rank, "the torchrun --node-rank"
+    else:
+        node_rank, source = 0, "no node rank set"
+        for name in ("GROUP_RANK", "NODE_RANK"):
+            if environ.get(name, "").strip():
+                node_rank, source = _int(name, environ[name]), name
+                break
+    hosts_leader = leader_only or node_rank == 0
+    why = "--leader-only" if leader_only else f"node rank {node_rank} ({source})"
+
+    env: dict[str, str] = {"NICSWITCH_LEADER": "launcher"}
+    for flag, name in (("server", "NICSWITCH_SERVER"), ("job_id", "NICSWITCH_JOB_ID"), ("pause", "NICSWITCH_PAUSE")):
+        value = getattr(args, flag, None)
+        if value is not None:
+            env[name] = str(value)
+
+    port = _store_port(args, environ, torchrun, hosts_leader)
+    world_size: int | None = None
+    if hosts_leader:
+        world_size = _world_size(args, environ, torchrun, leader_only)
+        host = args.store_host or LOOPBACK  # our own children: loopback always reaches the server
+    else:
+        host = _store_host(args, environ, torchrun)
+    if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
+        env["NICSWITCH_STORE_ADDRESS"] = _join_host_port(host, port)
+    return Plan(command=command, hosts_leader=hosts_leader, node_rank=node_rank, why=why, world_size=world_size,
+                store_port=port, store_host=host, env=env)
+
+
+def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
+                leader_only: bool) -> int:
+    if args.world_size is not None:
+        value = _int("--world-size", args.world_size)
+    elif environ.get("NICSWITCH_WORLD_SIZE", "").strip():
+        value = _int("NICSWITCH_WORLD_SIZE", environ["NICSWITCH_WORLD_SIZE"])
+    elif torchrun is not None:
+        value = torchrun.world_size()
+    elif leader_only:
+        raise LaunchError("--leader-only does not read the wrapped command: pass --world-size N "
+                          "(the number of training ranks the leader waits for)")
+    else:
+        raise LaunchError("cannot tell how many training ranks the leader leads: the command is not torchrun "
+                          "(torchrun ... or python -m torch.distributed.run ...); pass --world-size N")
+    if value < 1:
+        raise LaunchError(f"the world size must be at least 1, got {value}")
+    return value
+
+
+def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
+                hosts_leader: bool) -> int:
+    if args.store_port is not None:
+        port = _int("--store-port", args.store_port)
+        if port > 65535 or (port == 0 and not hosts_leader):
+            raise LaunchError(f"--store-port={port} must be a port number between 1 and 65535")
+        return port
+    if hosts_leader and torchrun is not None and torchrun.single_node():
+        return 0  # only this node's children need it
+    candidates: list[tuple[str, int | None]] = []
+    if environ.get("MASTER_PORT", "").strip():
+        candidates.append(("MASTER_PORT", _int("MASTER_PORT", environ["MASTER_PORT"])))
+    if torchrun is not None:
+        candidates += [("torchrun --master-port", torchrun.master_port),
+                       ("torchrun --rdzv-endpoint", torchrun.rdzv_host_port()[1])]
+    for name, base in candidates:
+        if base is not None:
+            if not 0 < base < 65535:
+                raise LaunchError(f"{name}={base} leaves no room for the Store on the next port; pass --store-port")
+            return base + 1
+    if hosts_leader:
+        if torchrun is not None and torchrun.node_range()[1] > 1:
+            raise LaunchError(f"this job may span {torchrun.node_range()[1]} nodes: the other nodes need a fixed "
+                              "Store port; pass --store-port P (or set MASTER_PORT: the Store then uses "
+                              "MASTER_PORT + 1)")
+        return 0
+    raise LaunchError("this node passes through to the leader on the first node, but nothing says on which "
+                      "port its Store listens: pass --store-port P (as on the first node), or set MASTER_PORT")
+
+
+def _store_host(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None) -> str:
+    if args.store_host:
+        return str(args.store_host)
+    if environ.get("MASTER_ADDR", "").strip():
+        return environ["MASTER_ADDR"].strip()
+    if torchrun is not None:
+        host = torchrun.master_addr or torchrun.rdzv_host_port()[0]
+        if host:
+            return host
+    raise LaunchError("this node passes through to the leader on the first node, but nothing says where that "
+                      "is: pass --store-host HOST (or set MASTER_ADDR)")
+
+
+def _join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+# -- the hosted leader ------------------------------------------------------------------------
+
+
+class HostedLeader:
+    """The Store server and the leader-only SwitchAgent of the first node."""
+
+    def __init__(self, store: Any, agent: Any, port: int) -> None:
+        self.store = store
+        self.agent = agent
+        self.port = port
+
+    @classmethod
+    def start(cls, plan: Plan, args: argparse.Namespace) -> HostedLeader:
+        """Host the Store, then start the leader on it.
+
+        Raises:
+            LaunchError: the port is taken, or torch is missing.
+            ConfigError: the agent's settings are incomplete (server, job id, ...).
+        """
+        from nicswitch_agent.agent import SwitchAgent
+        from nicswitch_agent.config import AgentConfig
+
+        assert plan.world_size is not None
+        # rank=0: a leader-only agent has no rank of its own; never read RANK from the launcher's env.
+        config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
+                                      world_size=plan.world_size, rank=0)
+        try:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        except ImportError as exc:
+            raise LaunchError("hosting the leader needs torch (pip install nicswitch-agent[torch])") from exc
+        timeout = datetime.timedelta(seconds=max(config.rpc_timeout_s, 30.0))
+        try:
+            store = TCPStore("0.0.0.0", plan.store_port, None, True, timeout, wait_for_workers=False)
+        except RuntimeError as exc:
+            raise LaunchError(f"cannot host the Store on port {plan.store_port}: {exc}; pass another --store-port")\
+                from exc
+        agent = SwitchAgent(config=config, store=store, leader_only=True)
+        agent.start()
+        return cls(store, agent, int(store.port))
+
+    def stop(self, reason: str) -> None:
+        """Stop the leader (bounded), then the Store server: no member is left waiting on a leader."""
+        try:
+            self.agent.stop(reason)
+        except Exception:
+            logger.exception("stopping the leader failed")
+        self.store = None  # the server closes when its last reference goes
+
+
+# -- the child --------------------------------------------------------------------------------
+
+
+class SignalForwarder:
+    """Forwards SIGINT/SIGTERM/SIGHUP to the child's process group, once each, from the moment it exists."""
+
+    def __init__(self) -> None:
+        self._child: subprocess.Popen[bytes] | None = None
+        self._pending: list[int] = []
+        self._previous: dict[int, Any] = {}
+        self.forwarded: list[int] = []
+
+    def __enter__(self) -> SignalForwarder:
+        if threading.current_thread() is not threading.main_thread():
+            logger.warning("not on the main thread: signals sent to the launcher are not forwarded")
+            return self
+        for sig in FORWARDED_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)
+        self._previous.clear()
+
+    def attach(self, child: subprocess.Popen[bytes]) -> None:
+        self._child = child
+        pending, self._pending = self._pending, []
+        for sig in pending:
+            self._forward(sig)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._child is None:
+            self._pending.append(signum)  # arrived before the child: delivered right after it starts
+        else:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        child = self._child
+        assert child is not None
+        if child.returncode is not None:
+            return  # already reaped: its process group id may belong to someone else by now
+        self.forwarded.append(signum)
+        logger.info("forwarding %s to the training command (process group %d)", signal.Signals(signum).name,
+                    child.pid)
+        with contextlib.suppress(ProcessLookupError):  # it already exited; wait() collects it
+            os.killpg(child.pid, signum)
+
+
+def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """Start the child in its own process group, so only the launcher decides what reaches it."""
+    if sys.version_info >= (3, 11):
+        return subprocess.Popen(command, env=env, process_group=0)
+    return subprocess.Popen(command, env=env, start_new_session=True)  # 3.10: no process_group
+
+
+def _wait(child: subprocess.Popen[bytes]) -> int:
+    """Wait for the child without ever blocking the main thread in one long system call.
+
+    The kernel may deliver a signal to any thread of this process (gRPC's, the Store's, the
+    agent's). Python then only flags it, and its handler runs when the main thread next executes
+    bytecode: a main thread parked in a plain ``waitpid`` would forward nothing until the child
+    exits by itself. ``wait(timeout)`` polls in steps of at most 50 ms, so a forwarded signal is
+    at most that late. (Seen in tests: SIGTERM to the launcher not forwarded for over a minute.)
+    """
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def exit_code(returncode: int) -> int:
+    """A shell's view of the child's status: 128 + N for a child killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``launch`` subcommand's options (the lead's cli.py calls this)."""
+    parser.description = (
+        "Run a training command (typically torchrun). On the job's first node, host the job's leader "
+        "(the only ClusterD client, and the Store its members coordinate through) in this process, so it "
+        "survives training restarts; on other nodes only export where that Store is. Signals are forwarded "
+        "to the command; the exit code is the command's."
+    )
+    parser.epilog = (
+        "The child gets NICSWITCH_LEADER=launcher and NICSWITCH_STORE_ADDRESS=host:port (plus, on the first "
+        "node, NICSWITCH_SERVER/JOB_ID/PAUSE as the leader resolved them). Other settings: NICSWITCH_* and "
+        "MindCluster env, passed through. Example: nicswitch-agent launch -- torchrun --nproc-per-node 8 "
+        "--nnodes 2 --node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 train.py"
+    )
+    parser.add_argument("--leader-only", action="store_true",
+                        help="host the job's leader on this node whatever its node rank, and run the command "
+                             "without reading it (so --world-size is needed). Use on exactly one launcher of "
+                             "the job; the others must pass through (a non-zero --node-rank)")
+    parser.add_argument("--node-rank", type=int, metavar="R",
+                        help="this node's rank: 0 hosts the leader, others pass through (default: the torchrun "
+                             "command's --node-rank, else env GROUP_RANK, else NODE_RANK, else 0)")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="training ranks the leader leads (default: env NICSWITCH_WORLD_SIZE, else torchrun's "
+                             "--nproc-per-node x --nnodes; an elastic --nnodes MIN:MAX needs this flag)")
+    parser.add_argument("--store-port", type=int, metavar="P",
+                        help="port of the leader's Store (default: a free port for a single-node torchrun, else "
+                             "MASTER_PORT+1, else torchrun's --master-port+1 or --rdzv-endpoint port+1, else a free "
+                             "port; a multi-node job needs a fixed port reachable from the other nodes)")
+    parser.add_argument("--store-host", metavar="HOST",
+                        help="the first node's address as the other nodes reach it (default: MASTER_ADDR, else "
+                             "torchrun's --master-addr or --rdzv-endpoint host); the first node exports "
+                             "127.0.0.1 to its own children unless this is given")
+    parser.add_argument("--server", metavar="HOST:PORT",
+                        help="ClusterD address (default: NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE)")
+    parser.add_argument("--job-id", metavar="ID", help="ClusterD job id (default: NICSWITCH_JOB_ID, MINDX_TASK_ID)")
+    parser.add_argument("--pause", choices=("auto", "agent", "external"),
+                        help="pause mode of the leader (default: NICSWITCH_PAUSE, else auto)")
+    parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                        help="the training command and its arguments")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the launcher; returns the exit code (the child's, or 2 for a usage error)."""
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)  # the role line and the child's fate are worth a line each
+    environ = dict(os.environ)  # the child's base env: snapshot before anything here touches os.environ
+    # Before torch is imported (reading torchrun's options imports it): no C++ Store warnings here, and
+    # none of their reverse-DNS stalls (torch-store-notes.md §3). The child keeps the user's setting.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    try:
+        plan = make_plan(args, environ)
+    except LaunchError as exc:
+        print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    leader: HostedLeader | None = None
+    env = dict(plan.env)
+    if plan.hosts_leader:
+        from nicswitch_agent.errors import ConfigError
+
+        try:
+            leader = HostedLeader.start(plan, args)
+        except (LaunchError, ConfigError) as exc:
+            print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except Exception:  # before the child: better no training than a job whose switches cannot work
+            logger.exception("the leader could not start; the training command was not run")
+            return 1
+        cfg = leader.agent.config
+        env.update({"NICSWITCH_STORE_ADDRESS": _join_host_port(plan.store_host, leader.port),
+                    "NICSWITCH_SERVER": cfg.server, "NICSWITCH_JOB_ID": cfg.job_id,
+                    "NICSWITCH_PAUSE": leader.agent.pause_mode})
+        logger.info("hosting the job's leader (%s): %d ranks, job %s, ClusterD %s, pause %s, Store on port %d",
+                    plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode, leader.port)
+    else:
+        logger.info("passing through (%s): the leader's Store is %s", plan.why, env["NICSWITCH_STORE_ADDRESS"])
+    child_env = {**environ, **env}
+    code = EXIT_NOT_FOUND
+    try:
+        with SignalForwarder() as forwarder:
+            try:
+                child = _popen(plan.command, child_env)
+            except OSError as exc:
+                code = EXIT_NOT_EXECUTABLE if isinstance(exc, PermissionError) else EXIT_NOT_FOUND
+                print(f"nicswitch-agent launch: cannot run {plan.command[0]!r}: {exc}", file=sys.stderr)
+                return code
+            forwarder.attach(child)
+            logger.info("started the training command: pid %d, own process group", child.pid)
+            code = exit_code(_wait(child))
+        logger.info("the training command exited with %d", code)
+        return code
+    finally:
+        if leader is not None:
+            leader.stop(f"the training command exited with {code}")
+            logger.info("leader stopped")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m nicswitch_agent.launcher [options] -- <command ...>`` (same as ``nicswitch-agent launch``)."""
+    parser = argparse.ArgumentParser(prog="nicswitch-agent launch")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,488 @@
+"""``nicswitch-agent launch``: the job's leader in a launcher process, around a real torchrun job.
+
+The pytest process runs the ClusterD simulator and plays the operator (SwitchNicTrack, then
+SubscribeSwitchNicSignal). The launcher runs as ``python -m nicswitch_agent.launcher`` in its own
+session and wraps ``torchrun --standalone --nproc-per-node 2 tests/launcher_job/train.py``; each
+rank's ``SwitchAgent()`` becomes a member from the env the launcher exports. Synchronisation is
+by polling files and simulator state with deadlines; teardown kills every process the launcher
+started (found through /proc before the launcher goes), then the launcher's group.
+
+The planning rules (node role, world size, Store port and host) are tested in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from nicswitch_agent import launcher
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tests" / "launcher_job" / "train.py"
+JOB = "job-launch"
+PM, NOTIFY = "SubscribeProcessManageSignal", "SubscribeNotifySwitch"
+FAST = SimSettings(report_timeout_s=30.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
+                   schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+FINISH = "switch nic finish"
+STARTUP_S = 120.0  # three Python processes importing torch on a small, possibly busy, CI machine
+
+
+def poll(condition: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
+    """``condition()``'s first truthy value, or None once ``timeout`` has passed."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() >= deadline:
+            return value or None
+        time.sleep(interval)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Complete lines only (a writer may be half way through the last one)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (Linux /proc), to kill what an interrupted launcher leaves."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def base_env(sim: Simulator) -> dict[str, str]:
+    """The launcher's env: this interpreter's bin first on PATH (torchrun), the agent's settings."""
+    drop = ("NICSWITCH_", "PET_", "TORCHELASTIC_", "MASTER_", "PYTEST_")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(drop) and k not in ("RANK", "WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "LOCAL_RANK")}
+    env.update({
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
+        "NICSWITCH_SERVER": sim.address, "NICSWITCH_JOB_ID": JOB, "NICSWITCH_PAUSE": "agent",
+        "NICSWITCH_RECONNECT_INITIAL_S": "0.02", "NICSWITCH_RECONNECT_MAX_S": "0.1",
+        "TORCH_CPP_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
+    })
+    return env
+
+
+class Launch:
+    """One ``python -m nicswitch_agent.launcher ...`` process, its log and its process tree."""
+
+    def __init__(self, out: Path, args: list[str], env: dict[str, str]) -> None:
+        self.out = out
+        out.mkdir(parents=True, exist_ok=True)
+        self.log_path = out / "launcher.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen([sys.executable, "-m", "nicswitch_agent.launcher", *args], cwd=ROOT, env=env,
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        self._seen: set[int] = set()
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
+
+    def remember_tree(self) -> None:
+        """Note the launcher's descendants now: once it is gone they are orphans nobody would find."""
+        self._seen.update(descendants(self.proc.pid))
+
+    def wait(self, timeout: float) -> int | None:
+        poll(lambda: self.remember_tree() or self.proc.poll() is not None, timeout, 0.05)
+        return self.proc.poll()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.remember_tree()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)  # forwarded to the child: the polite way first
+            self.wait(20)
+        self.remember_tree()
+        for pid in [self.proc.pid, *self._seen]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        self._log.close()
+        print(f"===== launcher: exit {self.proc.poll()}\n{self.log()[-6000:]}")
+
+
+class TrainJob:
+    """The files tests/launcher_job/train.py writes, per rank."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def lines(self, rank: int, kind: str, restart: int | None = None) -> list[dict[str, Any]]:
+        rows = read_jsonl(self.out / f"rank{rank}.{kind}.jsonl")
+        return [r for r in rows if restart is None or r.get("restart") == restart]
+
+    def stepping(self, restart: int, minimum: int = 3) -> bool:
+        return all(len(self.lines(r, "steps", restart)) >= minimum for r in (0, 1))
+
+    def last_step(self, rank: int) -> int:
+        steps = self.lines(rank, "steps")
+        return int(steps[-1]["step"]) if steps else 0
+
+
+class Operator:
+    """The O&M side: SwitchNicTrack, then the one message on SubscribeSwitchNicSignal."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+        self.channel = open_channel(ChannelSettings(target=sim.address))
+        self.stub = RecoverStub(self.channel)
+
+    def switch(self, devs: list[str], ops: list[bool], timeout: float = 60) -> str:
+        assert self.sim.wait_until(idle, 30), f"job not idle: {self.sim.job_view(JOB)}"
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps["node-0"].dev.extend(devs)
+        request.nicOps["node-0"].op.extend(ops)
+        status = self.stub.SwitchNicTrack(request, timeout=5)
+        assert status.code == 0, status
+        for response in self.stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB), timeout=timeout):
+            return str(response.msg)
+        return "(no message)"
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def streams_ready(sim: Simulator) -> bool:
+    view = sim.job_view(JOB)
+    return view.open_streams.get(PM, 0) == 1 and view.open_streams.get(NOTIFY, 0) == 1
+
+
+def idle(sim: Simulator) -> bool:
+    return sim.job_view(JOB).state == "INIT" and streams_ready(sim)
+
+
+class StreamWatch:
+    """The most streams of each kind the simulator ever had open at once for the job."""
+
+    def __init__(self, sim: Simulator) -> None:
+        self.max_open: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(sim,), name="stream-watch", daemon=True)
+        self._thread.start()
+
+    def _sample(self, sim: Simulator) -> bool:
+        for method, count in sim.job_view(JOB).open_streams.items():
+            self.max_open[method] = max(self.max_open.get(method, 0), count)
+        return self._stop.is_set()
+
+    def _run(self, sim: Simulator) -> None:
+        while not self._stop.is_set():
+            sim.wait_until(self._sample, 1.0)  # re-evaluated on every state change of the simulator
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join(5)
+        return dict(self.max_open)
+
+
+@pytest.fixture
+def sim() -> Iterator[Simulator]:
+    simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"]}, recover_strategies=("dump",))],
+                          settings=FAST)
+    simulator.start()
+    yield simulator
+    simulator.stop()
+
+
+@pytest.fixture
+def launches() -> Iterator[list[Launch]]:
+    started: list[Launch] = []
+    yield started
+    for launch in started:
+        launch.close()
+
+
+# -- with a real torchrun child -----------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simulator, tmp_path: Path,
+                                                                     launches: list[Launch]) -> None:
+    """One launcher, one ClusterD client, through a failover, a training restart, a switchback and SIGTERM."""
+    out = tmp_path / "job"
+    watch = StreamWatch(sim)
+    # torch 2.13: with torchrun's shared agent store (the default), a restarted gloo group can read the
+    # dead attempt's addresses from it and fail (1 run in 3 with plain torchrun, no nicswitch involved;
+    # torch-store-notes.md §6). Opting out gives each attempt a fresh store.
+    env = base_env(sim) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out)], env)
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
+        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
+        launch.remember_tree()
+        starts = [job.lines(r, "start", 0)[0] for r in (0, 1)]
+        assert all(s["role"] == "member" and not s["holds_channel"] for s in starts), starts
+        assert all(s["env"]["NICSWITCH_LEADER"] == "launcher" for s in starts)
+        assert {s["env"]["NICSWITCH_STORE_ADDRESS"].rpartition(":")[0] for s in starts} == {"127.0.0.1"}
+        assert "hosting the job's leader" in launch.log() and "2 ranks" in launch.log()
+
+        # Failover: both ranks run the same full list, at the same step; ClusterD hears "finish".
+        assert operator.switch(["1", "0"], [True, True]) == FINISH
+        calls = [job.lines(r, "hooks") for r in (0, 1)]
+        assert [len(c) for c in calls] == [1, 1], calls
+        assert calls[0][0]["ranks"] == calls[1][0]["ranks"] == [1, 0]
+        assert calls[0][0]["ops"] == calls[1][0]["ops"] == [True, True]
+        assert calls[0][0]["step"] == calls[1][0]["step"] is not None
+        assert sim.wait_until(idle, 30)
+        before = sim.job_view(JOB).stream_opens
+        resets = sim.reset_count(JOB)
+
+        # A training restart: kill one worker; torchrun restarts both; the leader does not notice.
+        os.kill(starts[1]["pid"], signal.SIGKILL)
+        assert poll(lambda: job.stepping(1), STARTUP_S), "the ranks did not train again after the restart"
+        launch.remember_tree()
+        after = sim.job_view(JOB)
+        assert after.stream_opens == before, "the training restart reopened ClusterD streams"
+        assert sim.reset_count(JOB) == resets
+        assert streams_ready(sim)
+
+        # The restarted ranks are members of the same leader: the switchback reaches them.
+        assert operator.switch(["1", "0"], [False, False]) == FINISH
+        calls = [job.lines(r, "hooks", restart=1) for r in (0, 1)]
+        assert [len(c) for c in calls] == [1, 1], calls
+        assert calls[0][0]["ops"] == calls[1][0]["ops"] == [False, False]
+        assert calls[0][0]["step"] == calls[1][0]["step"] is not None
+        assert sim.job_view(JOB).replies == [True, True]
+
+        # SIGTERM to the launcher reaches the training processes; the launcher exits with torchrun's code.
+        os.kill(launch.proc.pid, signal.SIGTERM)
+        code = launch.wait(60)
+        assert code is not None, "the launcher did not exit after SIGTERM"
+        got = [job.lines(r, "signals", restart=1) for r in (0, 1)]
+        assert all(g and g[0]["signal"] == "SIGTERM" for g in got), got
+        assert "forwarding SIGTERM" in launch.log()
+        assert f"the training command exited with {code}" in launch.log()
+        assert code == 1  # torchrun ends with SignalException (exit 1) when it is terminated
+        assert "leader stopped" in launch.log()
+        assert sim.wait_until(lambda s: not any(s.job_view(JOB).open_streams.values()), 10), \
+            "the leader's streams were left open"
+    finally:
+        operator.close()
+        max_open = watch.stop()
+    # Exactly one ClusterD client for the whole job, restart included.
+    assert max_open.get(PM) == 1 and max_open.get(NOTIFY) == 1, max_open
+    assert sim.job_view(JOB).violations == []
+
+
+# -- with plain children (the launcher's own behaviour, fast) -------------------------------------
+
+# Every child: dump its NICSWITCH_* env, say it is ready, then idle in short sleeps (a signal landing
+# between the last check and one long sleep's syscall would wait out the whole sleep). TRAP handles
+# SIGTERM and picks its own exit code; DEFAULT dies of whatever signal comes.
+PRELUDE = (
+    "import json, os, signal, sys, time; from pathlib import Path; out = Path(sys.argv[1]); "
+    "json.dump({k: v for k, v in os.environ.items() if k.startswith('NICSWITCH_')}, open(out / 'env.json', 'w')); "
+)
+TRAP = (PRELUDE + "signal.signal(signal.SIGTERM, lambda *a: ((out / 'got').write_text('TERM'), os._exit(7))); "
+        "(out / 'ready').touch()\nwhile True: time.sleep(0.05)")
+DEFAULT = PRELUDE + "(out / 'ready').touch()\nwhile True: time.sleep(0.05)"
+EXIT = PRELUDE + "sys.exit(int(sys.argv[2]))"
+PASS_THROUGH = ["--node-rank", "1", "--store-host", "127.0.0.1", "--store-port", "1"]  # no torch, no leader
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
+
+
+def wait_ready(launch: Launch, out: Path, timeout: float) -> None:
+    assert poll(lambda: (out / "ready").exists() or launch.proc.poll() is not None, timeout), launch.log()
+    assert launch.proc.poll() is None, launch.log()
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(SYS_TGKILL is None or not Path("/proc/self/task").exists(), reason="needs Linux tgkill")
+def test_first_node_exports_the_leader_and_forwards_a_signal_any_thread_took(sim: Simulator, tmp_path: Path,
+                                                                           launches: list[Launch]) -> None:
+    """The child learns where the leader is; a SIGTERM the kernel handed to one of the leader's threads
+    (gRPC, Store, agent) still reaches the child, whose exit code the launcher returns after a clean stop.
+
+    Python runs signal handlers on the main thread only, so a launcher parked in one long waitpid
+    would not forward it until the child exited by itself (seen: over a minute).
+    """
+    import ctypes
+
+    launch = Launch(tmp_path, ["--world-size", "2", "--", sys.executable, "-c", TRAP, str(tmp_path)], base_env(sim))
+    launches.append(launch)
+    wait_ready(launch, tmp_path, 60)
+    env = json.loads((tmp_path / "env.json").read_text())
+    host, _, port = env["NICSWITCH_STORE_ADDRESS"].rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert env["NICSWITCH_LEADER"] == "launcher"
+    assert (env["NICSWITCH_SERVER"], env["NICSWITCH_JOB_ID"], env["NICSWITCH_PAUSE"]) == (sim.address, JOB, "agent")
+    assert sim.wait_until(streams_ready, 20), sim.job_view(JOB).open_streams  # the leader is the ClusterD client
+    with socket.create_connection(("127.0.0.1", int(port)), timeout=5):
+        pass  # and the Store listens
+
+    pid = launch.proc.pid
+    others = [int(t.name) for t in Path(f"/proc/{pid}/task").iterdir() if int(t.name) != pid]
+    assert others, "a launcher hosting a leader has threads besides the main one"
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.syscall(SYS_TGKILL, pid, others[-1], int(signal.SIGTERM)) == 0, ctypes.get_errno()
+    assert launch.wait(20) == 7, "a SIGTERM taken by a non-main thread was not forwarded"
+    assert (tmp_path / "got").read_text() == "TERM"
+    log = launch.log()
+    assert "hosting the job's leader" in log and "exited with 7" in log and "leader stopped" in log
+    assert sim.wait_until(lambda s: not any(s.job_view(JOB).open_streams.values()), 10), "streams left open"
+    assert sim.job_view(JOB).violations == []
+
+
+@pytest.mark.timeout(60)
+def test_pass_through_node_starts_no_leader_and_points_at_the_first_node(sim: Simulator, tmp_path: Path,
+                                                                        launches: list[Launch]) -> None:
+    port = free_port()
+    env = base_env(sim) | {"GROUP_RANK": "1", "MASTER_ADDR": "10.1.2.3", "MINDX_TASK_ID": "from-mindx"}
+    launch = Launch(tmp_path, ["--store-port", str(port), "--", sys.executable, "-c", EXIT, str(tmp_path), "0"], env)
+    launches.append(launch)
+    assert launch.wait(30) == 0
+    child = json.loads((tmp_path / "env.json").read_text())
+    assert child["NICSWITCH_LEADER"] == "launcher"
+    assert child["NICSWITCH_STORE_ADDRESS"] == f"10.1.2.3:{port}"
+    assert child["NICSWITCH_SERVER"] == sim.address and child["NICSWITCH_JOB_ID"] == JOB  # passed through as is
+    assert "passing through (node rank 1 (GROUP_RANK))" in launch.log()
+    assert "hosting" not in launch.log()
+    assert sum(sim.job_view(JOB).stream_opens.values()) == 0  # no ClusterD client here
+    with socket.socket() as s:  # and no Store either
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("command", "expected"), [
+    ([sys.executable, "-c", EXIT, "{out}", "3"], 3),
+    ([sys.executable, "-c", EXIT, "{out}", "0"], 0),
+    (["/nonexistent/train"], 127),
+])
+def test_the_launcher_exits_with_the_child_exit_code(sim: Simulator, tmp_path: Path, launches: list[Launch],
+                                                     command: list[str], expected: int) -> None:
+    command = [str(tmp_path) if a == "{out}" else a for a in command]
+    launch = Launch(tmp_path, [*PASS_THROUGH, "--", *command], base_env(sim))
+    launches.append(launch)
+    assert launch.wait(30) == expected, launch.log()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("sig", "script", "expected"), [
+    (signal.SIGTERM, TRAP, 7),  # the child handles it and chooses its code
+    (signal.SIGTERM, DEFAULT, 128 + signal.SIGTERM),  # the child dies of it: 128 + N, like a shell
+    (signal.SIGHUP, DEFAULT, 128 + signal.SIGHUP),
+    (signal.SIGINT, DEFAULT, 128 + signal.SIGINT),  # Python re-raises an unhandled Ctrl-C as the signal
+], ids=["term-handled", "term", "hup", "int"])
+def test_signals_are_forwarded_and_the_child_code_returned(sim: Simulator, tmp_path: Path, launches: list[Launch],
+                                                           sig: int, script: str, expected: int) -> None:
+    launch = Launch(tmp_path, [*PASS_THROUGH, "--", sys.executable, "-c", script, str(tmp_path)], base_env(sim))
+    launches.append(launch)
+    wait_ready(launch, tmp_path, 30)
+    os.kill(launch.proc.pid, sig)
+    assert launch.wait(30) == expected
+    assert f"forwarding {signal.Signals(sig).name}" in launch.log()
+    if script is TRAP:
+        assert (tmp_path / "got").read_text() == "TERM"
+
+
+# -- the plan (in-process) ----------------------------------------------------------------------
+
+
+def plan(argv: list[str], env: dict[str, str] | None = None) -> launcher.Plan:
+    parser = argparse.ArgumentParser()
+    launcher.add_arguments(parser)
+    return launcher.make_plan(parser.parse_args(argv), env or {})
+
+
+@pytest.mark.parametrize(("command", "world"), [
+    (["torchrun", "--standalone", "--nproc-per-node", "2", "t.py"], 2),
+    (["torchrun", "--nproc_per_node=4", "--nnodes", "2", "--master-port", "29500", "t.py", "--nnodes", "9"], 8),
+    (["/usr/bin/torchrun", "--nnodes=3:3", "--nproc-per-node", "2", "--master-port", "29500", "t.py"], 6),
+    (["python3", "-m", "torch.distributed.run", "--nproc-per-node", "3", "t.py"], 3),
+    (["python", "-u", "-mtorch.distributed.launch", "--use-env", "--nproc_per_node", "2", "t.py"], 2),
+])
+def test_world_size_is_derived_from_torchrun_as_torchrun_counts(command: list[str], world: int) -> None:
+    p = plan(["--", *command])
+    assert p.hosts_leader and p.world_size == world and p.command == command
+
+
+def test_world_size_flag_and_env_win_over_the_command() -> None:
+    command = ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "t.py"]
+    assert plan(["--world-size", "5", *command]).world_size == 5
+    assert plan(command, {"NICSWITCH_WORLD_SIZE": "6"}).world_size == 6
+    assert plan(["--", "torchrun", "t.py"], {"PET_NPROC_PER_NODE": "4"}).world_size == 4  # torchrun's own env
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--", "python", "train.py"], "not torchrun"),
+    (["--", "bash", "-c", "torchrun --nproc-per-node 2 t.py"], "pass --world-size"),
+    (["--", "torchrun", "--nnodes", "1:4", "--nproc-per-node", "2", "--master-port", "1", "t.py"], "elastic"),
+    (["--", "torchrun", "--nproc-per-node", "many", "t.py"], "--nproc-per-node=many"),
+    (["--", "torchrun", "--no-such-option", "t.py"], "cannot read the torchrun options"),
+    (["--leader-only", "--", "torchrun", "--nproc-per-node", "2", "t.py"], "--leader-only does not read"),
+    (["--", "torchrun", "--nnodes", "2", "--nproc-per-node", "2", "t.py"], "fixed Store port"),
+    (["--node-rank", "1", "--", "python", "t.py"], "--store-port"),
+    (["--node-rank", "1", "--store-port", "29501", "--", "python", "t.py"], "--store-host"),
+    ([], "no training command"),
+    (["--world-size", "0", "--", "python", "t.py"], "at least 1"),
+])
+def test_what_cannot_be_derived_is_a_clear_usage_error(argv: list[str], message: str) -> None:
+    with pytest.raises(launcher.LaunchError, match=message.replace("-", r"\-")):
+        plan(argv)
+
+
+def test_usage_errors_exit_2_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    assert launcher.main(["--", "python", "train.py"]) == 2
+    assert "pass --world-size N" in capsys.readouterr().err
+
+
+def test_node_role_and_store_address() -> None:
+    torchrun = ["torchrun", "--nnodes", "2", "--nproc-per-node", "8", "--master-addr", "10.0.0.1",
+                "--master-port", "29500", "t.py"]
+    first = plan(["--", *torchrun, "--node-rank", "1"])  # after the script: the script's own argument
+    assert first.hosts_leader and first.world_size == 16 and first.store_port == 29501
+    other = plan(["--", torchrun[0], "--node-rank", "1", *torchrun[1:]])
+    assert not other.hosts_leader and other.world_size is None
+    assert other.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_STORE_ADDRESS": "10.0.0.1:29501"}
+    env = {"NODE_RANK": "2", "MASTER_ADDR": "fd00::1", "MASTER_PORT": "40000"}
+    assert plan(["--", "python", "t.py"], env).env["NICSWITCH_STORE_ADDRESS"] == "[fd00::1]:40001"
+    assert plan(["--node-rank", "0", "--world-size", "2", "--", "python", "t.py"], env).hosts_leader
+    assert plan(["--", "torchrun", "--standalone", "t.py"], {"MASTER_PORT": "40000"}).store_port == 0  # any free
+    leader_only = plan(["--leader-only", "--world-size", "4", "--job-id", "j", "--", "python", "t.py"], env)
+    assert leader_only.hosts_leader and leader_only.store_port == 40001 and leader_only.env["NICSWITCH_JOB_ID"] == "j"
+    assert plan(["--", "torchrun", "--nnodes=4", "--rdzv-endpoint", "h1:29400", "--node-rank", "3", "t.py"]).env[
+        "NICSWITCH_STORE_ADDRESS"] == "h1:29401"
