@@ -39,6 +39,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
         "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
+        "status_interval_s",
     ])
 
 

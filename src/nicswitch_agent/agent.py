@@ -49,10 +49,12 @@ from nicswitch_agent.execute import Execution
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
+from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 from nicswitch_agent.pause import ParkingLot
 from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
 from nicswitch_agent.reply import Replier, ReplyOutcome, ReplyPolicy, ReplyReport
+from nicswitch_agent.status_file import StatusFileWriter, expand_path
 from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
@@ -152,6 +154,17 @@ class SwitchAgent:
         self._events = EventLog()
         if on_event is not None:
             self._events.add_listener(on_event)
+        self._stats = EventStats()  # timings for status()
+        self._events.add_listener(self._stats)
+        self._event_sink: JsonlEventSink | None = None
+        if config.events_file:
+            self._event_sink = JsonlEventSink(config.events_file, rank=lambda: self.rank)
+            self._events.add_listener(self._event_sink)
+        self._metrics: PrometheusMetrics | None = None
+        if config.metrics_port is not None:
+            self._metrics = PrometheusMetrics()  # ConfigError here if prometheus_client is missing
+            self._events.add_listener(self._metrics)
+        self._status_writer: StatusFileWriter | None = None
         self._lock = threading.Lock()  # guards _state, _counters, _last_switch, _current
         self._state = CREATED
         self._counters = _Counters()
@@ -223,12 +236,15 @@ class SwitchAgent:
         self._executor = self._channel = self._replier = self._stub = self._coordinator = None
         with self._lock:
             self._state = CREATED
+        self._stop_observers()  # the status file's last word: "created"
+        self._status_writer = None
 
     def _start(self) -> SwitchAgent:
         cfg = self.config
         self.rank, self.world_size = self._topology()
         kv = self._coordination_kv()
         leads = self._leader_only or (cfg.leader == "rank0" and self.rank == 0)
+        self._start_observers(leads)
         if self._leader_only:
             return self._start_leader(kv)
         rank_map = RankMap.from_env(rank=self.rank)
@@ -250,6 +266,28 @@ class SwitchAgent:
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
             return self
         return self._start_leader(kv)
+
+    def _start_observers(self, leads: bool) -> None:
+        """Status file (the leader, or every rank with {rank}/{pid} in the path); metrics endpoint (leader)."""
+        cfg = self.config
+        if cfg.status_file:
+            path = expand_path(cfg.status_file, rank=self.rank, job_id=cfg.job_id,
+                               role="leader" if leads else "member")
+            if path is not None:
+                self._status_writer = StatusFileWriter(path, self.status, cfg.status_interval_s)
+                self._events.add_listener(self._status_writer)
+                self._status_writer.start()
+        if self._metrics is not None and leads and cfg.metrics_port is not None:
+            try:
+                self._metrics.start_http_server(cfg.metrics_port)
+            except OSError as exc:  # observability must never stop training
+                logger.error("Prometheus metrics not served on port %d: %s", cfg.metrics_port, exc)
+
+    def _stop_observers(self) -> None:
+        if self._status_writer is not None:
+            self._status_writer.stop(self.config.stop_timeout_s)  # writes the final state
+        if self._metrics is not None:
+            self._metrics.close()
 
     def _start_leader(self, kv: KV) -> SwitchAgent:
         cfg = self.config
@@ -318,17 +356,20 @@ class SwitchAgent:
     def step(self, step: int | None = None) -> None:
         """Mark a safe point of the training loop (call once per step, from the training thread).
 
-        Idle cost: two attribute writes and one comparison. In pause mode ``agent``, when ClusterD
-        asked for a pause, training parks here until ClusterD lets it go on.
+        Idle cost: one attribute write and one comparison (plus a counter when ``step`` is None).
+        In pause mode ``agent``, when ClusterD asked for a pause, training parks here until
+        ClusterD lets it go on.
 
         Raises:
             TrainingStopped: ClusterD's recovery decided that training must stop.
         """
-        self._steps += 1
-        self.last_step = self._steps if step is None else step
+        if step is None:
+            self._steps += 1
+            step = self._steps
+        self.last_step = step
         parking = self._parking
         if parking.request_epoch != parking.handled_epoch:
-            parking.at_step_boundary(self.last_step)
+            parking.at_step_boundary(step)
 
     def stop(self, reason: str = "stop() called") -> None:
         """Stop the agent: no new lists, a false reply for any list still owed one, threads joined
@@ -371,6 +412,9 @@ class SwitchAgent:
         with self._lock:
             self._state = STOPPED
         self._emit(ev.AGENT_STOPPED, detail={"reason": reason})
+        self._stop_observers()
+        if self._event_sink is not None:
+            self._event_sink.close()
 
     def status(self) -> dict[str, Any]:
         """A snapshot for humans and health checks: state, connection, counters, last switch."""
@@ -400,6 +444,7 @@ class SwitchAgent:
                 "errors": sub.errors if sub else 0,
             },
             "counters": counters,
+            "timings": self._stats.snapshot(),
             "last_switch": last_switch,
             "last_step": self.last_step,
             "parked": self._parking.parked,
@@ -464,8 +509,9 @@ class SwitchAgent:
         with self._lock:
             self._counters.lists_received += 1
         logger.info("switch %s received", order.summary())
-        self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": len(order.to_standby()),
-                                           "to_primary": len(order.to_primary())})
+        standby = sum(order.ops)
+        self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": standby,
+                                           "to_primary": len(order) - standby})
         self._queue.put(_Owed(seq, cfg.job_id, order))
 
     def _on_fatal(self, exc: BaseException) -> None:

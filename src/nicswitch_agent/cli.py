@@ -5,6 +5,8 @@ Subcommands:
   sim     run the ClusterD-compatible simulator (for rehearsals and tests)
   switch  O&M: ask ClusterD to switch NICs and wait for the outcome
   watch   O&M: follow a job's switch result stream
+  doctor  check that this pod is ready for link switches (exit code 0: ready)
+  status  show the running agent's state from its status file (NICSWITCH_STATUS_FILE)
   launch  run a training command (e.g. torchrun) with the job's leader in this process
   version print the version
 
@@ -48,6 +50,18 @@ def _build_parser() -> argparse.ArgumentParser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     om_cli.add_watch_arguments(watch)
     watch.set_defaults(run=om_cli.run_watch)
+
+    from nicswitch_agent import doctor, status_file
+
+    check = sub.add_parser("doctor", help="check that this pod is ready for link switches (exit 0: ready)",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(check)
+    check.set_defaults(run=doctor.run)
+
+    status = sub.add_parser("status", help="show the running agent's state from its status file",
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    status_file.add_arguments(status)
+    status.set_defaults(run=status_file.run)
 
     from nicswitch_agent import launcher
 

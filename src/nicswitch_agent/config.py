@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nicswitch_agent.errors import ConfigError
+from nicswitch_agent.status_file import expand_path
 
 CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
@@ -109,6 +110,17 @@ class AgentConfig:
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message accepted from ClusterD (it sends up to 8 MiB)."""
 
+    status_file: str | None = None
+    """A JSON file the agent keeps with its ``status()`` (read by ``nicswitch-agent status``); None:
+    none. ``{rank}``, ``{pid}`` and ``{job}`` are replaced; without ``{rank}`` or ``{pid}`` only the
+    leader writes it."""
+    status_interval_s: float = 10.0
+    """The status file is rewritten on every event, and at least this often."""
+    events_file: str | None = None
+    """Append every event as one JSON line to this file (``{rank}``, ``{pid}``, ``{job}`` replaced)."""
+    metrics_port: int | None = None
+    """The leader serves Prometheus metrics on this port (needs the ``metrics`` extra); None: off."""
+
     def __post_init__(self) -> None:
         self._validate()
 
@@ -188,8 +200,20 @@ class AgentConfig:
             )
         if self.keepalive_timeout_s <= 0:
             raise ConfigError(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive")
+        for name in ("status_file", "events_file"):
+            template = getattr(self, name)
+            if template is not None:
+                try:
+                    expand_path(template, rank=0, job_id="job")
+                except ValueError as exc:
+                    raise ConfigError(f"{name}={template!r}: {exc}") from None
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port < 65536
+        ):
+            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)")
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
-                    "switch_timeout_s",
+                    "switch_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:

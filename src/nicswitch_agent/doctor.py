@@ -1,0 +1,595 @@
+"""``nicswitch-agent doctor``: is this pod ready to take part in link switches?
+
+One line per check, in plain words, each passed (``ok``), failed (``FAIL``) or only worth a look
+(``warn``: a warning, or a check skipped because its input is missing or a check before it
+failed). The exit code is 0 when nothing failed ("ready"), 1 otherwise, 2 for a usage error.
+
+Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id,
+the other ``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every
+3 s), ClusterD answering ``HealthCheck`` (within ``--timeout``), the pause mode and who pauses
+training, torch, torch_npu, ``torch_npu.npu._comm_switch_nic``, ``HCCL_OP_RETRY_ENABLE`` enabling
+L2 (without it HCCL accepts a switch and does nothing), a way to map ClusterD's global ranks
+(torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), and the checkpoint
+directory (``--checkpoint-dir``: exists, writable, free space).
+
+The doctor only reads: its one call to ClusterD is ``HealthCheck``, which changes nothing there
+(``Init`` or a subscription would reset the job's controller), and the checkpoint directory gets
+one temporary file, removed at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.config import (
+    CLUSTERD_MIN_PING_INTERVAL_S,
+    EXTERNAL_PAUSE_MARKERS,
+    AgentConfig,
+    resolve_pause_mode,
+)
+from nicswitch_agent.errors import ConfigError
+from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
+from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
+from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+DEFAULT_TIMEOUT_S = 3.0
+DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
+ROLE = "nicswitch-doctor"  # ClusterD logs ClientInfo.role: the doctor's call is easy to tell apart
+HCCL_RETRY_VALUE = "L0:0, L1:1, L2:1"
+
+_SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
+_JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
+_KEEPALIVE_ENV = ("NICSWITCH_KEEPALIVE_TIME_S", "NICSWITCH_KEEPALIVE_TIMEOUT_S")
+_TOPOLOGY_ENV = ("NICSWITCH_WORLD_SIZE", "WORLD_SIZE", "NICSWITCH_RANK", "RANK")
+_PLACEHOLDER_SERVER = "127.0.0.1:8899"
+_PLACEHOLDER_JOB = "doctor-placeholder"
+
+
+@dataclass(frozen=True)
+class Check:
+    """The outcome of one check.
+
+    Attributes:
+        name: Short name, e.g. ``"ClusterD"``.
+        ok: True passed, False failed (not ready), None a warning or a skipped check.
+        detail: What was found, and for a failure what to do about it.
+    """
+
+    name: str
+    ok: bool | None
+    detail: str
+
+    @property
+    def label(self) -> str:
+        return {True: "ok", False: "FAIL", None: "warn"}[self.ok]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "ok": self.ok, "status": self.label, "detail": self.detail}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the checks look at; built once by :func:`gather_inputs`."""
+
+    env: Mapping[str, str]
+    server: str | None
+    server_source: str
+    server_error: str
+    job_id: str | None
+    job_source: str
+    job_error: str
+    config: AgentConfig | None
+    config_error: str
+    checkpoint_dir: str | None = None
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def dry_run(self) -> bool:
+        if self.config is not None:
+            return self.config.dry_run
+        return self.env.get("NICSWITCH_DRY_RUN", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _subset(env: Mapping[str, str], names: tuple[str, ...]) -> dict[str, str]:
+    return {name: env[name] for name in names if name in env}
+
+
+def gather_inputs(
+    *,
+    server: str | None = None,
+    job_id: str | None = None,
+    env: Mapping[str, str] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> Inputs:
+    """Resolve server, job and settings as the agent would (explicit > NICSWITCH_* > MindCluster env)."""
+    env = dict(os.environ if env is None else env)
+    server_source = _server_source(server, env)
+    try:
+        resolved_server: str | None = AgentConfig.from_env(
+            _subset(env, _SERVER_ENV), server=server, job_id=_PLACEHOLDER_JOB).server
+        server_error = ""
+    except ConfigError as exc:
+        resolved_server, server_error = None, str(exc)
+    job_source = "--job" if job_id is not None else next(
+        (name for name in _JOB_ENV if env.get(name, "").strip()), "")
+    try:
+        resolved_job: str | None = AgentConfig.from_env(
+            _subset(env, _JOB_ENV), server=_PLACEHOLDER_SERVER, job_id=job_id).job_id
+        job_error = ""
+    except ConfigError as exc:
+        resolved_job, job_error = None, str(exc)
+    # Every other setting, each problem once: server, job, keepalive and ranks have checks of their own.
+    others = {k: v for k, v in env.items() if k not in _KEEPALIVE_ENV + _TOPOLOGY_ENV}
+    try:
+        config: AgentConfig | None = AgentConfig.from_env(
+            others, server=resolved_server or _PLACEHOLDER_SERVER, job_id=resolved_job or _PLACEHOLDER_JOB)
+        config_error = ""
+    except ConfigError as exc:
+        config, config_error = None, str(exc)
+    return Inputs(
+        env=env, server=resolved_server, server_source=server_source, server_error=server_error,
+        job_id=resolved_job, job_source=job_source, job_error=job_error, config=config, config_error=config_error,
+        checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
+        min_free_bytes=min_free_bytes, timeout_s=timeout_s,
+    )
+
+
+def _server_source(explicit: str | None, env: Mapping[str, str]) -> str:
+    if explicit is not None:
+        return "--server"
+    if env.get("NICSWITCH_SERVER", "").strip():
+        return "NICSWITCH_SERVER"
+    if env.get("LOCAL_PROXY_ENABLE", "").strip().lower() == "on":
+        return "LOCAL_PROXY_ENABLE=on, the local mTLS proxy"
+    if env.get("MINDX_SERVER_IP", "").strip():
+        return "MINDX_SERVER_IP"
+    return ""
+
+
+# --------------------------------------------------------------------------------------------
+# The checks: each a small function of the inputs
+# --------------------------------------------------------------------------------------------
+
+
+def check_server(inp: Inputs) -> Check:
+    name = "ClusterD address"
+    if inp.server is None:
+        if not inp.server_source:
+            return Check(name, False, "not set: set MINDX_SERVER_IP (ascend-operator injects it), "
+                                      "NICSWITCH_SERVER=host:port, or LOCAL_PROXY_ENABLE=on; or pass --server")
+        return Check(name, False, f"{inp.server_error} (from {inp.server_source})")
+    return Check(name, True, f"{inp.server} (from {inp.server_source})")
+
+
+def check_job(inp: Inputs) -> Check:
+    name = "job id"
+    if inp.job_id is None:
+        if not inp.job_source:
+            return Check(name, False, "not set: ClusterD keys every switch by job; set MINDX_TASK_ID "
+                                      "(ascend-operator injects the job UID) or NICSWITCH_JOB_ID, or pass --job")
+        return Check(name, False, f"{inp.job_error} (from {inp.job_source})")
+    return Check(name, True, f"{inp.job_id} (from {inp.job_source})")
+
+
+def check_settings(inp: Inputs) -> Check:
+    name = "settings"
+    if inp.config is None:
+        return Check(name, False, inp.config_error)
+    judged_elsewhere = _SERVER_ENV + _JOB_ENV + _KEEPALIVE_ENV + _TOPOLOGY_ENV
+    given = sorted(k for k in inp.env if k.startswith("NICSWITCH_") and inp.env[k].strip()
+                   and k not in judged_elsewhere)
+    listed = ", ".join(given) if given else "none"
+    return Check(name, True, f"timeouts and modes valid (other NICSWITCH_* set: {listed})")
+
+
+def check_keepalive(inp: Inputs) -> Check:
+    name = "keepalive"
+    try:
+        cfg = AgentConfig.from_env(_subset(inp.env, _KEEPALIVE_ENV), server=_PLACEHOLDER_SERVER,
+                                   job_id=_PLACEHOLDER_JOB)
+    except ConfigError as exc:
+        return Check(name, False, str(exc))
+    detail = (f"pings every {cfg.keepalive_time_s:g} s (ClusterD allows one per {CLUSTERD_MIN_PING_INTERVAL_S:g} s), "
+              f"connection declared dead after {cfg.keepalive_timeout_s:g} s without an answer")
+    return Check(name, True, detail)
+
+
+def check_clusterd(inp: Inputs) -> Check:
+    """One ``HealthCheck`` within ``timeout_s``: reachable, speaks ``/Recover``, answers code 0."""
+    name = "ClusterD"
+    if inp.server is None:
+        return Check(name, None, "skipped: no ClusterD address")
+    channel = open_channel(ChannelSettings(target=inp.server))
+    started = time.monotonic()
+    try:
+        status = RecoverStub(channel).HealthCheck(pb.ClientInfo(jobId=inp.job_id or "", role=ROLE),
+                                                  timeout=inp.timeout_s)
+    except grpc.RpcError as exc:
+        return Check(name, False, _rpc_problem(inp.server, inp.timeout_s, exc.code(), exc.details()))
+    finally:
+        channel.close()
+    took = (time.monotonic() - started) * 1000
+    if int(status.code) != 0:
+        return Check(name, False, f"{inp.server} answered HealthCheck with code {status.code}: {status.info!r}")
+    return Check(name, True, f"{inp.server} answered HealthCheck in {took:.0f} ms")
+
+
+def _rpc_problem(server: str, timeout_s: float, code: Any, details: str | None) -> str:
+    text = details or ""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return (f"cannot reach ClusterD at {server}: {text} (is ClusterD running, and is its port open "
+                "from this pod?)")
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return (f"no answer from {server} within {timeout_s:g} s (a wrong address, or a firewall "
+                "dropping packets)")
+    if code is grpc.StatusCode.UNIMPLEMENTED:
+        return f"{server} speaks gRPC but has no /Recover/HealthCheck: it is not ClusterD ({text})"
+    return f"HealthCheck to {server} failed: {getattr(code, 'name', code)}: {text}"
+
+
+def check_pause_mode(inp: Inputs) -> Check:
+    name = "pause mode"
+    configured = inp.config.pause if inp.config is not None else "auto"
+    mode, reason = resolve_pause_mode(configured, inp.env)
+    markers = [m for m in EXTERNAL_PAUSE_MARKERS if inp.env.get(m, "").strip()]
+    if configured == "agent" and markers:
+        return Check(name, None, f"agent, but {', '.join(markers)} is set: if MindIO/TaskD runs, the agent's "
+                                 "process-manage stream resets ClusterD's job controller and takes their "
+                                 "pause signals; use pause=external (or auto)")
+    if configured == "external" and not markers:
+        return Check(name, None, "external, but no MindIO/TaskD marker (TTP_PORT, TASKD_PROCESS_ENABLE) is "
+                                 "set: unless MindIO/TaskD pause training, ClusterD waits 15 min and kills "
+                                 "the job; use pause=agent (or auto)")
+    return Check(name, True, f"{mode}: {reason}")
+
+
+def _import(module: str) -> tuple[Any, str]:
+    try:
+        return importlib.import_module(module), ""
+    except Exception as exc:  # torch_npu raises more than ImportError when CANN is broken
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def check_torch(inp: Inputs) -> Check:
+    name = "torch"
+    module, error = _import("torch")
+    if module is None:
+        return Check(name, False, f"cannot import torch ({error}): pip install 'nicswitch-agent[torch]'")
+    dist = getattr(module, "distributed", None)
+    if dist is None or not dist.is_available():
+        return Check(name, False, f"torch {module.__version__} has no torch.distributed: ranks cannot coordinate")
+    return Check(name, True, f"torch {module.__version__} with torch.distributed")
+
+
+def check_torch_npu(inp: Inputs) -> Check:
+    name = "torch_npu"
+    module, error = _import("torch_npu")
+    if module is None:
+        if inp.dry_run:
+            return Check(name, None, f"not importable ({error}); not needed in a dry run")
+        return Check(name, False, f"cannot import torch_npu ({error}): install the torch_npu that matches "
+                                  "your torch and CANN")
+    return Check(name, True, f"torch_npu {getattr(module, '__version__', '(no version)')}")
+
+
+def check_switch_function(inp: Inputs) -> Check:
+    name = SWITCH_FUNCTION
+    where = f"{SWITCH_MODULE}.{SWITCH_FUNCTION}"
+    if sys.modules.get("torch_npu") is None:  # check_torch_npu could not import it
+        return Check(name, None, "skipped: torch_npu is not importable")
+    module, error = _import(SWITCH_MODULE)
+    fn = None if module is None else getattr(module, SWITCH_FUNCTION, None)
+    if callable(fn):
+        return Check(name, True, f"{where} found")
+    why = f"cannot import {SWITCH_MODULE} ({error})" if module is None else f"{where} is missing"
+    if inp.dry_run:
+        return Check(name, None, f"{why}; not needed in a dry run")
+    return Check(name, False, f"{why}: this torch_npu predates link switching; upgrade torch_npu")
+
+
+def check_hccl_retry(inp: Inputs) -> Check:
+    name = "HCCL_OP_RETRY_ENABLE"
+    value = inp.env.get("HCCL_OP_RETRY_ENABLE")
+    if hccl_retry_enables_l2(value):
+        return Check(name, True, f"{value!r} enables L2")
+    shown = "unset" if value is None else repr(value)
+    detail = (f"{shown} does not enable L2: HCCL then accepts a link switch, says it succeeded and does "
+              f"nothing; set HCCL_OP_RETRY_ENABLE=\"{HCCL_RETRY_VALUE}\" before training starts")
+    return Check(name, None if inp.dry_run else False, detail)
+
+
+def check_rank_map(inp: Inputs) -> Check:
+    """torchrun's RANK/WORLD_SIZE, or a rank table, so ClusterD's global ranks mean something here."""
+    name = "rank mapping"
+    env = inp.env
+    parts: list[str] = []
+    world = _env_int(env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
+    rank = _env_int(env, "NICSWITCH_RANK", "RANK")
+    for label, value in (("world size", world), ("rank", rank)):
+        if isinstance(value, str):
+            return Check(name, False, f"{label}: {value}")
+    torch_env = False
+    if isinstance(world, int) and world == 1 and rank in (None, 0):
+        torch_env = True
+        parts.append("a single process (WORLD_SIZE=1)")
+    elif isinstance(world, int) and isinstance(rank, int):
+        if not 0 <= rank < world:
+            return Check(name, False, f"RANK={rank} is outside WORLD_SIZE={world}")
+        torch_env = True
+        lws = _env_int(env, "LOCAL_WORLD_SIZE")
+        local = f", {lws} per node: node {rank // lws}, local rank {rank % lws}" if isinstance(lws, int) and lws else ""
+        parts.append(f"rank {rank} of {world}{local}")
+    elif world is not None or rank is not None:
+        missing = "RANK" if rank is None else "WORLD_SIZE"
+        return Check(name, False, f"{missing} is not set while {'WORLD_SIZE' if rank is None else 'RANK'} is: "
+                                  "start training with torchrun, or set both")
+    table_path = env.get("RANK_TABLE_FILE", "").strip()
+    if table_path:
+        try:
+            ranks, servers, state = _read_rank_table(table_path)
+        except (OSError, ValueError) as exc:
+            return Check(name, False, f"RANK_TABLE_FILE={table_path}: {exc}")
+        if state not in ("", "completed"):
+            return Check(name, False, f"RANK_TABLE_FILE={table_path} has status {state!r}, not 'completed': "
+                                      "the rank table is not ready yet")
+        parts.append(f"rank table with {ranks} rank(s) on {servers} server(s)")
+        if isinstance(world, int) and world != ranks:
+            return Check(name, None, f"{'; '.join(parts)}: WORLD_SIZE={world} differs from the rank table's "
+                                     f"{ranks} ranks, so ClusterD's rank ids may not be this job's ranks")
+    if not parts:
+        return Check(name, False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set: ClusterD's "
+                                  "global rank ids cannot be mapped to this job's processes (for a "
+                                  "single-process job set WORLD_SIZE=1)")
+    if not torch_env:
+        parts.append("no RANK/WORLD_SIZE: the agent runs as a single rank unless torch.distributed is initialised")
+    return Check(name, True, "; ".join(parts))
+
+
+def _env_int(env: Mapping[str, str], *names: str) -> int | str | None:
+    """The first set variable as an int >= 0; an error text if it is not one; None if none is set."""
+    for name in names:
+        raw = env.get(name, "").strip()
+        if raw:
+            if not (raw.isascii() and raw.isdigit()):
+                return f"{name}={raw!r} is not a non-negative integer"
+            return int(raw)
+    return None
+
+
+def _read_rank_table(path: str) -> tuple[int, int, str]:
+    """(ranks, servers, status) of an Ascend rank table (``server_list[].device[].rank_id``)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from None
+    servers = data.get("server_list") if isinstance(data, dict) else None
+    if not isinstance(servers, list) or not servers:
+        raise ValueError("no server_list: not an Ascend rank table")
+    ranks = 0
+    for server in servers:
+        devices = server.get("device") if isinstance(server, dict) else None
+        if not isinstance(devices, list):
+            raise ValueError("a server_list entry has no device list")
+        ranks += sum(1 for d in devices if isinstance(d, dict) and "rank_id" in d)
+    if ranks == 0:
+        raise ValueError("no device has a rank_id")
+    return ranks, len(servers), str(data.get("status", ""))
+
+
+def check_checkpoint_dir(inp: Inputs) -> Check:
+    name = "checkpoint dir"
+    if inp.checkpoint_dir is None:
+        return Check(name, None, "skipped: pass --checkpoint-dir DIR to check where the checkpoint guard writes")
+    directory = Path(inp.checkpoint_dir).expanduser()
+    if not directory.exists():
+        return Check(name, False, f"{directory} does not exist: create it on a filesystem every rank can reach")
+    if not directory.is_dir():
+        return Check(name, False, f"{directory} is not a directory")
+    try:  # a real write: os.access() says yes to root on a read-only mount
+        fd, probe = tempfile.mkstemp(prefix=".nicswitch-doctor-", dir=directory)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return Check(name, False, f"{directory} is not writable: {exc}")
+    free = shutil.disk_usage(directory).free
+    newest, newest_size = _newest_checkpoint(directory)
+    need = inp.min_free_bytes + newest_size
+    if free < need:
+        next_one = f" plus about {_bytes(newest_size)} for the next checkpoint (as big as {newest})" if newest else ""
+        return Check(name, False, f"{directory}: {_bytes(free)} free, less than the {_bytes(inp.min_free_bytes)} "
+                                  f"floor{next_one}: the checkpoint guard would refuse switches")
+    newest_text = f"; newest checkpoint {newest} is {_bytes(newest_size)}" if newest else ""
+    return Check(name, True, f"{directory} writable, {_bytes(free)} free{newest_text}")
+
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _newest_checkpoint(directory: Path) -> tuple[str, int]:
+    """Name and size of the highest ``step-<N>`` directory (the guard's layout), or ("", 0)."""
+    best: tuple[int, Path] | None = None
+    for entry in directory.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and entry.is_dir() and (best is None or int(match.group(1)) > best[0]):
+            best = (int(match.group(1)), entry)
+    if best is None:
+        return "", 0
+    size = 0
+    for root, _dirs, files in os.walk(best[1]):
+        for file in files:
+            try:
+                size += os.lstat(os.path.join(root, file)).st_size
+            except OSError:
+                continue
+    return best[1].name, size
+
+
+def _bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover - the loop always returns
+
+
+CHECKS: tuple[Callable[[Inputs], Check], ...] = (
+    check_server,
+    check_job,
+    check_settings,
+    check_keepalive,
+    check_clusterd,
+    check_pause_mode,
+    check_torch,
+    check_torch_npu,
+    check_switch_function,
+    check_hccl_retry,
+    check_rank_map,
+    check_checkpoint_dir,
+)
+
+
+def run_checks(
+    *,
+    server: str | None = None,
+    job_id: str | None = None,
+    env: Mapping[str, str] | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    on_check: Callable[[Check], None] | None = None,
+) -> list[Check]:
+    """Run every check in order; ``on_check`` sees each result as soon as it is known.
+
+    Args:
+        server: ``host:port`` of ClusterD; None: the agent's discovery from ``env``.
+        job_id: The job; None: NICSWITCH_JOB_ID, else MINDX_TASK_ID.
+        env: The environment to judge (default ``os.environ``).
+        checkpoint_dir: Where the checkpoint guard writes; None skips that check.
+        min_free_bytes: Free space the checkpoint directory must keep beyond the next checkpoint.
+        timeout_s: Deadline of the HealthCheck call.
+
+    A check that raises is reported as failed, never raised.
+    """
+    inputs = gather_inputs(server=server, job_id=job_id, env=env, checkpoint_dir=checkpoint_dir,
+                           min_free_bytes=min_free_bytes, timeout_s=timeout_s)
+    results: list[Check] = []
+    for check in CHECKS:
+        try:
+            result = check(inputs)
+        except Exception as exc:
+            result = Check(check.__name__.removeprefix("check_").replace("_", " "), False,
+                           f"the check itself failed: {type(exc).__name__}: {exc}")
+        results.append(result)
+        if on_check is not None:
+            on_check(result)
+    return results
+
+
+def ready(checks: list[Check]) -> bool:
+    """True when no check failed (warnings do not count)."""
+    return all(c.ok is not False for c in checks)
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``1G``, ``1.5GiB`` -> bytes (binary units)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512M, 1G, 2GiB)")
+    power = " kmgt".index(match.group(2).lower() or " ")
+    return int(float(match.group(1)) * 1024**power)
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``nicswitch-agent doctor``."""
+    parser.add_argument("--server", metavar="HOST:PORT",
+                        help="ClusterD address (default: NICSWITCH_SERVER, LOCAL_PROXY_ENABLE=on, MINDX_SERVER_IP)")
+    parser.add_argument("--job", metavar="JOB_ID", help="job id (default: NICSWITCH_JOB_ID, else MINDX_TASK_ID)")
+    parser.add_argument("--checkpoint-dir", metavar="DIR",
+                        help="check that the checkpoint guard's directory is writable and has room")
+    parser.add_argument("--min-free", type=parse_size, default=DEFAULT_MIN_FREE_BYTES, metavar="SIZE",
+                        help="free space the checkpoint directory must keep beyond the next checkpoint "
+                             "(default: 1G, the guard's default)")
+    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help="how long to wait for ClusterD's HealthCheck answer, seconds (default: %(default)g)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    if parser.epilog is None:
+        parser.epilog = "exit codes: 0 ready (no check failed), 1 not ready, 2 usage error"
+
+
+def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
+    """``nicswitch-agent doctor``: print one line per check; 0 when ready, 1 when not."""
+    width = 22
+
+    def say(check: Check) -> None:
+        print(f"  {check.label:<5} {check.name:<{width}} {check.detail}", flush=True)
+
+    if not args.json:
+        print("nicswitch-agent doctor: is this pod ready for link switches?", flush=True)
+    checks = run_checks(server=args.server, job_id=args.job, env=env, checkpoint_dir=args.checkpoint_dir,
+                        min_free_bytes=args.min_free, timeout_s=args.timeout, on_check=None if args.json else say)
+    is_ready = ready(checks)
+    failed = [c.name for c in checks if c.ok is False]
+    warned = [c.name for c in checks if c.ok is None]
+    if args.json:
+        print(json.dumps({"ready": is_ready, "exit_code": 0 if is_ready else 1,
+                          "failed": failed, "warnings": warned,
+                          "checks": [c.to_json() for c in checks]}, sort_keys=True))
+    elif is_ready:
+        note = f" ({len(warned)} warning(s): {', '.join(warned)})" if warned else ""
+        print(f"ready{note}")
+    else:
+        print(f"NOT READY: {len(failed)} check(s) failed: {', '.join(failed)}")
+    return 0 if is_ready else 1
+
+
+__all__ = [
+    "CHECKS",
+    "DEFAULT_MIN_FREE_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "Check",
+    "Inputs",
+    "add_arguments",
+    "gather_inputs",
+    "parse_size",
+    "ready",
+    "run",
+    "run_checks",
+]

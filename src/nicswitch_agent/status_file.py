@@ -1,0 +1,509 @@
+"""The agent's status file, and ``nicswitch-agent status``, which reads it.
+
+A running agent can keep a small JSON file with its :meth:`SwitchAgent.status` snapshot, so an
+operator can ask "is the agent alive, connected, and how did the last switch go?" from a shell in
+the pod, without a network endpoint. The file is written only when ``NICSWITCH_STATUS_FILE`` is
+set (``AgentConfig.status_file``):
+
+- by :class:`StatusFileWriter`, an event listener plus one daemon thread (``nicswitch-status``):
+  every agent event wakes the thread, which rewrites the file; with no event it is rewritten every
+  ``interval_s`` so its age shows the agent is alive. Nothing is written per training step: an
+  event costs the agent one ``Event.set()``.
+- atomically: a temporary file in the same directory, then ``os.replace``; a reader never sees a
+  half-written file.
+- by the leader only, unless the path names the process (``{rank}`` or ``{pid}``): every rank of
+  a job sees the same environment, and ranks sharing one file would overwrite each other (see
+  :func:`expand_path`).
+
+Exit codes of ``nicswitch-agent status``:
+
+===  ========================================================================================
+0    the file is fresh and the agent in it is running
+1    the agent is not running (created, stopping, stopped or failed)
+2    usage error (no file given and NICSWITCH_STATUS_FILE unset)
+3    the file is stale: not rewritten for longer than ``--max-age`` (the process is gone or hung)
+4    no status file, or it cannot be read or parsed
+===  ========================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import glob
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nicswitch_agent.events import AgentEvent
+
+logger = logging.getLogger("nicswitch_agent.status")
+
+STATUS_FILE_ENV = "NICSWITCH_STATUS_FILE"
+FORMAT = "nicswitch-agent-status/1"
+DEFAULT_INTERVAL_S = 10.0
+RUNNING_STATES = frozenset({"starting", "running", "switching"})
+PER_PROCESS_FIELDS = ("{rank}", "{pid}")
+
+
+class ExitCode(enum.IntEnum):
+    """Exit codes of ``nicswitch-agent status`` (see the module docstring)."""
+
+    OK = 0
+    NOT_RUNNING = 1
+    USAGE = 2
+    STALE = 3
+    NO_FILE = 4
+
+
+def expand_path(template: str, *, rank: int, job_id: str, role: str | None = "leader") -> str | None:
+    """The file this process writes for ``template``, or None when it writes none.
+
+    ``{rank}``, ``{pid}`` and ``{job}`` are replaced (e.g. ``/run/nicswitch/{job}-{rank}.json``).
+    A template without ``{rank}`` or ``{pid}`` names one file for the whole job, which only the
+    leader writes (``role == "leader"``): the ranks of a job share its environment, and ranks
+    sharing a file would overwrite each other's state.
+
+    Raises:
+        ValueError: the template has another ``{field}`` or an unbalanced brace.
+    """
+    if not any(field in template for field in PER_PROCESS_FIELDS) and role != "leader":
+        return None
+    try:
+        return template.format(rank=rank, pid=os.getpid(), job=job_id)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"{template!r}: only {{rank}}, {{pid}} and {{job}} may appear in braces ({exc!r})"
+        ) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Writer (inside the agent)
+# --------------------------------------------------------------------------------------------
+
+
+class StatusFileWriter:
+    """Keeps ``path`` holding the latest ``agent_status()`` as JSON.
+
+    Register it as an event listener (``agent.add_listener(writer)`` or ``on_event=writer``) and
+    call :meth:`start`; :meth:`stop` writes the final state once more and joins the thread.
+
+    Args:
+        path: The file. Its directory must exist; a missing directory or a failed write is
+            logged (once per distinct error) and retried at the next event or interval, never
+            raised into the agent.
+        agent_status: Returns the snapshot to write (``agent.status``); called on the writer's
+            thread (and by :meth:`start`/:meth:`stop` on their caller's), never by the listener,
+            so an event costs the emitting thread one ``Event.set()``.
+        interval_s: Rewrite at least this often with no event, so the file's age tells a reader
+            whether the agent is alive (``nicswitch-agent status`` calls it stale after 3 intervals).
+        clock: Wall clock for ``written_at`` (seconds since the epoch).
+
+    Raises:
+        ValueError: ``interval_s`` is not a positive number, or ``path`` is empty.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        agent_status: Callable[[], Mapping[str, Any]],
+        interval_s: float = DEFAULT_INTERVAL_S,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if not os.fspath(path):
+            raise ValueError("status file path is empty")
+        if isinstance(interval_s, bool) or not isinstance(interval_s, (int, float)) or not interval_s > 0:
+            raise ValueError(f"interval_s={interval_s!r} must be a positive number of seconds")
+        self.path = Path(path)
+        self.interval_s = float(interval_s)
+        self._status = agent_status
+        self._clock = clock
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._started = False
+        self._stopped = False
+        self._lifecycle = threading.Lock()  # guards _started, _stopped, _thread
+        self._cond = threading.Condition()  # guards _writes, _last, _last_error; one write at a time
+        self._writes = 0
+        self._last: dict[str, Any] | None = None
+        self._last_error = ""
+        self._host = socket.gethostname()
+
+    # -- listener ------------------------------------------------------------------------------
+
+    def __call__(self, event: AgentEvent) -> None:
+        """Event listener: wake the writer thread (every agent event is a change of state)."""
+        self._wake.set()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> StatusFileWriter:
+        """Write the file once, then start the writer thread.
+
+        Raises:
+            RuntimeError: started twice, or after :meth:`stop`.
+        """
+        with self._lifecycle:
+            if self._started or self._stopped:
+                raise RuntimeError("a StatusFileWriter starts once")
+            self._started = True
+            self._thread = threading.Thread(target=self._run, name="nicswitch-status", daemon=True)
+        self.write_now()
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 1.0) -> None:
+        """Stop the thread and write the final state (e.g. ``stopped``). Idempotent."""
+        with self._lifecycle:
+            if self._stopped:
+                return
+            self._stopped = True
+            thread = self._thread
+        self._stop.set()
+        self._wake.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.warning("status writer thread still busy after %.1f s; leaving it as a daemon", timeout)
+        self.write_now()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.interval_s)
+            if self._stop.is_set():
+                return
+            # Clear before the snapshot: an event after this point sets it again and is written next.
+            self._wake.clear()
+            self.write_now()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    @property
+    def writes(self) -> int:
+        """How many times the file was written."""
+        with self._cond:
+            return self._writes
+
+    @property
+    def last_document(self) -> dict[str, Any] | None:
+        """The last document written, or None."""
+        with self._cond:
+            return self._last
+
+    def write_now(self) -> bool:
+        """Snapshot the status and replace the file now; False (logged) if that failed."""
+        with self._cond:
+            try:
+                status = dict(self._status())
+            except Exception as exc:  # the agent's status() must not kill the writer
+                self._log_error(f"agent status failed: {exc!r}")
+                return False
+            document = {
+                "format": FORMAT,
+                "written_at": self._clock(),
+                "pid": os.getpid(),
+                "host": self._host,
+                "interval_s": self.interval_s,
+                "writes": self._writes + 1,
+                "status": status,
+            }
+            try:
+                text = json.dumps(document, sort_keys=True, default=str)
+                _replace_atomically(self.path, text + "\n")
+            except (OSError, TypeError, ValueError) as exc:
+                self._log_error(f"cannot write {self.path}: {exc}")
+                return False
+            if self._last_error:
+                logger.info("status file %s written again", self.path)
+                self._last_error = ""
+            self._writes += 1
+            self._last = json.loads(text)
+            self._cond.notify_all()
+            return True
+
+    def wait_written(self, predicate: Callable[[dict[str, Any]], bool], timeout: float) -> bool:
+        """Block until a written document satisfies ``predicate`` (checked after every write)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._last is not None and predicate(self._last), timeout)
+
+    def _log_error(self, text: str) -> None:
+        if text != self._last_error:  # once per distinct error, not every interval
+            logger.warning("status file: %s", text)
+            self._last_error = text
+
+
+def _replace_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Reader (``nicswitch-agent status``)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StatusReport:
+    """What a status file says, judged.
+
+    Attributes:
+        path: The file read.
+        exit_code: See :class:`ExitCode`.
+        problem: Why the exit code is not 0, in plain words ("" when it is).
+        document: The parsed file, or None when it could not be read.
+        age_s: Seconds since the file was written (by the writer's clock), or None.
+        max_age_s: Age past which the file counts as stale.
+    """
+
+    path: str
+    exit_code: ExitCode
+    problem: str
+    document: dict[str, Any] | None = None
+    age_s: float | None = None
+    max_age_s: float | None = None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """The agent's ``status()`` snapshot from the file (empty when unreadable)."""
+        inner = (self.document or {}).get("status")
+        return inner if isinstance(inner, dict) else {}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.path,
+            "exit_code": int(self.exit_code),
+            "result": self.exit_code.name.lower(),
+            "problem": self.problem or None,
+            "age_s": None if self.age_s is None else round(self.age_s, 3),
+            "max_age_s": self.max_age_s,
+            "pid": (self.document or {}).get("pid"),
+            "host": (self.document or {}).get("host"),
+            "status": self.status or None,
+        }
+
+
+def default_max_age(interval_s: float) -> float:
+    """Stale after three missed rewrites, and never sooner than 5 s past one interval."""
+    return max(3 * interval_s, interval_s + 5.0)
+
+
+def read_status(path: str | os.PathLike[str], *, now: float | None = None,
+                max_age_s: float | None = None) -> StatusReport:
+    """Read and judge a status file.
+
+    Args:
+        path: The file.
+        now: The current wall clock (default ``time.time()``).
+        max_age_s: Stale threshold; default :func:`default_max_age` of the interval in the file.
+    """
+    name = os.fspath(path)
+    try:
+        text = Path(name).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return StatusReport(name, ExitCode.NO_FILE, f"no status file at {name}: the agent is not running, or "
+                                                    f"{STATUS_FILE_ENV} was not set for it")
+    except OSError as exc:
+        return StatusReport(name, ExitCode.NO_FILE, f"cannot read {name}: {exc}")
+    try:
+        document = json.loads(text)
+    except ValueError as exc:
+        return StatusReport(name, ExitCode.NO_FILE, f"{name} is not JSON: {exc}")
+    if not isinstance(document, dict) or document.get("format") != FORMAT or not isinstance(
+        document.get("status"), dict
+    ):
+        return StatusReport(name, ExitCode.NO_FILE, f"{name} is not a nicswitch-agent status file ({FORMAT})")
+    written_at = _number(document.get("written_at"))
+    interval = _number(document.get("interval_s")) or DEFAULT_INTERVAL_S
+    limit = default_max_age(interval) if max_age_s is None else max_age_s
+    age = None if written_at is None else (time.time() if now is None else now) - written_at
+    state = str(document["status"].get("state"))
+    if age is None or age > limit:
+        shown = "unknown" if age is None else _duration(age)
+        return StatusReport(name, ExitCode.STALE,
+                            f"stale: written {shown} ago, more than {_duration(limit)} (the agent rewrites it "
+                            f"every {_duration(interval)}): its process is gone or hung (last state: {state})",
+                            document, age, limit)
+    if state not in RUNNING_STATES:
+        error = document["status"].get("last_error") or ""
+        why = f" ({error})" if state == "failed" and error else ""
+        return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
+    return StatusReport(name, ExitCode.OK, "", document, age, limit)
+
+
+def format_summary(report: StatusReport) -> str:
+    """A few readable lines: state, role, connection, last switch, counters, file age."""
+    doc = report.document
+    if doc is None:
+        return f"status: {report.problem}"
+    s = report.status
+    lines: list[str] = []
+    age = "unknown" if report.age_s is None else _duration(report.age_s)
+    lines.append(f"file        {report.path} (written {age} ago by pid {doc.get('pid')} on {doc.get('host')})")
+    role = s.get("role") or "no role yet"
+    lines.append(f"state       {s.get('state')} ({role}, rank {s.get('rank')} of {s.get('world_size')}, "
+                 f"pause {s.get('pause')}{', dry run' if s.get('dry_run') else ''})")
+    lines.append(f"job         {s.get('job_id')} on ClusterD {s.get('server')}")
+    if s.get("role") == "leader":
+        stream = s.get("stream") or {}
+        connected = "yes" if s.get("connected") else "NO"
+        msg_age = _number(s.get("last_message_age_s"))
+        extra = "" if msg_age is None else f", last message {_duration(msg_age)} before the write"
+        lines.append(f"connected   {connected} (stream {'open' if s.get('stream_open') else 'closed'}; "
+                     f"subscriptions {stream.get('opens', 0)}, errors {stream.get('errors', 0)}{extra})")
+        if s.get("last_error"):
+            lines.append(f"last error  {s.get('last_error')}")
+    if s.get("parked"):
+        lines.append(f"training    PARKED at step {s.get('parked_step')}")
+    elif s.get("last_step") is not None:
+        lines.append(f"training    last step {s.get('last_step')}")
+    lines.append(f"last switch {_last_switch(s.get('last_switch'), _number(doc.get('written_at')))}")
+    c = s.get("counters") or {}
+    if c:
+        lines.append(
+            f"counters    lists {c.get('lists_received', 0)} received ({c.get('lists_rejected', 0)} rejected, "
+            f"{c.get('lists_ignored', 0)} for other jobs); switches {c.get('switches_ok', 0)} ok, "
+            f"{c.get('switches_failed', 0)} failed; replies {c.get('replies_delivered', 0)} delivered, "
+            f"{c.get('replies_failed', 0)} failed"
+        )
+    timings = _timings(s.get("timings"))
+    if timings:
+        lines.append(f"timings     {timings}")
+    verdict = "OK: the agent is running and the file is fresh" if report.exit_code is ExitCode.OK else (
+        f"NOT OK: {report.problem}"
+    )
+    lines.append(f"verdict     {verdict}")
+    return "\n".join(lines)
+
+
+def _last_switch(last: Any, written_at: float | None) -> str:
+    if not isinstance(last, dict):
+        return "none yet"
+    result = "true" if last.get("result") else "false"
+    parts = [f"#{last.get('seq')}: replied {result} ({last.get('reason') or 'no reason'})",
+             f"reply {last.get('reply')} after {last.get('reply_attempts')} attempt(s)"]
+    total = _number(last.get("total_s"))
+    if total is not None:
+        parts.append(f"{_duration(total)} from list to reply")
+    at = _number(last.get("at"))
+    if at is not None and written_at is not None:
+        parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
+    return ", ".join(parts)
+
+
+_TIMING_LABELS = (("switch_s", "switch"), ("reply_latency_s", "list to reply"), ("pause_s", "parked"))
+
+
+def _timings(timings: Any) -> str:
+    """``switch 2 ms (max 5 ms, 3 times), ...`` from ``status()["timings"]`` (metrics.EventStats)."""
+    if not isinstance(timings, dict):
+        return ""
+    parts = []
+    for key, label in _TIMING_LABELS:
+        entry = timings.get(key)
+        if isinstance(entry, dict) and _number(entry.get("last")) is not None:
+            peak = _number(entry.get("max")) or 0.0
+            parts.append(f"{label} {_duration(float(entry['last']))} (max {_duration(peak)}, "
+                         f"{entry.get('count')} time(s))")
+    losses = timings.get("stream_losses")
+    if isinstance(losses, int) and losses:
+        parts.append(f"stream lost {losses} time(s)")
+    return "; ".join(parts)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    minutes, rest = divmod(round(seconds), 60)
+    if minutes < 120:
+        return f"{minutes} min {rest} s" if rest else f"{minutes} min"
+    return f"{minutes / 60:.1f} h"
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``nicswitch-agent status``."""
+    parser.add_argument("--file", metavar="PATH",
+                        help=f"the agent's status file (default: ${STATUS_FILE_ENV}; {{rank}} in it is "
+                             "replaced by --rank)")
+    parser.add_argument("--rank", type=int, default=None, metavar="N",
+                        help="rank whose file to read when the path has {rank} (default: $RANK, else 0)")
+    parser.add_argument("--max-age", type=float, default=None, metavar="S",
+                        help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    if parser.epilog is None:
+        parser.epilog = "exit codes: 0 running, 1 not running, 2 usage, 3 stale file, 4 no readable file"
+
+
+def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
+    """``nicswitch-agent status``: print the summary; returns the exit code."""
+    env = os.environ if env is None else env
+    template = args.file or env.get(STATUS_FILE_ENV, "").strip()
+    if not template:
+        print(f"nicswitch-agent status: error: --file not given and {STATUS_FILE_ENV} is not set", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    rank = args.rank
+    if rank is None:
+        raw = env.get("RANK", "").strip()
+        rank = int(raw) if raw.isdigit() else 0
+    try:
+        path = template.replace("{pid}", "*").format(rank=rank, job=env.get("NICSWITCH_JOB_ID")
+                                                     or env.get("MINDX_TASK_ID", ""))
+    except (KeyError, IndexError, ValueError) as exc:
+        print(f"nicswitch-agent status: error: bad path {template!r}: {exc!r}", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if "*" in path:  # {pid}: the newest file of that name
+        matches = sorted(glob.glob(path), key=_mtime, reverse=True)
+        path = matches[0] if matches else path.replace("*", "{pid}")
+    report = read_status(path, max_age_s=args.max_age)
+    if args.json:
+        print(json.dumps(report.to_json(), sort_keys=True, default=str))
+    else:
+        print(format_summary(report), file=sys.stdout if report.document is not None else sys.stderr)
+    return int(report.exit_code)
+
+
+__all__ = [
+    "DEFAULT_INTERVAL_S",
+    "STATUS_FILE_ENV",
+    "ExitCode",
+    "StatusFileWriter",
+    "StatusReport",
+    "add_arguments",
+    "default_max_age",
+    "expand_path",
+    "format_summary",
+    "read_status",
+    "run",
+]

@@ -1,0 +1,47 @@
+"""The benchmark suite runs: ``python -m benchmarks --quick`` exits 0 and writes every benchmark.
+
+A smoke test only. It asserts nothing about timing (numbers belong to ``python -m benchmarks``
+and docs/performance.md, never to the tests), only that each benchmark ran and reported.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED = ("idle", "notify_to_hook", "resubscribe", "e2e_switch", "scale_coordination", "pause_alignment",
+            "scale_list")
+
+pytestmark = pytest.mark.timeout(180)
+
+pytest.importorskip("torch", reason="the multi-process benchmarks need the torch extra")
+
+
+def test_quick_run_exits_0_and_writes_every_benchmark(tmp_path: Path) -> None:
+    out = tmp_path / "results.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
+    document = json.loads(out.read_text(encoding="utf-8"))
+    assert document["mode"] == "quick"
+    assert document["machine"]["nproc"] >= 1
+    benchmarks = document["benchmarks"]
+    assert sorted(benchmarks) == sorted(EXPECTED)
+    for name in EXPECTED:
+        bench = benchmarks[name]
+        assert bench["error"] == "", f"{name}: {bench['error']}"
+        assert bench["metrics"], f"{name} reported no metrics"
+        for metric in bench["metrics"]:
+            assert metric["name"] and metric["unit"] is not None
+            value = metric["value"]
+            assert value is None or math.isfinite(value), f"{name}/{metric['name']}: {value}"
+            assert metric["met"] in (True, False, None)
+    assert "benchmark" in proc.stdout and "metric" in proc.stdout  # the table was printed

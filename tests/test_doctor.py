@@ -1,0 +1,449 @@
+"""``nicswitch-agent doctor`` against the simulator, a closed port, silent and foreign servers, and envs."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from nicswitch_agent import doctor
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.doctor import Check, gather_inputs, run, run_checks
+from nicswitch_agent.sim import SimJob, Simulator
+from nicswitch_agent.transport import generic_handler
+
+pytestmark = pytest.mark.timeout(30)
+
+JOB = "job-doctor"
+HCCL_OK = "L0:0, L1:1, L2:1"
+
+
+@pytest.fixture(scope="module")
+def sim() -> Iterator[Simulator]:
+    simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"]})])
+    simulator.start()
+    try:
+        yield simulator
+    finally:
+        simulator.stop()
+
+
+def _forget_torch_npu() -> None:
+    for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def fake_torch_npu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A torch_npu package on sys.path whose npu module has ``_comm_switch_nic``."""
+    root = tmp_path / "site"
+    (root / "torch_npu" / "npu").mkdir(parents=True)
+    (root / "torch_npu" / "__init__.py").write_text('__version__ = "2.13.0.fake"\n')
+    (root / "torch_npu" / "npu" / "__init__.py").write_text(
+        "def _comm_switch_nic(ranks, useBackup):\n    return True\n")
+    _forget_torch_npu()
+    monkeypatch.syspath_prepend(str(root))
+    try:
+        yield root
+    finally:
+        _forget_torch_npu()
+
+
+@pytest.fixture
+def no_torch_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    _forget_torch_npu()
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu raises ImportError
+    yield
+    _forget_torch_npu()
+
+
+def ready_env(server: str, **extra: str) -> dict[str, str]:
+    env = {"NICSWITCH_SERVER": server, "MINDX_TASK_ID": JOB, "HCCL_OP_RETRY_ENABLE": HCCL_OK,
+           "RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    env.update(extra)
+    return env
+
+
+def by_name(checks: list[Check]) -> dict[str, Check]:
+    return {c.name: c for c in checks}
+
+
+def doctor_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    doctor.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- end to end ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(60)  # the first import of torch can take 10 s on a loaded machine
+def test_ready_against_the_simulator(sim: Simulator, fake_torch_npu: Path, tmp_path: Path,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    env = ready_env(sim.address)
+    args = doctor_args("--checkpoint-dir", str(tmp_path), "--min-free", "1M")
+    assert run(args, env=env) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[-1] == "ready"
+    assert "FAIL" not in out and " warn " not in out
+    assert f"ClusterD               {sim.address} answered HealthCheck in" in out
+    assert "_comm_switch_nic       torch_npu.npu._comm_switch_nic found" in out
+    assert "rank 1 of 4, 2 per node: node 0, local rank 1" in out
+    assert len(lines) == 1 + len(doctor.CHECKS) + 1
+
+    assert run(doctor_args("--checkpoint-dir", str(tmp_path), "--min-free", "1M", "--json"), env=env) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ready"] is True and doc["failed"] == [] and doc["warnings"] == []
+    assert [c["status"] for c in doc["checks"]] == ["ok"] * len(doctor.CHECKS)
+
+
+def test_closed_port_fails_fast_with_a_clear_message(fake_torch_npu: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    server = f"127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    check = doctor.check_clusterd(gather_inputs(env=ready_env(server), timeout_s=5.0))
+    elapsed = time.monotonic() - started
+    assert check.ok is False
+    assert check.detail.startswith(f"cannot reach ClusterD at {server}:")
+    assert elapsed < 2.0, f"a refused connection took {elapsed:.1f} s"
+    assert run(doctor_args("--server", server, "--json"), env=ready_env("ignored:1")) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ready"] is False and doc["failed"] == ["ClusterD"]
+    assert doc["checks"][0]["detail"] == f"{server} (from --server)"  # --server wins over the env
+
+
+class _Server:
+    """A gRPC server with only the given Recover handlers (none: not ClusterD)."""
+
+    def __init__(self, handlers: dict[str, Any]) -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        if handlers:
+            self.server.add_generic_rpc_handlers((generic_handler(handlers),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def stop(self) -> None:
+        self.server.stop(0).wait(5)
+
+
+def test_a_server_that_does_not_answer_fails_within_the_timeout() -> None:
+    release = threading.Event()
+
+    def silent(request: pb.ClientInfo, context: Any) -> pb.Status:
+        release.wait(10)
+        return pb.Status(code=0)
+
+    server = _Server({"HealthCheck": silent})
+    try:
+        started = time.monotonic()
+        check = doctor.check_clusterd(gather_inputs(env=ready_env(server.address), timeout_s=0.3))
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        server.stop()
+    assert check.ok is False
+    assert check.detail.startswith(f"no answer from {server.address} within 0.3 s")
+    assert elapsed < 2.0
+
+
+def test_a_server_without_recover_and_a_bad_code_fail() -> None:
+    foreign = _Server({})
+    refusing = _Server({"HealthCheck": lambda request, context: pb.Status(code=500, info="sick")})
+    try:
+        other = doctor.check_clusterd(gather_inputs(env=ready_env(foreign.address)))
+        sick = doctor.check_clusterd(gather_inputs(env=ready_env(refusing.address)))
+    finally:
+        foreign.stop()
+        refusing.stop()
+    assert other.ok is False and "has no /Recover/HealthCheck: it is not ClusterD" in other.detail
+    assert sick.ok is False and sick.detail == f"{refusing.address} answered HealthCheck with code 500: 'sick'"
+
+
+# -- environment variations -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({"MINDX_TASK_ID": "j-1"}, True, "j-1 (from MINDX_TASK_ID)"),
+        ({"MINDX_TASK_ID": "j-1", "NICSWITCH_JOB_ID": "j-2"}, True, "j-2 (from NICSWITCH_JOB_ID)"),
+        ({}, False, "not set: ClusterD keys every switch by job; set MINDX_TASK_ID"),
+        ({"MINDX_TASK_ID": "   "}, False, "not set:"),
+    ],
+)
+def test_job_id(env: dict[str, str], ok: bool, text: str) -> None:
+    check = doctor.check_job(gather_inputs(env=env))
+    assert check.ok is ok and check.detail.startswith(text)
+
+
+def test_job_flag_overrides_env() -> None:
+    assert doctor.check_job(gather_inputs(job_id="flag", env={"MINDX_TASK_ID": "env"})).detail == "flag (from --job)"
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({"MINDX_SERVER_IP": "10.0.0.7"}, True, "10.0.0.7:8899 (from MINDX_SERVER_IP)"),
+        ({"MINDX_SERVER_IP": "10.0.0.7", "LOCAL_PROXY_ENABLE": "on"}, True,
+         "127.0.0.1:8899 (from LOCAL_PROXY_ENABLE=on"),
+        ({"MINDX_SERVER_IP": "fe80::1"}, True, "[fe80::1]:8899"),
+        ({"MINDX_SERVER_IP": "clusterd"}, False, "MINDX_SERVER_IP='clusterd' is not an IP address"),
+        ({"NICSWITCH_SERVER": "no-port"}, False, "server='no-port' must look like host:port"),
+        ({}, False, "not set: set MINDX_SERVER_IP"),
+    ],
+)
+def test_server_address(env: dict[str, str], ok: bool, text: str) -> None:
+    check = doctor.check_server(gather_inputs(env=env))
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+
+
+def test_no_server_skips_the_health_check() -> None:
+    assert doctor.check_clusterd(gather_inputs(env={})).ok is None
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({}, True, "pings every 10 s (ClusterD allows one per 3 s)"),
+        ({"NICSWITCH_KEEPALIVE_TIME_S": "3"}, True, "pings every 3 s"),
+        ({"NICSWITCH_KEEPALIVE_TIME_S": "1"}, False,
+         "keepalive_time_s=1.0 is below 3 s: ClusterD answers faster pings"),
+        ({"NICSWITCH_KEEPALIVE_TIMEOUT_S": "0"}, False, "keepalive_timeout_s=0.0 must be positive"),
+        ({"NICSWITCH_KEEPALIVE_TIME_S": "often"}, False, "NICSWITCH_KEEPALIVE_TIME_S='often' is not valid"),
+    ],
+)
+def test_keepalive(env: dict[str, str], ok: bool, text: str) -> None:
+    inputs = gather_inputs(env=env)
+    check = doctor.check_keepalive(inputs)
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+    assert doctor.check_settings(inputs).ok is True  # each problem is reported once
+
+
+def test_other_settings_are_validated() -> None:
+    bad = doctor.check_settings(gather_inputs(env={"NICSWITCH_SWITCH_TIMEOUT_S": "-1"}))
+    assert bad.ok is False and "switch_timeout_s=-1.0 must not be negative" in bad.detail
+    good = doctor.check_settings(gather_inputs(env={"NICSWITCH_PAUSE": "agent", "NICSWITCH_SERVER": "h:1"}))
+    assert good.ok is True and good.detail.endswith("(other NICSWITCH_* set: NICSWITCH_PAUSE)")
+
+
+@pytest.mark.parametrize(
+    ("env", "ok"),
+    [
+        ({"HCCL_OP_RETRY_ENABLE": HCCL_OK}, True),
+        ({"HCCL_OP_RETRY_ENABLE": "L2:1"}, True),
+        ({"HCCL_OP_RETRY_ENABLE": "L0:0, L1:1, L2:0"}, False),
+        ({"HCCL_OP_RETRY_ENABLE": ""}, False),
+        ({}, False),
+        ({"NICSWITCH_DRY_RUN": "1"}, None),  # a rehearsal runs no hook: only worth a warning
+    ],
+)
+def test_hccl_retry(env: dict[str, str], ok: bool | None) -> None:
+    check = doctor.check_hccl_retry(gather_inputs(env=env))
+    assert check.ok is ok
+    if not ok:
+        assert 'set HCCL_OP_RETRY_ENABLE="L0:0, L1:1, L2:1"' in check.detail
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({}, True, "agent: no MindIO/TaskD markers"),
+        ({"TTP_PORT": "8000"}, True, "external: TTP_PORT is set"),
+        ({"NICSWITCH_PAUSE": "agent", "TTP_PORT": "8000"}, None, "agent, but TTP_PORT is set"),
+        ({"NICSWITCH_PAUSE": "external"}, None, "external, but no MindIO/TaskD marker"),
+    ],
+)
+def test_pause_mode(env: dict[str, str], ok: bool | None, text: str) -> None:
+    check = doctor.check_pause_mode(gather_inputs(env=env))
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+
+
+def test_torch_npu_importable_with_the_switch_function(fake_torch_npu: Path) -> None:
+    inputs = gather_inputs(env={})
+    assert doctor.check_torch(inputs).ok is True
+    assert doctor.check_torch_npu(inputs).detail == "torch_npu 2.13.0.fake"
+    assert doctor.check_switch_function(inputs).ok is True
+
+
+def test_torch_npu_without_the_switch_function(fake_torch_npu: Path) -> None:
+    (fake_torch_npu / "torch_npu" / "npu" / "__init__.py").write_text("def synchronize():\n    pass\n")
+    inputs = gather_inputs(env={})
+    assert doctor.check_torch_npu(inputs).ok is True
+    check = doctor.check_switch_function(inputs)
+    assert check.ok is False
+    assert check.detail == ("torch_npu.npu._comm_switch_nic is missing: this torch_npu predates link switching; "
+                            "upgrade torch_npu")
+
+
+def test_torch_npu_that_raises_on_import(fake_torch_npu: Path) -> None:
+    (fake_torch_npu / "torch_npu" / "__init__.py").write_text("raise RuntimeError('libhccl.so: not found')\n")
+    check = doctor.check_torch_npu(gather_inputs(env={}))
+    assert check.ok is False and "RuntimeError: libhccl.so: not found" in check.detail
+
+
+def test_torch_npu_missing(no_torch_npu: None) -> None:
+    inputs = gather_inputs(env={})
+    missing = doctor.check_torch_npu(inputs)
+    assert missing.ok is False and missing.detail.startswith("cannot import torch_npu")
+    assert doctor.check_switch_function(inputs).ok is None  # skipped: the failure above says it all
+    assert doctor.check_torch_npu(gather_inputs(env={"NICSWITCH_DRY_RUN": "true"})).ok is None
+
+
+def write_rank_table(path: Path, servers: int, per_server: int, status: str = "completed") -> str:
+    table = {"version": "1.0", "status": status, "server_count": str(servers), "server_list": [
+        {"server_id": f"node-{s}", "device": [
+            {"device_id": str(d), "device_ip": f"10.0.{s}.{d}", "rank_id": str(s * per_server + d)}
+            for d in range(per_server)]}
+        for s in range(servers)]}
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, True,
+         "rank 3 of 8, 4 per node: node 0, local rank 3"),
+        ({"NICSWITCH_RANK": "5", "NICSWITCH_WORLD_SIZE": "8"}, True, "rank 5 of 8"),
+        ({"WORLD_SIZE": "1"}, True, "a single process (WORLD_SIZE=1)"),
+        ({"RANK": "8", "WORLD_SIZE": "8"}, False, "RANK=8 is outside WORLD_SIZE=8"),
+        ({"WORLD_SIZE": "8"}, False, "RANK is not set while WORLD_SIZE is"),
+        ({"RANK": "x", "WORLD_SIZE": "8"}, False, "rank: RANK='x' is not a non-negative integer"),
+        ({}, False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set"),
+        ({"TABLE": "good"}, True, "rank table with 8 rank(s) on 2 server(s); no RANK/WORLD_SIZE"),
+        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "8"}, True, "rank 0 of 8; rank table with 8 rank(s)"),
+        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "4"}, None, "rank 0 of 4; rank table with 8 rank(s)"),
+        ({"TABLE": "initializing"}, False, "RANK_TABLE_FILE="),
+        ({"TABLE": "garbage"}, False, "RANK_TABLE_FILE="),
+        ({"TABLE": "missing"}, False, "RANK_TABLE_FILE="),
+    ],
+)
+def test_rank_mapping(tmp_path: Path, env: dict[str, str], ok: bool | None, text: str) -> None:
+    env = dict(env)
+    table = env.pop("TABLE", None)
+    if table is not None:
+        path = tmp_path / "hccl.json"
+        if table == "good":
+            write_rank_table(path, 2, 4)
+        elif table == "initializing":
+            write_rank_table(path, 2, 4, status="initializing")
+        elif table == "garbage":
+            path.write_text("{")
+        env["RANK_TABLE_FILE"] = str(path)
+    check = doctor.check_rank_map(gather_inputs(env=env))
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+
+
+def test_checkpoint_dir(tmp_path: Path) -> None:
+    skipped = doctor.check_checkpoint_dir(gather_inputs(env={}))
+    assert skipped.ok is None and "--checkpoint-dir" in skipped.detail
+    good = doctor.check_checkpoint_dir(gather_inputs(env={}, checkpoint_dir=tmp_path, min_free_bytes=0))
+    assert good.ok is True and good.detail.startswith(f"{tmp_path} writable, ")
+    assert list(tmp_path.iterdir()) == []  # the write probe is gone
+    missing = doctor.check_checkpoint_dir(gather_inputs(env={}, checkpoint_dir=tmp_path / "nope"))
+    assert missing.ok is False and "does not exist" in missing.detail
+    (tmp_path / "file").write_text("x")
+    not_dir = doctor.check_checkpoint_dir(gather_inputs(env={}, checkpoint_dir=tmp_path / "file"))
+    assert not_dir.ok is False and "is not a directory" in not_dir.detail
+
+
+def test_checkpoint_dir_counts_the_next_checkpoint(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step-3").mkdir(parents=True)
+    (ckpt / "step-12").mkdir()
+    (ckpt / "step-12" / "state.pt").write_bytes(b"\0" * (8 << 20))
+    free = shutil.disk_usage(ckpt).free
+    # Free space covers the floor but not the floor plus another 8 MiB checkpoint.
+    check = doctor.check_checkpoint_dir(gather_inputs(env={}, checkpoint_dir=ckpt, min_free_bytes=free - (4 << 20)))
+    assert check.ok is False
+    assert "floor plus about 8.0 MiB for the next checkpoint (as big as step-12): the checkpoint guard would " \
+           "refuse switches" in check.detail
+    good = doctor.check_checkpoint_dir(gather_inputs(env={}, checkpoint_dir=ckpt, min_free_bytes=0))
+    assert good.ok is True and good.detail.endswith("; newest checkpoint step-12 is 8.0 MiB")
+
+
+# -- plumbing ----------------------------------------------------------------------------------------------
+
+
+def test_a_check_that_raises_is_reported_as_failed(monkeypatch: pytest.MonkeyPatch) -> None:
+    def check_boom(inputs: doctor.Inputs) -> Check:
+        raise KeyError("surprise")
+
+    monkeypatch.setattr(doctor, "CHECKS", (doctor.check_job, check_boom))
+    seen: list[Check] = []
+    checks = run_checks(env={"MINDX_TASK_ID": "j"}, on_check=seen.append)
+    assert seen == checks
+    assert checks[1] == Check("boom", False, "the check itself failed: KeyError: 'surprise'")
+    assert not doctor.ready(checks)
+
+
+def test_warnings_do_not_make_it_not_ready(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(doctor, "CHECKS", (doctor.check_job, doctor.check_checkpoint_dir))
+    assert run(doctor_args(), env={"MINDX_TASK_ID": "j"}) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "ready (1 warning(s): checkpoint dir)"
+
+
+@pytest.mark.parametrize(("text", "size"), [("0", 0), ("1024", 1024), ("512M", 512 << 20), ("1G", 1 << 30),
+                                            ("1.5GiB", 3 << 29), ("2 TB", 2 << 40)])
+def test_parse_size(text: str, size: int) -> None:
+    assert doctor.parse_size(text) == size
+
+
+def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--min-free", "lots"], ["--timeout", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            doctor_args(*argv)
+        assert exc.value.code == 2
+    capsys.readouterr()
+
+
+def test_default_env_is_the_process_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINDX_TASK_ID", "from-os-environ")
+    assert gather_inputs().job_id == "from-os-environ"
+    assert os.environ["MINDX_TASK_ID"] == "from-os-environ"
+
+
+def cli_has(command: str) -> bool:
+    """True when ``nicswitch-agent COMMAND --help`` exists (exit 0, not the usage error 2)."""
+    from nicswitch_agent import cli
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            cli._build_parser().parse_args([command, "--help"])
+    except SystemExit as exc:
+        return exc.code == 0
+    return False
+
+
+@pytest.mark.skipif(not cli_has("doctor"), reason="`nicswitch-agent doctor` is not wired into cli.py yet")
+def test_doctor_command_line_against_a_closed_port(monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from nicswitch_agent import cli
+
+    monkeypatch.delenv("MINDX_TASK_ID", raising=False)
+    code = cli.main(["doctor", "--server", f"127.0.0.1:{closed_port()}", "--job", JOB, "--json"])
+    assert code == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert "ClusterD" in doc["failed"] and doc["checks"][1]["detail"] == f"{JOB} (from --job)"

@@ -1,0 +1,356 @@
+"""The status file: written by a real agent across a real switch, read by ``nicswitch-agent status``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nicswitch_agent import SwitchAgent, SwitchOrder
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.metrics import EventStats
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.status_file import (
+    ExitCode,
+    StatusFileWriter,
+    add_arguments,
+    expand_path,
+    format_summary,
+    read_status,
+    run,
+)
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+pytestmark = pytest.mark.timeout(30)
+
+JOB = "job-status"
+NODES = {"node-0": ["0", "1"]}
+FAST = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
+                   schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+
+
+class Trainer:
+    """A training loop on its own thread: ``agent.step(step)`` every 2 ms."""
+
+    def __init__(self, agent: SwitchAgent) -> None:
+        self.agent = agent
+        self.step = 0
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.step += 1
+            self.agent.step(self.step)
+
+    def __enter__(self) -> Trainer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self.thread.join(10)
+
+
+def operator_switch(address: str, devs: list[str], ops: list[bool]) -> str:
+    """SwitchNicTrack, then the first SubscribeSwitchNicSignal message (like `nicswitch-agent switch`)."""
+    channel = open_channel(ChannelSettings(target=address))
+    try:
+        stub = RecoverStub(channel)
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps["node-0"].dev.extend(devs)
+        request.nicOps["node-0"].op.extend(ops)
+        assert stub.SwitchNicTrack(request, timeout=5).code == 0
+        for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB), timeout=20):
+            return str(response.msg)
+        return "(no message)"
+    finally:
+        channel.close()
+
+
+def streams_ready(sim: Simulator) -> bool:
+    view = sim.job_view(JOB)
+    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
+        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
+    )
+
+
+@pytest.fixture
+def sim() -> Iterator[Simulator]:
+    simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=FAST)
+    simulator.start()
+    try:
+        yield simulator
+    finally:
+        simulator.stop()
+
+
+def status_args(path: Path | None, *argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(([] if path is None else ["--file", str(path)]) + list(argv))
+
+
+def counters(doc: dict[str, Any]) -> dict[str, int]:
+    return dict(doc["status"]["counters"])
+
+
+# -- a real agent across a real switch -------------------------------------------------------------
+
+
+def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
+    sim: Simulator, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "status.json"
+    events: list[AgentEvent] = []
+    agent: SwitchAgent | None = None
+    stats = EventStats()  # what the agent adds to status() as "timings"
+
+    def agent_status() -> dict[str, Any]:
+        return {**agent.status(), "timings": stats.snapshot()} if agent else {"state": "created"}
+
+    # A long interval: every write in this test is caused by an event, none by the timer.
+    writer = StatusFileWriter(path, agent_status, interval_s=60.0)
+    switched: list[SwitchOrder] = []
+
+    def hook(order: SwitchOrder) -> bool:
+        switched.append(order)
+        return True
+
+    def listen(event: AgentEvent) -> None:
+        events.append(event)
+        stats(event)
+        writer(event)
+
+    agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=hook, on_event=listen,
+                        reconnect_initial_s=0.02, reconnect_max_s=0.1)
+    writer.start()
+    try:
+        agent.start()
+        with Trainer(agent) as trainer:
+            assert sim.wait_until(streams_ready, 10)
+            assert writer.wait_written(lambda d: d["status"]["state"] == "running", 10)
+            assert operator_switch(sim.address, ["1"], [True]) == "switch nic finish"
+            assert writer.wait_written(lambda d: counters(d)["replies_delivered"] == 1
+                                       and "pause_s" in d["status"]["timings"], 10), writer.last_document
+            assert len(switched) == 1 and switched[0].ranks == (1,)
+
+            on_disk = json.loads(path.read_text())
+            assert on_disk["format"] == "nicswitch-agent-status/1"
+            status = on_disk["status"]
+            assert status["job_id"] == JOB and status["role"] == "leader" and status["pause"] == "agent"
+            assert counters(on_disk) == {"lists_received": 1, "lists_rejected": 0, "lists_ignored": 0,
+                                         "switches_ok": 1, "switches_failed": 0, "replies_delivered": 1,
+                                         "replies_failed": 0}
+            assert status["last_switch"]["seq"] == 1 and status["last_switch"]["result"] is True
+
+            assert run(status_args(path)) == ExitCode.OK
+            out = capsys.readouterr().out
+            assert "state       running (leader, rank 0 of 1, pause agent)" in out
+            assert "last switch #1: replied true" in out
+            assert "switches 1 ok, 0 failed; replies 1 delivered, 0 failed" in out
+            assert "timings     switch " in out and "; list to reply " in out and "; parked " in out
+            assert "verdict     OK" in out
+
+            assert run(status_args(path, "--json")) == 0
+            doc = json.loads(capsys.readouterr().out)
+            assert doc["result"] == "ok" and doc["status"]["counters"]["switches_ok"] == 1
+            assert doc["age_s"] >= 0 and doc["max_age_s"] == 180.0
+            steps = trainer.step
+    finally:
+        agent.stop()
+        writer.stop()
+
+    # Events drive the writes, never steps: at most one write per event, plus start and stop.
+    assert steps > 0 and writer.writes <= len(events) + 2
+    assert json.loads(path.read_text())["status"]["state"] == "stopped"
+    assert run(status_args(path)) == ExitCode.NOT_RUNNING
+    assert "NOT OK: the agent is stopped" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["status.json"]  # no temporary files left behind
+
+
+# -- the reader --------------------------------------------------------------------------------------
+
+
+def write_fixed(path: Path, state: str, *, written_at: float = 1000.0, interval_s: float = 10.0) -> None:
+    writer = StatusFileWriter(path, lambda: {"state": state, "role": "leader", "last_error": "boom"},
+                              interval_s=interval_s, clock=lambda: written_at)
+    assert writer.write_now()
+
+
+@pytest.mark.parametrize(
+    ("state", "age", "code", "problem"),
+    [
+        ("running", 29.0, ExitCode.OK, ""),
+        ("switching", 0.0, ExitCode.OK, ""),
+        ("running", 31.0, ExitCode.STALE, "stale: written 31.0 s ago, more than 30.0 s"),
+        ("stopped", 1.0, ExitCode.NOT_RUNNING, "the agent is stopped"),
+        ("failed", 1.0, ExitCode.NOT_RUNNING, "the agent is failed (boom)"),
+        ("created", 1.0, ExitCode.NOT_RUNNING, "the agent is created"),
+    ],
+)
+def test_verdict_from_state_and_age(tmp_path: Path, state: str, age: float, code: ExitCode, problem: str) -> None:
+    path = tmp_path / "s.json"
+    write_fixed(path, state)
+    report = read_status(path, now=1000.0 + age)
+    assert report.exit_code is code
+    assert report.problem.startswith(problem)
+    assert report.age_s == pytest.approx(age)
+
+
+def test_max_age_can_be_given(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    write_fixed(path, "running")
+    assert read_status(path, now=1005.0, max_age_s=4.0).exit_code is ExitCode.STALE
+    assert read_status(path, now=1005.0, max_age_s=6.0).exit_code is ExitCode.OK
+
+
+def test_unreadable_files_and_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "none.json"
+    assert run(status_args(missing), env={}) == ExitCode.NO_FILE
+    assert "no status file at" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("{not json")
+    assert read_status(garbage).exit_code is ExitCode.NO_FILE
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"state": "running"}))
+    assert "not a nicswitch-agent status file" in read_status(other).problem
+    assert run(status_args(None), env={}) == ExitCode.USAGE
+    assert "NICSWITCH_STATUS_FILE is not set" in capsys.readouterr().err
+
+
+def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_fixed(tmp_path / "job-status-3.json", "running", written_at=9e12)  # far future: fresh
+    env = {"NICSWITCH_STATUS_FILE": str(tmp_path / "{job}-{rank}.json"), "MINDX_TASK_ID": JOB, "RANK": "3"}
+    assert run(status_args(None), env=env) == ExitCode.OK
+    assert run(status_args(None, "--rank", "4"), env=env) == ExitCode.NO_FILE
+    capsys.readouterr()
+
+
+def test_summary_of_an_unreadable_file_says_why(tmp_path: Path) -> None:
+    report = read_status(tmp_path / "x.json")
+    assert format_summary(report).startswith("status: no status file at")
+
+
+# -- the writer -------------------------------------------------------------------------------------
+
+
+def test_expand_path_writes_one_file_per_job_from_the_leader_only() -> None:
+    assert expand_path("/run/s.json", rank=3, job_id="j", role="member") is None
+    assert expand_path("/run/s.json", rank=0, job_id="j", role="leader") == "/run/s.json"
+    assert expand_path("/run/{job}-{rank}.json", rank=3, job_id="j", role="member") == "/run/j-3.json"
+    with pytest.raises(ValueError, match=re.escape("only {rank}, {pid} and {job}")):
+        expand_path("/run/{host}.json", rank=0, job_id="j")
+
+
+def test_writer_survives_failures_and_logs_each_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="nicswitch_agent.status")
+    path = tmp_path / "missing-dir" / "s.json"
+    writer = StatusFileWriter(path, lambda: {"state": "running"}, interval_s=60.0)
+    assert not writer.write_now()
+    assert not writer.write_now()
+    assert caplog.text.count("cannot write") == 1
+    path.parent.mkdir()
+    assert writer.write_now() and writer.writes == 1
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("status exploded")
+
+    assert not StatusFileWriter(tmp_path / "b.json", broken).write_now()
+    assert "status exploded" in caplog.text
+
+
+def test_writer_thread_wakes_on_events_and_stops_once(tmp_path: Path) -> None:
+    state = {"state": "running", "n": 0}
+    writer = StatusFileWriter(tmp_path / "s.json", lambda: dict(state), interval_s=60.0)
+    writer.start()
+    with pytest.raises(RuntimeError, match="starts once"):
+        writer.start()
+    state["n"] = 1
+    writer(AgentEvent(kind="stream_lost", job_id=JOB))
+    assert writer.wait_written(lambda d: d["status"]["n"] == 1, 5)
+    state["state"] = "stopped"
+    writer.stop()
+    writer.stop()
+    assert json.loads((tmp_path / "s.json").read_text())["status"]["state"] == "stopped"
+    with pytest.raises(RuntimeError, match="starts once"):
+        writer.start()
+
+
+def test_interval_must_be_positive(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="interval_s"):
+        StatusFileWriter(tmp_path / "s.json", dict, interval_s=0)
+
+
+# -- once the agent and the command line are wired ------------------------------------------------------
+
+WIRED = "status_file" in {f.name for f in dataclasses.fields(AgentConfig)}
+
+
+def cli_has(command: str) -> bool:
+    """True when ``nicswitch-agent COMMAND --help`` exists (exit 0, not the usage error 2)."""
+    from nicswitch_agent import cli
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            cli._build_parser().parse_args([command, "--help"])
+    except SystemExit as exc:
+        return exc.code == 0
+    return False
+
+
+@pytest.mark.skipif(not WIRED, reason="AgentConfig.status_file is not wired into the agent yet")
+def test_agent_keeps_its_status_file_when_configured(sim: Simulator, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    template = str(tmp_path / "{job}.json")
+    agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                        status_file=template, status_interval_s=60.0, reconnect_initial_s=0.02,
+                        reconnect_max_s=0.1)
+    path = tmp_path / f"{JOB}.json"
+    agent.start()
+    try:
+        assert read_status(path).exit_code is ExitCode.OK  # written before start() returns
+        with Trainer(agent):
+            assert sim.wait_until(streams_ready, 10)
+            assert operator_switch(sim.address, ["0"], [True]) == "switch nic finish"
+    finally:
+        agent.stop()
+    doc = json.loads(path.read_text())
+    assert doc["status"]["state"] == "stopped"  # stop() writes the final state
+    assert counters(doc)["switches_ok"] == 1
+    assert doc["status"]["timings"]["switch_s"]["count"] == 1
+    assert run(status_args(path)) == ExitCode.NOT_RUNNING
+    assert "switches 1 ok" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not WIRED, reason="AgentConfig.status_file is not wired into the agent yet")
+def test_a_member_writes_only_a_per_rank_file(tmp_path: Path) -> None:
+    from nicswitch_agent.coordination import InProcessStore
+
+    store = InProcessStore()
+    member = SwitchAgent(server="127.0.0.1:1", job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                         store=store, rank=1, world_size=2, status_file=str(tmp_path / "job.json"))
+    member.start()
+    member.stop()
+    assert list(tmp_path.iterdir()) == []  # one file per job: the leader's
+
+
+@pytest.mark.skipif(not cli_has("status"), reason="`nicswitch-agent status` is not wired into cli.py yet")
+def test_status_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from nicswitch_agent import cli
+
+    write_fixed(tmp_path / "s.json", "running", written_at=9e12)
+    assert cli.main(["status", "--file", str(tmp_path / "s.json"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["status"]["state"] == "running"
