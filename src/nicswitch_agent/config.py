@@ -145,7 +145,7 @@ class AgentConfig:
             if raw is not None and raw.strip() != "":
                 values[name] = _parse(name, f.type, raw.strip(), _env_name(name))
         if "server" not in values:
-            values["server"] = _server_from_mindcluster(env)
+            values["server"] = server_from_mindcluster(env)
         if "job_id" not in values:
             values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
         if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
@@ -279,8 +279,12 @@ def resolve_pause_mode(pause: str, env: Mapping[str, str] | None = None) -> tupl
     return "agent", "no MindIO/TaskD markers (TTP_PORT, TASKD_PROCESS_ENABLE): the agent pauses training"
 
 
-def _server_from_mindcluster(env: Mapping[str, str]) -> str:
-    """MindCluster's own discovery (taskd ``utils.GetClusterdAddr``)."""
+def server_from_mindcluster(env: Mapping[str, str]) -> str:
+    """MindCluster's own discovery (taskd ``utils.GetClusterdAddr``); "" when nothing is set.
+
+    Raises:
+        ConfigError: MINDX_SERVER_IP is not an IP address.
+    """
     if env.get("LOCAL_PROXY_ENABLE", "").strip().lower() == "on":
         return LOCAL_PROXY_ADDRESS
     ip = env.get("MINDX_SERVER_IP", "").strip()

@@ -35,6 +35,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from nicswitch_agent.config import server_from_mindcluster
+from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
@@ -278,16 +280,12 @@ def resolve_server(given: str | None, env: Mapping[str, str]) -> str:
     explicit = env.get("NICSWITCH_SERVER", "").strip()
     if explicit:
         return normalize_server(explicit)
-    if env.get("LOCAL_PROXY_ENABLE", "").strip().lower() == "on":
-        return f"127.0.0.1:{CLUSTERD_PORT}"
-    ip = env.get("MINDX_SERVER_IP", "").strip()
-    if ip:
-        try:
-            addr = ipaddress.ip_address(ip)
-        except ValueError:
-            raise ValueError(f"--server: MINDX_SERVER_IP={ip!r} is not an IP address") from None
-        host = f"[{addr}]" if addr.version == 6 else str(addr)
-        return f"{host}:{CLUSTERD_PORT}"
+    try:
+        discovered = server_from_mindcluster(env)  # the agent's own rule, so both always agree
+    except ConfigError as exc:
+        raise ValueError(f"--server: {exc}") from None
+    if discovered:
+        return discovered
     raise ValueError("--server: not given, and none of NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE=on")
 
 
