@@ -18,7 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
+
+Runner = Callable[..., Any]
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -30,48 +33,29 @@ def _build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    demo = sub.add_parser("demo", help="run a failover and a switchback against the embedded simulator")
-    demo.set_defaults(run=_run_demo)
-
-    sim = sub.add_parser("sim", help="run the ClusterD-compatible simulator")
     import nicswitch_agent.sim.cli as sim_cli
+    from nicswitch_agent import doctor, launcher, om_cli, status_file
 
-    sim_cli.add_arguments(sim)
-    sim.set_defaults(run=sim_cli.run)
-
-    from nicswitch_agent import om_cli
-
-    switch = sub.add_parser("switch", help="O&M: switch NICs of a job and wait for the outcome",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    om_cli.add_switch_arguments(switch)
-    switch.set_defaults(run=om_cli.run_switch)
-
-    watch = sub.add_parser("watch", help="O&M: follow a job's switch result stream",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    om_cli.add_watch_arguments(watch)
-    watch.set_defaults(run=om_cli.run_watch)
-
-    from nicswitch_agent import doctor, status_file
-
-    check = sub.add_parser("doctor", help="check that this pod is ready for link switches (exit 0: ready)",
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    doctor.add_arguments(check)
-    check.set_defaults(run=doctor.run)
-
-    status = sub.add_parser("status", help="show the running agent's state from its status file",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    status_file.add_arguments(status)
-    status.set_defaults(run=status_file.run)
-
-    from nicswitch_agent import launcher
-
-    launch = sub.add_parser("launch", help="run a training command with the job's leader in this process",
-                            formatter_class=argparse.RawDescriptionHelpFormatter)
-    launcher.add_arguments(launch)
-    launch.set_defaults(run=launcher.run)
-
-    version = sub.add_parser("version", help="print the version")
-    version.set_defaults(run=_run_version)
+    # (name, help, add_arguments, run): each command module owns its flags and its behaviour.
+    commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Runner]] = [
+        ("demo", "run a failover and a switchback against the embedded simulator", None, _run_demo),
+        ("sim", "run the ClusterD-compatible simulator", sim_cli.add_arguments, sim_cli.run),
+        ("switch", "O&M: switch NICs of a job and wait for the outcome", om_cli.add_switch_arguments,
+         om_cli.run_switch),
+        ("watch", "O&M: follow a job's switch result stream", om_cli.add_watch_arguments, om_cli.run_watch),
+        ("doctor", "check that this pod is ready for link switches (exit 0: ready)", doctor.add_arguments,
+         doctor.run),
+        ("status", "show the running agent's state from its status file", status_file.add_arguments,
+         status_file.run),
+        ("launch", "run a training command with the job's leader in this process", launcher.add_arguments,
+         launcher.run),
+        ("version", "print the version", None, _run_version),
+    ]
+    for name, help_text, add_arguments, run in commands:
+        command = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
+        if add_arguments is not None:
+            add_arguments(command)
+        command.set_defaults(run=run)
     return parser
 
 
