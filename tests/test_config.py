@@ -38,7 +38,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s",
         "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
         "reply_timeout_s",
-        "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
+        "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
         "status_interval_s",
     ])
 
@@ -78,6 +78,8 @@ def test_defaults_with_mindcluster_env_only() -> None:
         ({"NICSWITCH_ROLE": "leader"}, {}, ("role", "leader")),
         ({"NICSWITCH_DRY_RUN": "1"}, {"dry_run": False}, ("dry_run", False)),
         ({"NICSWITCH_MAX_RANKS": "64"}, {}, ("max_ranks", 64)),
+        ({"NICSWITCH_HANDLE_SIGNALS": "off"}, {}, ("handle_signals", False)),
+        ({}, {}, ("handle_signals", True)),
         # None counts as "not given"; an empty env value counts as unset
         ({"NICSWITCH_JOB_ID": "nic"}, {"job_id": None}, ("job_id", "nic")),
         ({"NICSWITCH_JOB_ID": "  ", "MINDX_TASK_ID": "mindx"}, {}, ("job_id", "mindx")),
@@ -539,3 +541,8 @@ def test_store_address_from_env_and_validated() -> None:
 def test_rank_from_env_and_inside_world() -> None:
     assert from_env({"RANK": "3", "WORLD_SIZE": "4"}, **BASE).rank == 3
     assert "rank=4 is outside world_size=4" in refused("outside", rank=4, world_size=4)
+
+
+def test_handle_signals_must_be_a_bool() -> None:
+    with pytest.raises(ConfigError, match="handle_signals='yes' must be a bool"):
+        AgentConfig(server="h:1", job_id="j", handle_signals="yes")  # type: ignore[arg-type]

@@ -80,12 +80,14 @@ class Hook:
         self.rank, self.calls, self.lock = rank, calls, lock
         self.results = list(results or [])
         self.hang = hang
+        self.entered = threading.Event()
         self.agent: SwitchAgent | None = None
 
     def __call__(self, order: SwitchOrder) -> Any:
         with self.lock:
             self.calls.append((self.rank, threading.current_thread().name, order.ranks, order.ops,
                                self.agent.last_step if self.agent else None, order.local_ranks))
+        self.entered.set()
         if self.hang is not None:
             self.hang.wait(30)
         return self.results.pop(0) if self.results else True
@@ -100,6 +102,7 @@ class Job:
         self.lock = threading.Lock()
         self.collective = Collective(WORLD)
         self.ranks: list[Rank] = []
+        self.hooks: list[Hook] = []
         self.stops: list[tuple[int, str]] = []
         for r in range(WORLD):
             options = dict((hooks or {}).get(r, {}))
@@ -108,6 +111,7 @@ class Job:
                                 rank=r, world_size=WORLD, reconnect_initial_s=0.02, reconnect_max_s=0.1,
                                 on_stop=lambda reason, r=r: self.stops.append((r, reason)), **settings, **options)
             hook.agent = agent
+            self.hooks.append(hook)
             self.ranks.append(Rank(r, agent, self.collective))
         for rank in self.ranks:
             rank.agent.start()
@@ -233,6 +237,25 @@ def test_a_hanging_rank_gives_false_within_the_switch_timeout(sim: Simulator, ma
         assert sim.job_view(JOB).replies == [False]
         status = job.ranks[0].agent.status()
         assert "rank 1" in status["last_switch"]["reason"] or "did not answer" in status["last_switch"]["reason"]
+    finally:
+        hang.set()
+
+
+def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_the_budget(
+        sim: Simulator, make_job: Any) -> None:
+    hang = threading.Event()
+    job = make_job(hooks={1: {"hang": hang}}, switch_timeout_s=120.0)  # far beyond switch()'s 40 s wait
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        messages: list[str] = []
+        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-0", ["1"], [True])))
+        operator.start()
+        assert job.hooks[1].entered.wait(20)
+        job.ranks[1].agent.stop("SIGTERM received")  # rank 1 goes away while its hook runs
+        operator.join(60)
+        assert messages == ["switch nic failed, switch nic failed"]
+        assert sim.job_view(JOB).replies == [False]
+        assert "stopped during the order" in job.ranks[0].agent.status()["last_switch"]["reason"]
     finally:
         hang.set()
 

@@ -110,3 +110,39 @@ def test_stop_while_not_parked_raises_at_the_next_step() -> None:
 def test_idle_step_check_is_a_plain_comparison() -> None:
     lot = ParkingLot()
     assert lot.request_epoch == lot.handled_epoch and not lot.pending
+
+
+def test_the_armed_flag_step_reads_never_loses_a_request() -> None:
+    """agent.step() tests one flag the lot keeps through ``on_armed``; hammer request/withdraw/park."""
+    armed = [False]
+    lot = ParkingLot(on_armed=lambda value: armed.__setitem__(0, value))
+    stop = threading.Event()
+    steps = [0]
+
+    def train() -> None:
+        while not stop.is_set():
+            steps[0] += 1
+            if armed[0]:
+                lot.at_step_boundary(steps[0])
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        for i in range(300):
+            epoch = lot.request()
+            if i % 3 == 0:
+                lot.release()  # withdrawn before (or after) the training thread got to it
+                continue
+            assert lot.wait_parked(epoch, 10), f"request #{epoch} was lost"
+            if i % 3 == 1:
+                lot.request()  # a newer request while parked: still armed after this release
+            lot.release()
+        epoch = lot.request()
+        assert lot.wait_parked(epoch, 10)
+        lot.release()
+    finally:
+        stop.set()
+        lot.release()
+        thread.join(5)
+    # The flag changes under the lot's lock together with the epochs: it always says "pending".
+    assert armed[0] == lot.pending

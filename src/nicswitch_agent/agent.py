@@ -16,8 +16,8 @@ training thread and runs the hooks. Rank 0 is also the leader, the job's only Cl
 
 In pause mode ``external`` (MindIO/TaskD pause training around the switch) the training thread
 is never involved. In pause mode ``agent`` it parks inside ``step()`` when ClusterD asks for a
-pause, and runs the guard and the switch there. Either way, an idle ``step()`` costs two
-attribute writes and one comparison.
+pause, and runs the guard and the switch there. Either way, an idle ``step()`` costs one
+attribute write and one attribute test.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent import events as ev
+from nicswitch_agent import signals
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.controller import AgentModeController, HookSettings
@@ -123,6 +124,54 @@ class SwitchAgent:
         ConfigError: a setting is missing or invalid (nothing has been started).
     """
 
+    # Slots: ``step()`` runs every training step, and CPython 3.11 reads the attributes of an
+    # instance with more than 30 of them in its __dict__ markedly slower (benchmarks/idle.py).
+    # A __dict__ remains for attributes users attach.
+    __slots__ = (
+        "__dict__",
+        "__weakref__",
+        "_armed",
+        "_channel",
+        "_checkpoint_hook",
+        "_controller",
+        "_coordination_stop",
+        "_coordinator",
+        "_counters",
+        "_current",
+        "_event_sink",
+        "_events",
+        "_executor",
+        "_last_switch",
+        "_leader_only",
+        "_lock",
+        "_member",
+        "_metrics",
+        "_on_stop",
+        "_parking",
+        "_pause_reason",
+        "_pid",
+        "_process_manage",
+        "_queue",
+        "_replier",
+        "_seq",
+        "_started_mono",
+        "_state",
+        "_stats",
+        "_status_writer",
+        "_steps",
+        "_stopped",
+        "_stopping_thread",
+        "_store",
+        "_stub",
+        "_subscriber",
+        "_switch_hook",
+        "config",
+        "last_step",
+        "pause_mode",
+        "rank",
+        "world_size",
+    )
+
     def __init__(
         self,
         server: str | None = None,
@@ -167,6 +216,8 @@ class SwitchAgent:
         self._status_writer: StatusFileWriter | None = None
         self._lock = threading.Lock()  # guards _state, _counters, _last_switch, _current
         self._state = CREATED
+        self._stopped = threading.Event()  # set when a stop() that did the work has finished
+        self._stopping_thread: threading.Thread | None = None
         self._counters = _Counters()
         self._last_switch: dict[str, Any] | None = None
         self._current: _Owed | None = None
@@ -181,7 +232,9 @@ class SwitchAgent:
         self._started_mono: float | None = None
         self._steps = 0
         self.last_step: int | None = None
-        self._parking = ParkingLot(on_event=lambda kind, detail: self._emit(kind, detail=detail))
+        self._armed = False  # a pause request is pending: step() must go to the parking lot
+        self._parking = ParkingLot(on_event=lambda kind, detail: self._emit(kind, detail=detail),
+                                   on_armed=self._set_armed)
         self._controller: AgentModeController | None = None
         self._process_manage: ProcessManageClient | None = None
         self._coordinator: Coordinator | None = None
@@ -367,18 +420,40 @@ class SwitchAgent:
             self._steps += 1
             step = self._steps
         self.last_step = step
-        parking = self._parking
-        if parking.request_epoch != parking.handled_epoch:
-            parking.at_step_boundary(step)
+        if self._armed:
+            self._parking.at_step_boundary(step)
+
+    def _set_armed(self, armed: bool) -> None:
+        self._armed = armed  # called by the parking lot under its lock
 
     def stop(self, reason: str = "stop() called") -> None:
         """Stop the agent: no new lists, a false reply for any list still owed one, threads joined
         (bounded by ``stop_timeout_s`` each), channel closed. Idempotent; safe from any thread."""
         with self._lock:
-            if self._state in (STOPPING, STOPPED) or os.getpid() != self._pid:
+            if os.getpid() != self._pid or self._state == STOPPED:
                 return
-            was_started = self._state not in (CREATED, "starting")
-            self._state = STOPPING
+            if self._state == STOPPING:
+                if self._stopping_thread is threading.current_thread():
+                    return  # called back from inside the stop (a listener, a hook)
+                in_progress = True
+            else:
+                in_progress = False
+                was_started = self._state not in (CREATED, "starting")
+                self._state = STOPPING
+                self._stopping_thread = threading.current_thread()
+        if in_progress:
+            # Another thread is stopping it (a signal, interpreter exit): wait for it, bounded, so
+            # that the process does not end while the false replies are still being sent.
+            if not self._stopped.wait(self.config.exit_timeout_s):
+                logger.warning("the agent's stop, under way elsewhere, did not finish within %.1f s",
+                               self.config.exit_timeout_s)
+            return
+        try:
+            self._stop(reason, was_started)
+        finally:
+            self._stopped.set()
+
+    def _stop(self, reason: str, was_started: bool) -> None:
         if was_started:
             logger.info("nicswitch-agent stopping: %s", reason)
             if self._subscriber is not None:
@@ -699,9 +774,14 @@ _hooks_lock = threading.Lock()
 
 
 def _register_exit_hooks(agent: SwitchAgent) -> None:
-    """Stop live agents at interpreter exit (bounded), and make them inert in forked children."""
+    """Stop live agents at interpreter exit (bounded), on SIGTERM/SIGINT (unless the config says
+    not to), and make them inert in forked children."""
     global _hooks_registered
     _live_agents.add(agent)
+    if agent.config.handle_signals:
+        handled = signals.install(_stop_on_signal)
+        if not handled:
+            logger.debug("signal handlers not installed (start() was not called on the main thread)")
     with _hooks_lock:
         if _hooks_registered:
             return
@@ -711,11 +791,25 @@ def _register_exit_hooks(agent: SwitchAgent) -> None:
 
 
 def _stop_all_at_exit() -> None:
+    _stop_all("interpreter exit")
+
+
+def _stop_on_signal(signal_name: str) -> None:
+    for agent in list(_live_agents):
+        if agent.config.handle_signals:
+            try:
+                agent.stop(f"{signal_name} received")
+            except Exception:
+                logger.debug("stop on %s failed", signal_name, exc_info=True)
+
+
+def _stop_all(reason: str) -> None:
+    """Stop every live agent of this process (stop() waits, bounded, for one already stopping)."""
     for agent in list(_live_agents):
         try:
-            agent.stop("interpreter exit")
+            agent.stop(reason)
         except Exception:
-            logger.debug("stop at exit failed", exc_info=True)
+            logger.debug("stop (%s) failed", reason, exc_info=True)
 
 
 def _forget_in_child() -> None:

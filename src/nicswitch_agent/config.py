@@ -89,6 +89,13 @@ class AgentConfig:
     """Deadline of the other unary calls: Init, Register, the process-manage reports, HealthCheck."""
     stop_timeout_s: float = 1.0
     """How long stop() waits for each agent thread."""
+    exit_timeout_s: float = 10.0
+    """How long interpreter exit, or a second stop() from another thread, waits for a stop that is
+    already under way (its false replies being sent) before giving up on it."""
+    handle_signals: bool = True
+    """On SIGTERM/SIGINT, stop the agent first (a false reply for any list owed one, every rank
+    unparked), then let the signal take its usual course. Installed only when the agent is started
+    on the main thread; previous handlers are chained, ignored signals left alone."""
 
     world_size: int | None = None
     """Ranks in the job (env WORLD_SIZE; else torch.distributed's, else 1). Lists naming a rank
@@ -184,8 +191,9 @@ class AgentConfig:
             raise ConfigError(
                 f"pause={self.pause!r} is not supported; choose one of {', '.join(PAUSE_MODES)}"
             )
-        if not isinstance(self.dry_run, bool):
-            raise ConfigError(f"dry_run={self.dry_run!r} must be a bool")
+        for name in ("dry_run", "handle_signals"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a bool")
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
@@ -214,7 +222,8 @@ class AgentConfig:
             raise ConfigError(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)")
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "status_interval_s",
-                    "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s")
+                    "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
+                    "exit_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")

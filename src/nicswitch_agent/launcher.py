@@ -363,8 +363,10 @@ class HostedLeader:
 
         assert plan.world_size is not None
         # rank=0: a leader-only agent has no rank of its own; never read RANK from the launcher's env.
+        # handle_signals=False: the launcher forwards signals to the child and stops its leader
+        # itself once the child has exited (the training ranks may still need it until then).
         config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
-                                      world_size=plan.world_size, rank=0)
+                                      world_size=plan.world_size, rank=0, handle_signals=False)
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:

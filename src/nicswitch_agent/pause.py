@@ -28,6 +28,12 @@ from nicswitch_agent.errors import NicSwitchError
 
 logger = logging.getLogger("nicswitch_agent.pause")
 
+# The training thread, when parked, waits in slices of this length. It is usually the main
+# thread, and CPython runs a signal handler only when the main thread executes bytecode: when the
+# kernel delivers SIGTERM to another thread, one long wait would hold the handler (and so the
+# agent's clean stop) back until the wait ends.
+WAIT_SLICE_S = 0.1
+
 
 class TrainingStopped(NicSwitchError):
     """Raised from ``agent.step()`` when ClusterD's recovery decided that training must stop."""
@@ -37,8 +43,13 @@ class ParkingLot:
     """One training thread's parking spot (single-process coordination)."""
 
     def __init__(self, on_event: Callable[[str, dict[str, Any]], None] | None = None,
+                 on_armed: Callable[[bool], None] | None = None,
                  *, align_timeout_s: float = 60.0) -> None:
         self._on_event = on_event  # ("parked" | "resumed", detail); called on the training thread
+        # Told, under the lock, when a request becomes pending (True) and when the training thread
+        # has handled the last one (False): the agent keeps this in a flag of its own, so that an
+        # idle step() reads one attribute of its own instead of two of this object.
+        self._on_armed = on_armed
         self._align_timeout_s = align_timeout_s
         self._cond = threading.Condition()  # guards everything below
         self._aligned = False  # the current request parks at a target step, once it is known
@@ -78,6 +89,7 @@ class ParkingLot:
         """
         with self._cond:
             self.request_epoch += 1
+            self._arm(True)
             self._aligned, self._target = aligned, None
             self._cond.notify_all()
             return self.request_epoch
@@ -130,6 +142,7 @@ class ParkingLot:
             if stop_reason is not None and not was_parked:
                 # Make the next step() come in here once, so it raises TrainingStopped.
                 self.request_epoch += 1
+                self._arm(True)
             self._released_epoch = self.request_epoch
             self._cancelled_epoch = self.request_epoch
             if stop_reason is not None:
@@ -151,14 +164,14 @@ class ParkingLot:
         with self._cond:
             epoch = self.request_epoch
             if self._aligned and self._target is None and not self._withdrawn(epoch):
-                if not self._cond.wait_for(lambda: self._target is not None or self._withdrawn(epoch)
-                                           or self.request_epoch != epoch, self._align_timeout_s):
+                if not self._wait_for(lambda: self._target is not None or self._withdrawn(epoch)
+                                      or self.request_epoch != epoch, self._align_timeout_s):
                     logger.error("no target step for pause #%d within %.0f s (leader lost?); training goes on",
                                  epoch, self._align_timeout_s)
                     self._cancelled_epoch = max(self._cancelled_epoch, epoch)
                 epoch = self.request_epoch
             if self._withdrawn(epoch):
-                self.handled_epoch = epoch
+                self._handled(epoch)
                 self._raise_if_stopped()
                 return
             target = self._target if self._aligned else None
@@ -185,11 +198,11 @@ class ParkingLot:
                             self._cond.acquire()
                     if self._released_epoch >= epoch:
                         break
-                    self._cond.wait()
+                    self._cond.wait(WAIT_SLICE_S)
             finally:
                 parked_for = time.monotonic() - (self._parked_at or time.monotonic())
                 self._parked, self._parked_at = False, None
-                self.handled_epoch = epoch
+                self._handled(epoch)
                 self._cond.notify_all()
             logger.info("training resumed after %.1f ms parked", parked_for * 1000)
             self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason})
@@ -201,6 +214,26 @@ class ParkingLot:
                 self._on_event(kind, detail)
             except Exception:
                 logger.exception("parking event listener failed; ignored")
+
+    def _arm(self, armed: bool) -> None:
+        if self._on_armed is not None:
+            self._on_armed(armed)
+
+    def _handled(self, epoch: int) -> None:
+        """The training thread handled ``epoch`` (the caller holds the lock)."""
+        self.handled_epoch = epoch
+        if self.request_epoch == epoch:
+            self._arm(False)
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """``Condition.wait_for`` in slices of WAIT_SLICE_S (the caller holds the lock)."""
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._cond.wait(min(remaining, WAIT_SLICE_S))
+        return True
 
     def _withdrawn(self, epoch: int) -> bool:
         return self._cancelled_epoch >= epoch or self._released_epoch >= epoch

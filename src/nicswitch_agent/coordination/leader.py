@@ -67,8 +67,7 @@ class Coordinator:
     def _publish(self, message: dict[str, object]) -> None:
         self._n += 1
         text = p.encode(message)
-        for rank in range(self.world_size):
-            self.kv.set(p.queue_key(rank, self._n), text)
+        self.kv.set_many([p.queue_key(rank, self._n) for rank in range(self.world_size)], [text] * self.world_size)
         self.kv.set(p.QUEUE_HEAD, str(self._n))
 
     def _new_epoch(self) -> int:
@@ -88,17 +87,18 @@ class Coordinator:
             epoch = self._new_epoch()
             self._publish({"t": p.PAUSE, "e": epoch})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
-            self._garbage += c_keys
-            missing = self.kv.poll_all(c_keys, deadline, self._stop)
-            if missing:
+            self._garbage += [*c_keys, p.c_counter_key(epoch)]
+            if self.kv.poll_count(p.c_counter_key(epoch), self.world_size, deadline, self._stop) < self.world_size:
+                missing = self._missing(c_keys)
                 return self._abandon(epoch, started, f"no answer to the pause from rank(s) {_ranks(missing)}")
-            target = max(int(self.kv.get(k)) for k in c_keys) + 1
+            target = max(int(v) for v in self.kv.get_many(c_keys)) + 1
             self._publish({"t": p.TARGET, "e": epoch, "S": target,
                            "timeout": max(0.0, deadline - time.monotonic())})
             parked_keys = [p.parked_key(epoch, r) for r in range(self.world_size)]
-            self._garbage += parked_keys
-            missing = self.kv.poll_all(parked_keys, deadline, self._stop)
-            if missing:
+            self._garbage += [*parked_keys, p.parked_counter_key(epoch)]
+            count = self.kv.poll_count(p.parked_counter_key(epoch), self.world_size, deadline, self._stop)
+            if count < self.world_size:
+                missing = self._missing(parked_keys)
                 return self._abandon(epoch, started, f"rank(s) {_ranks(missing)} did not park at step {target}")
             self._paused = True
             outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
@@ -106,6 +106,10 @@ class Coordinator:
             logger.info("all %d rank(s) parked at step %d in %.1f ms", self.world_size, target,
                         outcome.duration_s * 1000)
             return outcome
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        """Which of ``keys`` are missing (the failure path only: one round trip per key)."""
+        return [k for k in keys if not self.kv.check([k])]
 
     def _abandon(self, epoch: int, started: float, reason: str) -> PauseOutcome:
         self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": True})

@@ -79,6 +79,8 @@ class Member:
         self._local_epoch: dict[int, int] = {}  # leader epoch -> ParkingLot epoch
         self._runner = HookRunner()
         self._wake_kv: KV | None = None
+        self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
+        self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
         self.events_handled = 0
         self.lost = ""
 
@@ -92,7 +94,18 @@ class Member:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop the thread (bounded). An order still running is answered failed at once, so the
+        leader replies false now instead of waiting out the hooks' budget for a rank going away."""
         self._stop.set()
+        with self._result_lock:
+            in_flight, self._in_flight = self._in_flight, None
+        try:
+            if in_flight is not None and self._wake_kv is not None and not self.lost:
+                epoch, name = in_flight
+                self._publish_result(self._wake_kv, epoch, name, p.MemberResult(
+                    self.rank, False, "the agent on this rank stopped during the order", attempted=True))
+        except Exception:
+            logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
             if self._wake_kv is not None and not self.lost:
                 self._wake_kv.set(p.queue_key(self.rank, self._next), p.encode({"t": p.WAKE}))
@@ -168,6 +181,7 @@ class Member:
             self._local_epoch[epoch] = local
             completed = self._last_step()  # ... then the last completed step
             self.kv.set(p.c_key(epoch, self.rank), str(completed if completed is not None else 0))
+            self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
             if target_epoch is None:
@@ -175,15 +189,21 @@ class Member:
             self.lot.set_target(target_epoch, int(message["S"]))
             if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
                 self.kv.set(p.parked_key(epoch, self.rank), str(self.lot.parked_step))
+                self.kv.add(p.parked_counter_key(epoch), 1)
         elif kind == p.ORDER:
             started = time.monotonic()
+            name = str(message["key"])
+            with self._result_lock:
+                self._in_flight = (epoch, name)
             result = self._run_order(epoch, message)
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
                                          "reason": result.reason, "duration_s": time.monotonic() - started,
                                          "parked": self.lot.parked})
-            name = str(message["key"])
-            index = self.kv.add(p.result_counter_key(epoch, name), 1)
-            self.kv.set(p.result_key(epoch, name, index), result.encode())
+            with self._result_lock:
+                answered_by_stop = self._in_flight != (epoch, name)
+                self._in_flight = None
+            if not answered_by_stop:
+                self._publish_result(self.kv, epoch, name, result)
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
@@ -191,6 +211,11 @@ class Member:
                 self.lot.release(stop_reason=str(stop) if stop else None)
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
+
+    @staticmethod
+    def _publish_result(kv: KV, epoch: int, name: str, result: p.MemberResult) -> None:
+        index = kv.add(p.result_counter_key(epoch, name), 1)
+        kv.set(p.result_key(epoch, name, index), result.encode())
 
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         if self._on_event is not None:

@@ -15,7 +15,9 @@ Leader -> each member ``r``, a numbered queue (one key per event, deleted by the
 Member ``r`` -> leader, per pause/session ``E``::
 
     e/<E>/c/<r>                the last step r completed when it saw the pause (c_r)
+    e/<E>/c/n                  how many ranks have written theirs (add() only)
     e/<E>/parked/<r>           the step r parked at
+    e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"}
 
@@ -27,8 +29,11 @@ on; nobody else reads a member's queue.
 
 from __future__ import annotations
 
+import array
+import base64
 import json
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +63,14 @@ def parked_key(epoch: int, rank: int) -> str:
     return f"e/{epoch}/parked/{rank}"
 
 
+def c_counter_key(epoch: int) -> str:
+    return f"e/{epoch}/c/n"
+
+
+def parked_counter_key(epoch: int) -> str:
+    return f"e/{epoch}/parked/n"
+
+
 def order_key(name: str) -> str:
     return f"o/{name}"
 
@@ -81,15 +94,37 @@ def decode(text: str) -> dict[str, Any]:
     return value
 
 
+# Orders travel as JSON whose large fields are strings: the ranks as little-endian uint32s in
+# base64, the ops as "0"/"1" characters. A 65,536-rank order encodes in ~1 ms and decodes in ~3 ms
+# this way; as JSON lists of numbers (or decimal text) it took 10-15 ms each way, on every rank.
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+_OPS_TO_TEXT = bytes.maketrans(b"\x00\x01", b"01")
+_TEXT_TO_OPS = bytes.maketrans(b"01", b"\x00\x01")
+RANKS_ENCODING = "u32le-b64"
+
+
 def encode_order(order: SwitchOrder) -> str:
-    return encode({"t": "o", "seq": order.seq, "job": order.job_id, "ranks": list(order.ranks),
-                   "ops": [1 if op else 0 for op in order.ops]})
+    packed = array.array(_U32, order.ranks)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return encode({"t": "o", "seq": order.seq, "job": order.job_id, "enc": RANKS_ENCODING,
+                   "ranks": base64.b64encode(packed.tobytes()).decode("ascii"),
+                   "ops": bytes(order.ops).translate(_OPS_TO_TEXT).decode("ascii")})
 
 
 def decode_order(text: str) -> SwitchOrder:
     value = decode(text)
-    return SwitchOrder(seq=int(value["seq"]), job_id=str(value["job"]), ranks=tuple(int(r) for r in value["ranks"]),
-                       ops=tuple(bool(op) for op in value["ops"]))
+    if value.get("enc") == RANKS_ENCODING:
+        packed = array.array(_U32)
+        packed.frombytes(base64.b64decode(value["ranks"], validate=True))
+        if sys.byteorder == "big":
+            packed.byteswap()
+        ranks = tuple(packed)
+        ops = tuple(map(bool, str(value["ops"]).encode("ascii").translate(_TEXT_TO_OPS)))
+    else:  # JSON lists: what earlier versions wrote (a launcher-hosted leader may be older)
+        ranks = tuple(int(r) for r in value["ranks"])
+        ops = tuple(bool(op) for op in value["ops"])
+    return SwitchOrder(seq=int(value["seq"]), job_id=str(value["job"]), ranks=ranks, ops=ops)
 
 
 @dataclass(frozen=True)

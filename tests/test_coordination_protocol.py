@@ -1,0 +1,53 @@
+"""The leader->member order encoding: exact round trips, the earlier JSON-list form, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.errors import InvalidOrder
+from nicswitch_agent.orders import SwitchOrder
+
+RANK = st.integers(min_value=0, max_value=999_999_999)  # orders.py accepts at most 9 digits
+
+
+@given(st.lists(st.tuples(RANK, st.booleans()), max_size=200), st.integers(min_value=1, max_value=2**31))
+def test_an_order_round_trips_exactly(entries: list[tuple[int, bool]], seq: int) -> None:
+    order = SwitchOrder(seq=seq, job_id="job-ü/1", ranks=tuple(r for r, _ in entries),
+                        ops=tuple(o for _, o in entries))
+    decoded = p.decode_order(p.encode_order(order))
+    assert (decoded.seq, decoded.job_id, decoded.ranks, decoded.ops) == (seq, "job-ü/1", order.ranks, order.ops)
+    assert all(type(op) is bool for op in decoded.ops) and all(type(r) is int for r in decoded.ranks)
+
+
+def test_a_large_order_round_trips_and_stays_compact() -> None:
+    ranks = tuple(range(65_536))
+    ops = tuple(r % 3 == 0 for r in ranks)
+    text = p.encode_order(SwitchOrder(seq=1, job_id="j", ranks=ranks, ops=ops))
+    assert len(text) < 8 * len(ranks)  # ~6.3 bytes per rank (base64 uint32 + one op character)
+    decoded = p.decode_order(text)
+    assert decoded.ranks == ranks and decoded.ops == ops
+
+
+def test_the_earlier_json_list_form_is_still_read() -> None:
+    text = json.dumps({"t": "o", "seq": 4, "job": "j", "ranks": [3, 2], "ops": [1, 0]})
+    decoded = p.decode_order(text)
+    assert (decoded.ranks, decoded.ops) == ((3, 2), (True, False))
+
+
+def test_mismatched_lengths_are_refused() -> None:
+    good = json.loads(p.encode_order(SwitchOrder(seq=1, job_id="j", ranks=(1, 2), ops=(True, False))))
+    good["ops"] = "1"
+    with pytest.raises(InvalidOrder, match="differ in length"):
+        p.decode_order(json.dumps(good))
+
+
+def test_corrupt_rank_bytes_are_refused() -> None:
+    bad = json.loads(p.encode_order(SwitchOrder(seq=1, job_id="j", ranks=(1, 2), ops=(True, False))))
+    bad["ranks"] = "AAA"  # not base64 of whole uint32s
+    with pytest.raises(ValueError):
+        p.decode_order(json.dumps(bad))

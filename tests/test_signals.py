@@ -1,0 +1,187 @@
+"""SIGTERM / SIGINT in a real training process: owed replies sent, ranks unparked, prompt exit.
+
+Each test runs tests/signal_job/train.py as a child process against the simulator (in this
+process, on a loopback port), waits for a state from the child's printed events, sends a signal,
+and checks what ClusterD saw and how the child ended.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+pytestmark = pytest.mark.timeout(120)
+
+JOB = "job-sig"
+NODES = {"node-0": ["0"]}
+TRAIN = Path(__file__).parent / "signal_job" / "train.py"
+EXIT_WAIT_S = 30.0
+
+
+def fast(**changes: float) -> SimSettings:
+    values = dict(report_timeout_s=30.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
+                  schedule_wait_s=0.01, restart_wait_s=0.01)
+    values.update(changes)
+    return SimSettings(shuffle_nodes=False, **values)
+
+
+class Child:
+    """The training process; its stdout lines are collected on a thread."""
+
+    def __init__(self, sim: Simulator, scenario: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = subprocess.Popen([sys.executable, str(TRAIN), sim.address, JOB, scenario],
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.lines: list[str] = []
+        self._cond = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_line(self, text: str, timeout: float = 30.0) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: text in self.lines, timeout)
+
+    def finish(self, timeout: float = EXIT_WAIT_S) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"the child did not exit within {timeout:g} s of the signal; output:\n" + self.output())
+
+    def output(self) -> str:
+        self._reader.join(5)
+        return "\n".join(self.lines)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def streams_ready(sim: Simulator) -> bool:
+    view = sim.job_view(JOB)
+    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
+        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
+    )
+
+
+def request_switch(sim: Simulator) -> None:
+    channel = open_channel(ChannelSettings(target=sim.address))
+    try:
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps["node-0"].dev.append("0")
+        request.nicOps["node-0"].op.append(True)
+        status = RecoverStub(channel).SwitchNicTrack(request, timeout=5)
+        assert status.code == 0, status
+    finally:
+        channel.close()
+
+
+@pytest.fixture
+def run() -> Iterator[object]:
+    sims: list[Simulator] = []
+    children: list[Child] = []
+
+    def start(scenario: str, ready: bool = True, **settings: float) -> tuple[Simulator, Child]:
+        sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=fast(**settings))
+        sim.start()
+        sims.append(sim)
+        child = Child(sim, scenario)
+        children.append(child)
+        assert child.wait_line("STARTED"), child.output()
+        assert not ready or sim.wait_until(streams_ready, 20), child.output()
+        return sim, child
+
+    yield start
+    for child in children:
+        child.kill()
+    for sim in sims:
+        sim.stop()
+
+
+def test_sigterm_while_idle_stops_the_agent_then_dies_of_the_signal(run) -> None:  # type: ignore[no-untyped-def]
+    sim, child = run("idle")
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.finish() == -signal.SIGTERM  # the same status as without the agent
+    assert "EVENT agent_stopped" in child.lines, child.output()
+    assert sim.job_view(JOB).replies == []
+    assert sim.job_view(JOB).violations == []
+
+
+def test_sigint_while_idle_stops_the_agent_and_raises_keyboard_interrupt(run) -> None:  # type: ignore[no-untyped-def]
+    _sim, child = run("idle")
+    child.proc.send_signal(signal.SIGINT)
+    code = child.finish()
+    output = child.output()
+    assert code == -signal.SIGINT, output  # an uncaught KeyboardInterrupt, as without the agent
+    assert "KeyboardInterrupt" in output
+    assert "EVENT agent_stopped" in child.lines, output
+
+
+def test_sigterm_while_parked_unparks_and_exits(run) -> None:  # type: ignore[no-untyped-def]
+    # ClusterD waits fault_flush_s after the pause before it sends the list: training stays parked.
+    sim, child = run("idle", fault_flush_s=60.0)
+    request_switch(sim)
+    assert child.wait_line("EVENT parked"), child.output()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.finish() == -signal.SIGTERM
+    output = child.output()
+    assert "EVENT resumed" in child.lines, output  # unparked before the process ended
+    assert output.index("EVENT resumed") < output.index("EVENT agent_stopped")
+    assert sim.job_view(JOB).replies == []  # no list was received, so none is owed
+
+
+def test_sigterm_mid_switch_sends_the_owed_false_reply_before_exiting(run) -> None:  # type: ignore[no-untyped-def]
+    sim, child = run("switching")
+    request_switch(sim)
+    assert child.wait_line("HOOK"), child.output()
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.finish() == -signal.SIGTERM
+    output = child.output()
+    assert "EVENT reply_sent" in child.lines, output
+    view = sim.job_view(JOB)
+    assert view.replies == [False]  # exactly one reply, and false: the switch did not finish
+    assert view.violations == []
+
+
+def test_a_previous_python_handler_is_chained(run) -> None:  # type: ignore[no-untyped-def]
+    _sim, child = run("user-handler")
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.finish() == 42  # the user's handler decided how to exit
+    output = child.output()
+    assert "USER-HANDLER" in child.lines, output
+    assert "EVENT agent_stopped" in child.lines, output  # interpreter exit waited for the stop under way
+
+
+def test_handle_signals_false_leaves_the_default_action(run) -> None:  # type: ignore[no-untyped-def]
+    _sim, child = run("no-handlers")
+    child.proc.send_signal(signal.SIGTERM)
+    assert child.finish() == -signal.SIGTERM
+    assert "EVENT agent_stopped" not in child.lines  # killed outright: nothing of ours ran
+
+
+def test_interpreter_exit_with_a_running_agent_does_not_hang(run) -> None:  # type: ignore[no-untyped-def]
+    sim, child = run("return", ready=False)
+    assert child.finish() == 0
+    assert "RETURNING" in child.lines, child.output()
+    assert "EVENT agent_stopped" in child.lines, child.output()
+    assert sim.job_view(JOB).violations == []
