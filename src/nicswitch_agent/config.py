@@ -16,12 +16,14 @@ import dataclasses
 import ipaddress
 import math
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.status_file import expand_path
+from nicswitch_agent.transport import TlsSettings
 
 CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
@@ -127,6 +129,20 @@ class AgentConfig:
     """Append every event as one JSON line to this file (``{rank}``, ``{pid}``, ``{job}`` replaced)."""
     metrics_port: int | None = None
     """The leader serves Prometheus metrics on this port (needs the ``metrics`` extra); None: off."""
+
+    tls: bool = False
+    """Dial ClusterD over TLS (on as well when any other ``tls_*`` setting is given). ClusterD
+    itself serves plaintext, and MindCluster's nginx mTLS sidecar (LOCAL_PROXY_ENABLE=on) is dialed
+    in plaintext too: this is for a TLS endpoint put in front of ClusterD some other way."""
+    tls_ca_file: str | None = None
+    """PEM file of the CA(s) that signed the server's certificate; None: gRPC's default roots."""
+    tls_cert_file: str | None = None
+    """PEM client certificate, for a server that requires one (mutual TLS); needs tls_key_file."""
+    tls_key_file: str | None = None
+    """Unencrypted PEM private key of tls_cert_file. Its path may be logged; its content never is."""
+    tls_server_name: str | None = None
+    """The name the server's certificate must hold, instead of the host in ``server``
+    (``grpc.ssl_target_name_override``), e.g. when ``server`` is an IP address."""
 
     def __post_init__(self) -> None:
         self._validate()
@@ -263,6 +279,19 @@ class AgentConfig:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
         if not isinstance(self.role, str) or not self.role:
             raise ConfigError(f"role={self.role!r} must be a non-empty string")
+        _check_tls(self.tls, self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
+
+    @property
+    def tls_enabled(self) -> bool:
+        """True when the agent dials over TLS: ``tls`` is true or any other ``tls_*`` is given."""
+        return _tls_on(self.tls, self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
+
+    def tls_settings(self) -> TlsSettings | None:
+        """The channel's TLS settings; None: plaintext."""
+        if not self.tls_enabled:
+            return None
+        return TlsSettings(ca_file=self.tls_ca_file, cert_file=self.tls_cert_file, key_file=self.tls_key_file,
+                           server_name=self.tls_server_name)
 
     def describe(self) -> dict[str, Any]:
         """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here)."""
@@ -307,6 +336,88 @@ def server_from_mindcluster(env: Mapping[str, str]) -> str:
     return f"{host}:{CLUSTERD_PORT}"
 
 
+TLS_FIELDS = ("tls", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
+
+
+def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> TlsSettings | None:
+    """The TLS settings alone, resolved and checked as :meth:`AgentConfig.from_env` does
+    (keywords, then ``NICSWITCH_TLS*``), for the commands that dial ClusterD without a full
+    config (``switch``, ``watch``). None: plaintext.
+
+    Raises:
+        ConfigError: naming the setting (or variable) and the value.
+    """
+    env = os.environ if env is None else env
+    unknown = sorted(set(explicit) - set(TLS_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown TLS setting(s): {', '.join(unknown)}")
+    types = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
+    values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
+    for name in TLS_FIELDS:
+        raw = env.get(_env_name(name))
+        if name not in values and raw is not None and raw.strip() != "":
+            values[name] = _parse(name, types[name], raw.strip(), _env_name(name))
+    args = (values.get("tls", False), *(values.get(name) for name in TLS_FIELDS[1:]))
+    _check_tls(*args)
+    if not _tls_on(*args):
+        return None
+    return TlsSettings(ca_file=args[1], cert_file=args[2], key_file=args[3], server_name=args[4])
+
+
+def _tls_on(tls: bool, *others: str | None) -> bool:
+    return tls or any(value is not None for value in others)
+
+
+def _no_password() -> bytes:
+    return b""  # an encrypted key then fails to load instead of prompting on the terminal
+
+
+def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_name: Any) -> None:
+    """Types, files readable and PEM, the key belonging to the certificate: every TLS mistake
+    that can be found before dialing. Messages name files by path, never by content."""
+    if not isinstance(tls, bool):
+        raise ConfigError(f"tls={tls!r} must be a bool")
+    files = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
+    for name, path in files.items():
+        if path is None:
+            continue
+        if not isinstance(path, str) or not path.strip():
+            raise ConfigError(f"{name}={path!r} must be the path of a PEM file")
+        try:
+            with open(path, "rb") as file:
+                file.read(1)
+        except OSError as exc:
+            raise ConfigError(f"{name}={path!r} cannot be read: {exc.strerror or exc}") from None
+    if (cert_file is None) != (key_file is None):
+        given, missing = ("tls_cert_file", "tls_key_file") if key_file is None else ("tls_key_file", "tls_cert_file")
+        raise ConfigError(f"{given}={files[given]!r} is set without {missing}: a client certificate "
+                          "and its key go together (set both, or neither)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    if ca_file is not None:
+        try:
+            context.load_verify_locations(cafile=ca_file)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(f"tls_ca_file={ca_file!r} holds no usable PEM certificate ({_ssl_reason(exc)})") from None
+    if cert_file is not None:
+        try:
+            context.load_cert_chain(cert_file, key_file, password=_no_password)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ConfigError(
+                f"tls_cert_file={cert_file!r} and tls_key_file={key_file!r} cannot be used together "
+                f"({_ssl_reason(exc)}): both must be PEM, the key unencrypted and belonging to the certificate"
+            ) from None
+    if server_name is not None and (
+        not isinstance(server_name, str) or not server_name or server_name != server_name.strip()
+        or any(ord(c) <= 32 for c in server_name)
+    ):
+        raise ConfigError(f"tls_server_name={server_name!r} must be a host name without spaces")
+
+
+def _ssl_reason(exc: BaseException) -> str:
+    reason = getattr(exc, "reason", None)
+    return str(reason) if reason else type(exc).__name__
+
+
 def _check_target(name: str, target: str) -> None:
     if target.startswith(("unix:", "unix-abstract:")):
         return
@@ -322,7 +433,7 @@ def _check_target(name: str, target: str) -> None:
 def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:
     type_name = str(type_name)
     try:
-        if "_" in raw and type_name != "str":
+        if "_" in raw and type_name in ("float", "int", "int | None"):  # paths may hold underscores
             raise ValueError("underscores are not accepted in numbers")
         if type_name == "bool":
             lowered = raw.lower()

@@ -6,7 +6,9 @@ failed). The exit code is 0 when nothing failed ("ready"), 1 otherwise, 2 for a 
 
 Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id,
 the other ``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every
-3 s), ClusterD answering ``HealthCheck`` (within ``--timeout``), the pause mode and who pauses
+3 s), TLS (``--tls*`` or ``NICSWITCH_TLS*``: files readable, the key matching its certificate),
+ClusterD answering ``HealthCheck`` (within ``--timeout``, over TLS when it is on; a plaintext/TLS
+mismatch is named as such), the pause mode and who pauses
 training, torch, torch_npu, ``torch_npu.npu._comm_switch_nic``, ``HCCL_OP_RETRY_ENABLE`` enabling
 L2 (without it HCCL accepts a switch and does nothing), a way to map ClusterD's global ranks
 (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), and the checkpoint
@@ -38,15 +40,25 @@ import grpc
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.config import (
     CLUSTERD_MIN_PING_INTERVAL_S,
+    ENV_PREFIX,
     EXTERNAL_PAUSE_MARKERS,
+    TLS_FIELDS,
     AgentConfig,
     resolve_pause_mode,
+    tls_from_env,
 )
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.om_cli import add_tls_arguments, tls_overrides
+from nicswitch_agent.transport import (
+    ChannelSettings,
+    RecoverStub,
+    TlsSettings,
+    explain_connect_failure,
+    open_channel,
+)
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
@@ -57,6 +69,7 @@ _SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
 _JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
 _KEEPALIVE_ENV = ("NICSWITCH_KEEPALIVE_TIME_S", "NICSWITCH_KEEPALIVE_TIMEOUT_S")
 _TOPOLOGY_ENV = ("NICSWITCH_WORLD_SIZE", "WORLD_SIZE", "NICSWITCH_RANK", "RANK")
+_TLS_ENV = tuple(ENV_PREFIX + name.upper() for name in TLS_FIELDS)
 _PLACEHOLDER_SERVER = "127.0.0.1:8899"
 _PLACEHOLDER_JOB = "doctor-placeholder"
 
@@ -99,6 +112,9 @@ class Inputs:
     checkpoint_dir: str | None = None
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    tls: TlsSettings | None = None
+    tls_error: str = ""
+    tls_from_flags: bool = False
 
     @property
     def dry_run(self) -> bool:
@@ -119,8 +135,13 @@ def gather_inputs(
     checkpoint_dir: str | os.PathLike[str] | None = None,
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    tls_options: Mapping[str, Any] | None = None,
 ) -> Inputs:
-    """Resolve server, job and settings as the agent would (explicit > NICSWITCH_* > MindCluster env)."""
+    """Resolve server, job and settings as the agent would (explicit > NICSWITCH_* > MindCluster env).
+
+    ``tls_options`` are explicit TLS settings (AgentConfig names, e.g. ``tls_ca_file``; None values
+    count as not given), as from the ``--tls*`` flags.
+    """
     env = dict(os.environ if env is None else env)
     server_source = _server_source(server, env)
     try:
@@ -137,8 +158,13 @@ def gather_inputs(
         job_error = ""
     except ConfigError as exc:
         resolved_job, job_error = None, str(exc)
-    # Every other setting, each problem once: server, job, keepalive and ranks have checks of their own.
-    others = {k: v for k, v in env.items() if k not in _KEEPALIVE_ENV + _TOPOLOGY_ENV}
+    tls_given = {k: v for k, v in (tls_options or {}).items() if v is not None}
+    try:
+        tls, tls_error = tls_from_env(_subset(env, _TLS_ENV), **tls_given), ""
+    except ConfigError as exc:
+        tls, tls_error = None, str(exc)
+    # Every other setting, each problem once: server, job, keepalive, TLS and ranks have checks of their own.
+    others = {k: v for k, v in env.items() if k not in _KEEPALIVE_ENV + _TOPOLOGY_ENV + _TLS_ENV}
     try:
         config: AgentConfig | None = AgentConfig.from_env(
             others, server=resolved_server or _PLACEHOLDER_SERVER, job_id=resolved_job or _PLACEHOLDER_JOB)
@@ -149,7 +175,8 @@ def gather_inputs(
         env=env, server=resolved_server, server_source=server_source, server_error=server_error,
         job_id=resolved_job, job_source=job_source, job_error=job_error, config=config, config_error=config_error,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
-        min_free_bytes=min_free_bytes, timeout_s=timeout_s,
+        min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls=tls, tls_error=tls_error,
+        tls_from_flags=bool(tls_given),
     )
 
 
@@ -194,7 +221,7 @@ def check_settings(inp: Inputs) -> Check:
     name = "settings"
     if inp.config is None:
         return Check(name, False, inp.config_error)
-    judged_elsewhere = _SERVER_ENV + _JOB_ENV + _KEEPALIVE_ENV + _TOPOLOGY_ENV
+    judged_elsewhere = _SERVER_ENV + _JOB_ENV + _KEEPALIVE_ENV + _TOPOLOGY_ENV + _TLS_ENV
     given = sorted(k for k in inp.env if k.startswith("NICSWITCH_") and inp.env[k].strip()
                    and k not in judged_elsewhere)
     listed = ", ".join(given) if given else "none"
@@ -213,24 +240,46 @@ def check_keepalive(inp: Inputs) -> Check:
     return Check(name, True, detail)
 
 
+def check_tls(inp: Inputs) -> Check:
+    """The TLS settings the agent would dial with: files readable, PEM, the key matching its certificate."""
+    name = "TLS"
+    source = "--tls* flags and NICSWITCH_TLS*" if inp.tls_from_flags else "NICSWITCH_TLS*"
+    if inp.tls_error:
+        return Check(name, False, f"{inp.tls_error} (from {source})")
+    if inp.tls is None:
+        return Check(name, True, "off: plaintext, as ClusterD serves it (with LOCAL_PROXY_ENABLE=on the local "
+                                 "sidecar does the TLS)")
+    return Check(name, True, f"on ({inp.tls.describe()}; from {source})")
+
+
 def check_clusterd(inp: Inputs) -> Check:
     """One ``HealthCheck`` within ``timeout_s``: reachable, speaks ``/Recover``, answers code 0."""
     name = "ClusterD"
     if inp.server is None:
         return Check(name, None, "skipped: no ClusterD address")
-    channel = open_channel(ChannelSettings(target=inp.server))
+    if inp.tls_error:
+        return Check(name, None, "skipped: the TLS settings are not valid")
+    settings = ChannelSettings(target=inp.server, tls=inp.tls)
+    try:
+        channel = open_channel(settings)
+    except ConfigError as exc:
+        return Check(name, False, str(exc))
+    over = " over TLS" if inp.tls is not None else ""
     started = time.monotonic()
     try:
         status = RecoverStub(channel).HealthCheck(pb.ClientInfo(jobId=inp.job_id or "", role=ROLE),
                                                   timeout=inp.timeout_s)
     except grpc.RpcError as exc:
+        plain = explain_connect_failure(exc, settings)
+        if plain:
+            return Check(name, False, f"cannot reach ClusterD at {inp.server}: {plain}")
         return Check(name, False, _rpc_problem(inp.server, inp.timeout_s, exc.code(), exc.details()))
     finally:
         channel.close()
     took = (time.monotonic() - started) * 1000
     if int(status.code) != 0:
         return Check(name, False, f"{inp.server} answered HealthCheck with code {status.code}: {status.info!r}")
-    return Check(name, True, f"{inp.server} answered HealthCheck in {took:.0f} ms")
+    return Check(name, True, f"{inp.server} answered HealthCheck{over} in {took:.0f} ms")
 
 
 def _rpc_problem(server: str, timeout_s: float, code: Any, details: str | None) -> str:
@@ -457,6 +506,7 @@ CHECKS: tuple[Callable[[Inputs], Check], ...] = (
     check_job,
     check_settings,
     check_keepalive,
+    check_tls,
     check_clusterd,
     check_pause_mode,
     check_torch,
@@ -477,6 +527,7 @@ def run_checks(
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_check: Callable[[Check], None] | None = None,
+    tls_options: Mapping[str, Any] | None = None,
 ) -> list[Check]:
     """Run every check in order; ``on_check`` sees each result as soon as it is known.
 
@@ -487,11 +538,12 @@ def run_checks(
         checkpoint_dir: Where the checkpoint guard writes; None skips that check.
         min_free_bytes: Free space the checkpoint directory must keep beyond the next checkpoint.
         timeout_s: Deadline of the HealthCheck call.
+        tls_options: Explicit TLS settings (``tls``, ``tls_ca_file``, ...) over NICSWITCH_TLS*.
 
     A check that raises is reported as failed, never raised.
     """
     inputs = gather_inputs(server=server, job_id=job_id, env=env, checkpoint_dir=checkpoint_dir,
-                           min_free_bytes=min_free_bytes, timeout_s=timeout_s)
+                           min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls_options=tls_options)
     results: list[Check] = []
     for check in CHECKS:
         try:
@@ -550,6 +602,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="how long to wait for ClusterD's HealthCheck answer, seconds (default: %(default)g)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_tls_arguments(parser)
     if parser.epilog is None:
         parser.epilog = "exit codes: 0 ready (no check failed), 1 not ready, 2 usage error"
 
@@ -564,7 +617,8 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     if not args.json:
         print("nicswitch-agent doctor: is this pod ready for link switches?", flush=True)
     checks = run_checks(server=args.server, job_id=args.job, env=env, checkpoint_dir=args.checkpoint_dir,
-                        min_free_bytes=args.min_free, timeout_s=args.timeout, on_check=None if args.json else say)
+                        min_free_bytes=args.min_free, timeout_s=args.timeout, on_check=None if args.json else say,
+                        tls_options=tls_overrides(args))
     is_ready = ready(checks)
     failed = [c.name for c in checks if c.ok is False]
     warned = [c.name for c in checks if c.ok is None]

@@ -34,7 +34,14 @@ import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.errors import NicSwitchError
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.transport import (
+    ChannelSettings,
+    RecoverStub,
+    TlsSettings,
+    explain_connect_failure,
+    open_channel,
+    settings_of,
+)
 
 _LOG = logging.getLogger(__name__)
 
@@ -260,9 +267,10 @@ class OmRpcError(OmError):
         self.details = details
 
     @classmethod
-    def from_rpc_error(cls, method: str, exc: grpc.RpcError) -> OmRpcError:
+    def from_rpc_error(cls, method: str, exc: grpc.RpcError, settings: ChannelSettings | None = None) -> OmRpcError:
+        """``details`` in plain words when no connection could be made (a TLS mismatch, say)."""
         code, details = _rpc_code_and_details(exc)
-        return cls(method, code, details)
+        return cls(method, code, explain_connect_failure(exc, settings) or details)
 
     @property
     def maybe_delivered(self) -> bool:
@@ -385,13 +393,25 @@ class OmClient:
         *,
         rpc_timeout_s: float = DEFAULT_RPC_TIMEOUT_S,
         channel: grpc.Channel | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
+        """Open the channel to ClusterD (or adopt ``channel``).
+
+        Args:
+            target: ClusterD's ``host:port``.
+            rpc_timeout_s: Deadline of ``SwitchNicTrack``.
+            channel: A channel to use (not closed by :meth:`close`); None: one is opened.
+            tls: TLS for the channel opened here; None: plaintext (ClusterD's own way).
+
+        Raises:
+            ConfigError: a TLS file cannot be read or is not PEM.
+        """
         if rpc_timeout_s <= 0:
             raise ValueError(f"rpc_timeout_s must be > 0, got {rpc_timeout_s}")
         self.target = target
         self.rpc_timeout_s = rpc_timeout_s
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(ChannelSettings(target=target))
+        self._channel = channel if channel is not None else open_channel(ChannelSettings(target=target, tls=tls))
         self._stub = RecoverStub(self._channel)
         self._closed = threading.Event()
         # Guards _call: the in-flight SubscribeSwitchNicSignal call, cancelled by close().
@@ -436,7 +456,7 @@ class OmClient:
         try:
             status = self._stub.SwitchNicTrack(request, timeout=deadline)
         except grpc.RpcError as exc:
-            raise OmRpcError.from_rpc_error("SwitchNicTrack", exc) from exc
+            raise OmRpcError.from_rpc_error("SwitchNicTrack", exc, settings_of(self._channel)) from exc
         rpc_s = time.monotonic() - started
         code, info = int(status.code), str(status.info)
         _LOG.info("[%s] SwitchNicTrack -> %d %r (%.1f ms)", job_id, code, info, rpc_s * 1000)
@@ -525,7 +545,8 @@ class OmClient:
                     last_problem = f"{code}: {details}"
                     self._pause(next(delays), deadline)
                     continue
-                return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {details}")
+                plain = explain_connect_failure(exc, settings_of(self._channel))
+                return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
             reached = True
             if message is None:
                 if self._closed.is_set():

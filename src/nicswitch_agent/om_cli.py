@@ -35,7 +35,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nicswitch_agent.config import server_from_mindcluster
+from nicswitch_agent.config import server_from_mindcluster, tls_from_env
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
@@ -179,6 +179,34 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "a minute past ClusterD's own 15-min waits)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_tls_arguments(parser)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--tls`` and ``--tls-*``: TLS to ClusterD (also for ``doctor``); see :func:`tls_overrides`."""
+    group = parser.add_argument_group(
+        "TLS (ClusterD itself serves plaintext, and so does a LOCAL_PROXY_ENABLE sidecar; "
+        "each option defaults to its NICSWITCH_TLS* variable)"
+    )
+    group.add_argument("--tls", action="store_true", default=None,
+                       help="dial over TLS, trusting gRPC's default roots unless --tls-ca is given "
+                            "(implied by any --tls-* option)")
+    group.add_argument("--tls-ca", metavar="PEM", help="CA certificate(s) that signed the server's certificate")
+    group.add_argument("--tls-cert", metavar="PEM", help="client certificate, for a server that requires one (mTLS)")
+    group.add_argument("--tls-key", metavar="PEM", help="unencrypted private key of --tls-cert")
+    group.add_argument("--tls-server-name", metavar="NAME",
+                       help="the name the server's certificate must hold, when it is not the --server host")
+
+
+def tls_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``--tls*`` flags as AgentConfig settings (None: not given, so NICSWITCH_TLS* applies)."""
+    return {
+        "tls": getattr(args, "tls", None),
+        "tls_ca_file": getattr(args, "tls_ca", None),
+        "tls_cert_file": getattr(args, "tls_cert", None),
+        "tls_key_file": getattr(args, "tls_key", None),
+        "tls_server_name": getattr(args, "tls_server_name", None),
+    }
 
 
 def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -393,12 +421,14 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
         server = resolve_server(args.server, env)
         job_id = resolve_job(args.job, env)
         nic_ops = parse_nic_groups(nic_groups_from_flags(args.nic_flags or []))
-    except ValueError as exc:
+        tls = tls_from_env(env, **tls_overrides(args))
+        client = OmClient(server, rpc_timeout_s=args.rpc_timeout, tls=tls)
+    except ValueError as exc:  # ConfigError (a TLS setting) is a ValueError too
         return report.usage("switch", str(exc))
-    report.data.update(server=server, job=job_id, request=_request_json(nic_ops))
-    report.say(f"switch job {job_id} on {server}: {describe_nic_ops(nic_ops)}")
+    report.data.update(server=server, job=job_id, tls=tls is not None, request=_request_json(nic_ops))
+    report.say(f"switch job {job_id} on {server}{' (TLS)' if tls else ''}: {describe_nic_ops(nic_ops)}")
 
-    with OmClient(server, rpc_timeout_s=args.rpc_timeout) as client:
+    with client:
         try:
             accepted = client.switch(job_id, nic_ops)
         except ValueError as exc:  # what parsing let through but the request check refuses
@@ -454,11 +484,13 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
     try:
         server = resolve_server(args.server, env)
         job_id = resolve_job(args.job, env)
-    except ValueError as exc:
+        tls = tls_from_env(env, **tls_overrides(args))
+        client = OmClient(server, tls=tls)
+    except ValueError as exc:  # ConfigError (a TLS setting) is a ValueError too
         return report.usage("watch", str(exc))
-    report.data.update(server=server, job=job_id)
-    report.say(f"watching job {job_id} on {server} (up to {format_seconds(args.timeout)})...")
-    with OmClient(server) as client:
+    report.data.update(server=server, job=job_id, tls=tls is not None)
+    report.say(f"watching job {job_id} on {server}{' (TLS)' if tls else ''} (up to {format_seconds(args.timeout)})...")
+    with client:
         try:
             outcome = client.follow(job_id, args.timeout, wait_for_start=True)
         except KeyboardInterrupt:
@@ -475,6 +507,7 @@ __all__ = [
     "WATCH_HELP",
     "ExitCode",
     "add_switch_arguments",
+    "add_tls_arguments",
     "add_watch_arguments",
     "exit_code_for",
     "format_seconds",
@@ -484,4 +517,5 @@ __all__ = [
     "resolve_server",
     "run_switch",
     "run_watch",
+    "tls_overrides",
 ]

@@ -10,6 +10,12 @@ client has registered, and restarts lose everything. So the stream is reopened:
 - never after errors that retrying cannot fix (``should_terminate``: not ClusterD, or refused
   credentials); the owner is told through ``on_fatal`` and the thread ends.
 
+A stream opened with ``wait_for_ready`` waits silently while no connection can be made, so the
+first open (and each one after an error) fails fast instead: a connection that cannot be made
+then shows up at once in ``last_error`` and the log, in plain words (a plaintext/TLS mismatch
+above all, see :func:`~nicswitch_agent.transport.explain_connect_failure`), and the stream is
+reopened at once, waiting for the connection as before.
+
 Received lists are handed to ``on_list`` at once; that callback must not block (the agent only
 validates and enqueues), so the stream keeps being read and ``stop()`` stays prompt.
 """
@@ -29,7 +35,7 @@ import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.transport import RecoverStub
+from nicswitch_agent.transport import RecoverStub, explain_connect_failure, settings_of
 
 if TYPE_CHECKING:
     from nicswitch_agent.process_manage import StreamGate
@@ -67,6 +73,13 @@ def describe_rpc_error(exc: BaseException) -> str:
     details = getattr(exc, "details", None)
     text = details() if callable(details) else str(exc)
     return f"{code.name if code else type(exc).__name__}: {text}"
+
+
+def _connect_failed(exc: BaseException) -> bool:
+    """The call failed before it reached the server: no connection could be made."""
+    details = getattr(exc, "details", None)
+    text = details() if callable(details) else ""
+    return _code(exc) is grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in (text or "")
 
 
 def backoff_delays(initial: float, maximum: float, rng: random.Random | None = None) -> Iterator[float]:
@@ -150,6 +163,7 @@ class NotifySubscriber(StreamThread):
         self._ready.set()
         used_generation = 0
         ended_cleanly = False
+        fail_fast = True  # the next open fails at once if no connection can be made (and says why)
         while not self._stop.is_set():
             got_message = False
             gate = self._gate
@@ -165,7 +179,7 @@ class NotifySubscriber(StreamThread):
                 used_generation = gate.generation
             ended_cleanly = False
             try:
-                call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=True)
+                call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=not fail_fast)
                 self._set_call(call)
                 with self._lock:
                     self.opens += 1
@@ -180,6 +194,7 @@ class NotifySubscriber(StreamThread):
                 with self._lock:
                     self.clean_ends += 1
                 ended_cleanly = True
+                fail_fast = True
                 self._set_health(True, "stream ended cleanly")
                 logger.debug("notify stream ended cleanly; resubscribing")
                 if failing_since is not None:
@@ -196,11 +211,22 @@ class NotifySubscriber(StreamThread):
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
-                text = describe_rpc_error(exc)
+                unreachable = explain_connect_failure(exc, settings_of(self._stub.channel))
+                text = unreachable or describe_rpc_error(exc)
                 with self._lock:
                     self.errors += 1
                     self.last_error = text
                 self._set_health(False, text)
+                if fail_fast and not got_message and _connect_failed(exc):
+                    # Nothing was sent: now wait for the connection (gRPC keeps dialing, with its
+                    # own backoff) instead of failing again and again.
+                    if failing_since != text:
+                        log = logger.error if unreachable else logger.warning
+                        log("cannot connect to ClusterD, waiting for it: %s", text)
+                        failing_since = text
+                    fail_fast = False
+                    continue
+                fail_fast = True
                 if should_terminate(exc):
                     logger.error("notify stream failed for good (%s); the agent cannot take part in "
                                  "switches until restarted with a correct server", text)

@@ -6,12 +6,15 @@ the same process), therefore we do not use generated service stubs: they would c
 ``/nicswitch_agent.v1.Recover/...`` and ClusterD would answer UNIMPLEMENTED. Instead the paths
 below are spelled out once and shared by the client (:class:`RecoverStub`) and the simulator.
 
-This is the only module that dials; it knows nothing about switches, retries or threads.
+This is the only module that dials; it knows nothing about switches, retries or threads. It
+also turns gRPC's words for a failed connection into plain ones (:func:`explain_connect_failure`):
+a plaintext/TLS mismatch otherwise reads as ``Socket closed`` or ``WRONG_VERSION_NUMBER``.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.errors import ConfigError
 
 SERVICE = "Recover"
 
@@ -71,6 +75,65 @@ METHODS: tuple[Method, ...] = (
 
 
 @dataclass(frozen=True)
+class TlsSettings:
+    """TLS on the channel to ClusterD. ClusterD itself serves plaintext; this is for a TLS endpoint
+    in front of it (MindCluster's own way is a local nginx sidecar, dialed in plaintext).
+
+    Attributes:
+        ca_file: PEM file of the CA(s) the server's certificate must chain to; None: gRPC's
+            default roots (its bundled roots, or ``GRPC_DEFAULT_SSL_ROOTS_FILE_PATH``).
+        cert_file: PEM client certificate (chain), for a server that requires one (mutual TLS).
+        key_file: PEM private key of ``cert_file`` (unencrypted); given with it or not at all.
+        server_name: The name the server's certificate must hold, instead of the target's host
+            (``grpc.ssl_target_name_override``); e.g. when dialing an IP address.
+    """
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """Read the PEM files (once, now) and build the channel credentials.
+
+        Raises:
+            ConfigError: a file cannot be read or holds no PEM block (named by path; the content,
+                a private key included, is never shown).
+        """
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ConfigError("tls_cert_file and tls_key_file go together: a client certificate needs its key")
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read_pem("tls_ca_file", self.ca_file),
+            private_key=_read_pem("tls_key_file", self.key_file),
+            certificate_chain=_read_pem("tls_cert_file", self.cert_file),
+        )
+
+    def describe(self) -> str:
+        """``tls=on, CA ..., client certificate ..., server name ...``: paths only, for logs and errors."""
+        parts = [
+            "tls=on",
+            f"CA {self.ca_file}" if self.ca_file else "CA: gRPC's default roots",
+            f"client certificate {self.cert_file}" if self.cert_file else "no client certificate",
+        ]
+        if self.server_name:
+            parts.append(f"server name {self.server_name}")
+        return ", ".join(parts)
+
+
+def _read_pem(name: str, path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as file:
+            data = file.read()
+    except OSError as exc:
+        raise ConfigError(f"{name}={path!r} cannot be read: {exc.strerror or exc}") from None
+    if b"-----BEGIN " not in data:
+        raise ConfigError(f"{name}={path!r} holds no PEM block (gRPC needs PEM, not DER)")
+    return data
+
+
+@dataclass(frozen=True)
 class ChannelSettings:
     """What a channel to ClusterD needs; built from :class:`~nicswitch_agent.config.AgentConfig`."""
 
@@ -81,8 +144,10 @@ class ChannelSettings:
     reconnect_max_s: float = 5.0
     max_receive_bytes: int = 8 * 1024 * 1024
     max_send_bytes: int = 4 * 1024 * 1024
+    tls: TlsSettings | None = None
+    """None: plaintext (ClusterD's own way, and a local sidecar's)."""
 
-    def options(self) -> list[tuple[str, int]]:
+    def options(self) -> list[tuple[str, int | str]]:
         """Channel arguments.
 
         ClusterD enforces ``MinTime: 3s`` with ``PermitWithoutStream: true``: pinging more often
@@ -90,9 +155,10 @@ class ChannelSettings:
         client, a reset of the whole job). ``max_pings_without_data=0`` keeps pings flowing on an
         idle stream, so a half-open connection is detected instead of waiting forever.
         """
-        return [
+        options: list[tuple[str, int | str]] = [
             ("grpc.keepalive_time_ms", int(self.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(self.keepalive_timeout_s * 1000)),
+            ("grpc.http2.ping_timeout_ms", int(self.keepalive_timeout_s * 1000)),  # what grpcio waits (else 1 min)
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(self.reconnect_initial_s * 1000)),
@@ -104,11 +170,121 @@ class ChannelSettings:
             # with another library's channel to the same address.
             ("grpc.use_local_subchannel_pool", 1),
         ]
+        if self.tls is not None and self.tls.server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        return options
+
+
+# The settings each channel was opened with, so that an error on it can be explained with them
+# (tls on or off) by whoever holds only the channel. Weak: a closed, dropped channel leaves.
+_OPENED_WITH: weakref.WeakKeyDictionary[Any, ChannelSettings] = weakref.WeakKeyDictionary()
 
 
 def open_channel(settings: ChannelSettings) -> grpc.Channel:
-    """Open a plaintext channel (ClusterD has no TLS of its own; MindCluster adds nginx sidecars)."""
-    return grpc.insecure_channel(settings.target, options=settings.options())
+    """Open a channel: plaintext by default (ClusterD has no TLS of its own; MindCluster adds nginx
+    sidecars), TLS when ``settings.tls`` is given (its PEM files are read here, once).
+
+    Raises:
+        ConfigError: a TLS file cannot be read or is not PEM.
+    """
+    if settings.tls is None:
+        channel = grpc.insecure_channel(settings.target, options=settings.options())
+    else:
+        channel = grpc.secure_channel(settings.target, settings.tls.credentials(), options=settings.options())
+    _OPENED_WITH[channel] = settings
+    return channel
+
+
+def settings_of(channel: Any) -> ChannelSettings | None:
+    """The settings :func:`open_channel` opened ``channel`` with (None for any other channel)."""
+    try:
+        return _OPENED_WITH.get(channel)
+    except TypeError:  # not weak-referenceable: a test double
+        return None
+
+
+# gRPC's words for "no connection could be made" (the call itself never left the client).
+_CONNECT_FAILED = "failed to connect to all addresses"
+_HANDSHAKE = ("handshake failed", "ssl_error", "tsi_")
+_PLAINTEXT_PEER = ("wrong_version_number", "http_request", "packet_length_too_long", "record_too_large")
+_UNTRUSTED = ("certificate_verify_failed", "certificate verify failed")
+_WRONG_NAME = ("hostname verification", "no match found for server name", "name mismatch")
+_CLOSED = ("socket closed", "connection reset", "end of file", "broken pipe")
+_LOCAL_TLS = "failed to create security handshaker"
+
+
+def explain_connect_failure(exc: BaseException, settings: ChannelSettings | None = None) -> str | None:
+    """Plain words for a call that failed because no connection could be made, naming a
+    plaintext/TLS mismatch, an untrusted certificate or a missing client certificate; None for
+    any other error (a refused port is already plain: gRPC's own text is kept for it).
+
+    Args:
+        exc: The error of a call.
+        settings: What the channel was opened with (see :func:`settings_of`); None: unknown.
+    """
+    code = getattr(exc, "code", None)
+    details_fn = getattr(exc, "details", None)
+    if not callable(code) or code() is not grpc.StatusCode.UNAVAILABLE or not callable(details_fn):
+        return None
+    details = str(details_fn() or "")
+    text = details.lower()
+    handshake = any(word in text for word in _HANDSHAKE)
+    if _CONNECT_FAILED not in text and not handshake:
+        return None  # e.g. "Socket closed" on a stream that was open: the server went away
+    target = settings.target if settings is not None else "the server"
+    tls = settings.tls if settings is not None else None
+    known = settings is not None
+    if _LOCAL_TLS in text:
+        what = ("TLS could not be set up on our side: the CA file, or the client certificate and key, "
+                "are not usable together (a key that does not belong to its certificate?)")
+    elif any(word in text for word in _PLAINTEXT_PEER):
+        what = (f"TLS handshake with {target} failed: it answered in plaintext. Is the server plaintext? "
+                "(ClusterD itself is; dial it, or a local sidecar, with TLS off)")
+    elif any(word in text for word in _UNTRUSTED):
+        ca = f"the CA in {tls.ca_file}" if tls is not None and tls.ca_file else "a CA we trust"
+        what = (f"TLS handshake with {target} failed: its certificate is not signed by {ca}. "
+                "Wrong CA? (set tls_ca_file to the CA that signed the server's certificate)")
+    elif any(word in text for word in _WRONG_NAME):
+        name = tls.server_name if tls is not None and tls.server_name else target.rpartition(":")[0] or target
+        what = (f"TLS handshake with {target} failed: its certificate does not hold the name {name!r} "
+                "(set tls_server_name to a name the certificate holds)")
+    elif handshake:
+        what = f"TLS handshake with {target} failed"
+    elif any(word in text for word in _CLOSED):
+        if known and tls is None:
+            what = (f"{target} closed the connection before gRPC could start. Is the server TLS? "
+                    "(we dial plaintext; turn TLS on with tls=true or tls_ca_file)")
+        elif tls is not None and tls.cert_file is None:
+            what = (f"{target} closed the connection during the TLS handshake. Does it require a client "
+                    "certificate (mutual TLS)? None is configured (tls_cert_file, tls_key_file)")
+        elif tls is not None:
+            what = (f"{target} closed the connection during the TLS handshake. Does it trust our client "
+                    f"certificate {tls.cert_file}?")
+        else:
+            return None
+    else:
+        return None
+    setting = "tls=off" if known and tls is None else (tls.describe() if tls is not None else "")
+    grpc_words = details.split("last error: ", 1)[-1]
+    return f"{what} [{setting + '; ' if setting else ''}gRPC: {grpc_words}]"
+
+
+def connect_problem(stub: RecoverStub, client: Any, timeout_s: float = 1.0) -> str | None:
+    """Why ``stub``'s channel cannot connect, in plain words; None when it can, or when the call
+    fails for another reason.
+
+    For callers whose own call waited for a connection (``wait_for_ready``) and timed out, which
+    says nothing of why: this makes one ``HealthCheck`` that does not wait (it fails at once while
+    the channel is failing to connect, with gRPC's reason). HealthCheck changes nothing in ClusterD.
+
+    Args:
+        client: The ``ClientInfo`` to send (ClusterD logs its job id and role).
+    """
+    try:
+        stub.HealthCheck(client, timeout=timeout_s, wait_for_ready=False)
+    except grpc.RpcError as exc:
+        return explain_connect_failure(exc, settings_of(stub.channel))
+    return None
 
 
 class ConnectivityWatch:
@@ -222,6 +398,10 @@ __all__: Sequence[str] = (
     "ConnectivityWatch",
     "Method",
     "RecoverStub",
+    "TlsSettings",
+    "connect_problem",
+    "explain_connect_failure",
     "generic_handler",
     "open_channel",
+    "settings_of",
 )

@@ -9,8 +9,8 @@ server is recorded in :attr:`JobView.violations`.
 from __future__ import annotations
 
 from nicswitch_agent.sim.controller import JobView
-from nicswitch_agent.sim.server import Simulator
+from nicswitch_agent.sim.server import ServerTls, Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 from nicswitch_agent.sim.standin import MindIOStandIn
 
-__all__ = ["JobView", "MindIOStandIn", "SimJob", "SimSettings", "Simulator"]
+__all__ = ["JobView", "MindIOStandIn", "ServerTls", "SimJob", "SimSettings", "Simulator"]

@@ -6,6 +6,9 @@ nicswitch_agent.sim`` runs them standalone.
 Example::
 
     nicswitch-agent sim --port 8899 --job job-1 --nodes node-0:0,1 --nodes node-1:0,1 --standin
+
+With ``--tls-cert``/``--tls-key`` it serves TLS (the real ClusterD does not: its nginx proxy does),
+and with ``--tls-client-ca`` mutual TLS, to rehearse an agent's TLS settings.
 """
 
 from __future__ import annotations
@@ -21,10 +24,10 @@ from types import FrameType
 from typing import Any, TextIO
 
 from nicswitch_agent.sim.ranktable import RankTable
-from nicswitch_agent.sim.server import Simulator
+from nicswitch_agent.sim.server import ServerTls, Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 
-__all__ = ["add_arguments", "main", "parse_nodes", "run"]
+__all__ = ["add_arguments", "main", "parse_nodes", "run", "server_tls"]
 
 _DEFAULT_NODES = ("node-0:0,1", "node-1:0,1")
 
@@ -67,6 +70,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="seed for the random node order")
     parser.add_argument("--no-shuffle", action="store_true", help="keep the request's node order")
     parser.add_argument("-v", "--verbose", action="store_true", help="also print every signal, list, reply and report")
+    tls = parser.add_argument_group("TLS (the real ClusterD serves plaintext; its nginx proxy does TLS)")
+    tls.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this server certificate (needs --tls-key)")
+    tls.add_argument("--tls-key", metavar="PEM", help="the server certificate's unencrypted private key")
+    tls.add_argument("--tls-client-ca", metavar="PEM",
+                     help="require client certificates signed by this CA (mutual TLS; needs --tls-cert)")
+
+
+def server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """``--tls-cert/--tls-key/--tls-client-ca`` as :class:`ServerTls`; None: plaintext. ValueError on misuse."""
+    cert, key, client_ca = (getattr(args, name, None) for name in ("tls_cert", "tls_key", "tls_client_ca"))
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key (mutual TLS is TLS first)")
+        return None
+    if cert is None or key is None:
+        raise ValueError("--tls-cert and --tls-key go together")
+    return ServerTls(cert_file=cert, key_file=key, client_ca_file=client_ca)
 
 
 def parse_nodes(values: Sequence[str]) -> dict[str, list[str]]:
@@ -121,6 +141,7 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
             shuffle_nodes=not args.no_shuffle,
             seed=args.seed,
         )
+        tls = server_tls(args)
         if args.quick_recovery:
             # The whole recovery tail after a failed switch (about 80 s upstream) in under a second.
             settings = dataclasses.replace(
@@ -149,14 +170,14 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
     handler.setLevel(wanted)
     if sim_logger.getEffectiveLevel() > wanted:
         sim_logger.setLevel(wanted)
-    sim = Simulator(jobs=[job], settings=settings, host=args.host, port=args.port, standin=args.standin)
+    sim = Simulator(jobs=[job], settings=settings, host=args.host, port=args.port, standin=args.standin, tls=tls)
     try:
         try:
             address = sim.start()
         except (OSError, RuntimeError) as exc:
             print(f"nicswitch-agent sim: {exc}", file=sys.stderr)
             return 1
-        out.write(f"ClusterD simulator listening on {address}\n")
+        out.write(f"ClusterD simulator listening on {address}{'' if tls is None else ' with ' + tls.describe()}\n")
         for server in RankTable(job.nodes).servers:
             pairs = " ".join(f"{d}->{r}" for d, r in zip(server.device_ids, server.rank_ids, strict=True))
             out.write(f"  job {job.job_id} node {server.server_name}: device->rank {pairs}\n")
