@@ -30,6 +30,44 @@ def test_demo_runs_a_failover_and_a_switchback_and_exits_zero() -> None:
     assert out.rstrip().endswith("demo succeeded")
 
 
+def test_demo_ranks_on_one_node() -> None:
+    """An odd number of ranks is one node; the failover moves the upper half of its devices."""
+    result = run("demo", "--ranks", "3")
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "1 node x 3 devices = 3 ranks (threads" in out
+    assert "failover: move node-0's devices 1 and 2 to their standby NICs" in out
+    assert out.count("training parked at step") == 2 * 3
+    assert out.count("guard + switch ok") == 2 * 3
+    assert "ranks on standby: 1, 2" in out and "ranks on standby: none" in out
+    assert "every rank parked at the same steps: yes" in out
+    assert out.rstrip().endswith("demo succeeded")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ranks", "0"], "--ranks must be between 1 and 64, got 0"),
+    (["--ranks", "17", "--processes"], "--ranks must be between 1 and 16 with --processes, got 17"),
+])
+def test_demo_usage_errors_exit_2(args: list[str], message: str) -> None:
+    result = run("demo", *args)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"nicswitch-agent demo: error: {message}"
+    assert result.stdout == ""
+
+
+def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
+    # torch hidden from this interpreter: sys.modules["torch"] = None makes find_spec and import fail.
+    code = ("import sys; sys.modules['torch'] = None; from nicswitch_agent.cli import main; "
+            "sys.exit(main(['demo', '--processes']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("nicswitch-agent demo: error: --processes needs torch")
+    assert "pip install 'nicswitch-agent[torch]'" in lines[0]
+    assert result.stdout == ""
+
+
 def test_version() -> None:
     result = run("version")
     assert result.returncode == 0 and result.stdout.strip() == f"nicswitch-agent {__version__}"

@@ -6,7 +6,10 @@
   test command is what .ci/run runs, verbatim;
 - every `nicswitch-agent ...` / `python -m nicswitch_agent ...` command in a ```bash block of
   docs/*.md and the README names a subcommand that exists, whose `--help` exits 0 and lists every
-  `--flag` the doc uses (checked in a subprocess, one per distinct subcommand).
+  `--flag` the doc uses (checked in a subprocess, one per distinct subcommand);
+- docs/operations.md names every event kind constant of events.py, its event table is rendered
+  from events.EVENT_KINDS (checked against the events file of a real run), and it names every
+  Prometheus metric.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import os
 import re
 import shlex
@@ -23,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from nicswitch_agent import transport
+from nicswitch_agent import events, transport
 from nicswitch_agent.config import ENV_PREFIX, AgentConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -267,3 +271,80 @@ def test_doc_links_resolve(page: str) -> None:
         assert linked.exists(), f"{page}: link to {target} points to a missing file"
         if anchor and page in ANCHOR_CHECKED and linked.suffix == ".md":
             assert anchor in anchors(linked), f"{page}: no heading for #{anchor} in {linked.name}"
+
+
+# -- the operations page and the code agree --------------------------------------------------------
+
+
+def event_kind_constants() -> dict[str, str]:
+    """Every event kind constant of nicswitch_agent.events (NAME = "name")."""
+    return {name: value for name, value in vars(events).items()
+            if name.isupper() and isinstance(value, str) and re.fullmatch(r"[a-z]+(_[a-z]+)*", value)}
+
+
+def render_event_table() -> str:
+    """docs/operations.md's event table, rendered from events.EVENT_KINDS."""
+    rows = ["| `kind` | Emitted by | When | `detail` fields |", "|---|---|---|---|"]
+    for kind in events.EVENT_KINDS.values():
+        fields = "; ".join(f"`{name}`: {text}" for name, text in kind.fields)
+        rows.append(f"| `{kind.kind}` | {kind.emitted_by} | {kind.when} | {fields} |")
+    return "\n".join(rows)
+
+
+def test_every_event_kind_constant_is_in_the_reference_and_in_the_operations_doc() -> None:
+    constants = event_kind_constants()
+    assert len(constants) >= 15, constants
+    assert set(constants.values()) == set(events.EVENT_KINDS), "events.EVENT_KINDS misses or invents a kind"
+    doc = read("docs/operations.md")
+    missing = [kind for kind in constants.values() if f"`{kind}`" not in doc]
+    assert not missing, f"docs/operations.md does not mention the event kind(s) {missing}"
+
+
+def test_the_operations_event_table_is_rendered_from_the_code() -> None:
+    table = render_event_table()
+    assert table in read("docs/operations.md"), (
+        "docs/operations.md's event table differs from events.EVENT_KINDS; replace it with:\n\n" + table
+    )
+
+
+@pytest.mark.timeout(60)
+def test_a_real_jobs_events_file_matches_the_reference(tmp_path: Path) -> None:
+    """The thread demo (4 ranks, two switches) with NICSWITCH_EVENTS_FILE: every line has the
+    documented record fields, and every event's detail has exactly the documented fields."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NICSWITCH_")}
+    env["NICSWITCH_EVENTS_FILE"] = str(tmp_path / "events-{rank}.jsonl")
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo"], capture_output=True, text=True,
+                            timeout=50, env=env, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    files = sorted(tmp_path.glob("events-*.jsonl"))
+    assert [f.name for f in files] == [f"events-{r}.jsonl" for r in range(4)]
+    seen: dict[str, set[str]] = {}
+    for path in files:
+        rank = int(path.stem.split("-")[1])
+        for line in path.read_text(encoding="utf-8").splitlines():
+            record = json.loads(line)
+            assert set(record) == {"kind", "job_id", "rank", "seq", "wall", "time", "mono", "pid", "detail"}, record
+            assert record["rank"] == rank and record["job_id"] == "demo-job"
+            kind = events.EVENT_KINDS.get(record["kind"])
+            assert kind is not None, f"undocumented event kind {record['kind']!r}"
+            extra = set(record["detail"]) - {name for name, _ in kind.fields}
+            assert not extra, f"{record['kind']} has undocumented detail field(s) {sorted(extra)}"
+            seen.setdefault(record["kind"], set()).update(record["detail"])
+    expected = {"agent_started", "list_received", "pause_requested", "parked", "guard_done", "member_result",
+                "switch_done", "reply_sent", "resumed", "agent_stopped"}
+    assert expected <= set(seen), sorted(seen)
+    for name in seen:  # what a switch that works emits carries every documented field
+        assert seen[name] == {field for field, _ in events.EVENT_KINDS[name].fields}, name
+
+
+def test_the_operations_doc_names_every_prometheus_metric() -> None:
+    pytest.importorskip("prometheus_client")
+    from nicswitch_agent.metrics import PrometheusMetrics
+
+    doc = read("docs/operations.md")
+    names = []
+    for family in PrometheusMetrics().registry.collect():
+        names.append(f"{family.name}_total" if family.type == "counter" else family.name)
+    assert len(names) >= 12, names
+    missing = [name for name in names if f"`{name}" not in doc]
+    assert not missing, f"docs/operations.md does not name the metric(s) {missing}"

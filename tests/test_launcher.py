@@ -242,10 +242,10 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     """One launcher, one ClusterD client, through a failover, a training restart, a switchback and SIGTERM."""
     out = tmp_path / "job"
     watch = StreamWatch(sim)
-    # torch 2.13: with torchrun's shared agent store (the default), a restarted gloo group can read the
-    # dead attempt's addresses from it and fail (1 run in 3 with plain torchrun, no nicswitch involved;
-    # torch-store-notes.md §6). Opting out gives each attempt a fresh store.
-    env = base_env(sim) | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the launcher sets it (with torchrun's shared store, a
+    # restarted gloo group read the dead attempt's addresses and failed in 7 of 9 plain torchrun runs).
+    env = base_env(sim)
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                           "--monitor-interval", "0.1", str(TRAIN), "--out", str(out)], env)
     launches.append(launch)
@@ -259,6 +259,9 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
         assert all(s["env"]["NICSWITCH_LEADER"] == "launcher" for s in starts)
         assert {s["env"]["NICSWITCH_STORE_ADDRESS"].rpartition(":")[0] for s in starts} == {"127.0.0.1"}
         assert "hosting the job's leader" in launch.log() and "2 ranks" in launch.log()
+        # torchrun honoured the launcher's opt-out: rank 0 of each attempt hosts a fresh store.
+        assert all(s["torch_env"] == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                                      "TORCHELASTIC_USE_AGENT_STORE": "False"} for s in starts), starts
 
         # Failover: both ranks run the same full list, at the same step; ClusterD hears "finish".
         assert operator.switch(["1", "0"], [True, True]) == FINISH
@@ -275,6 +278,8 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
         os.kill(starts[1]["pid"], signal.SIGKILL)
         assert poll(lambda: job.stepping(1), STARTUP_S), "the ranks did not train again after the restart"
         launch.remember_tree()
+        restarted = [job.lines(r, "start", 1)[0] for r in (0, 1)]
+        assert all(s["torch_env"]["TORCHELASTIC_USE_AGENT_STORE"] == "False" for s in restarted), restarted
         after = sim.job_view(JOB)
         assert after.stream_opens == before, "the training restart reopened ClusterD streams"
         assert sim.reset_count(JOB) == resets
@@ -477,7 +482,8 @@ def test_node_role_and_store_address() -> None:
     assert first.hosts_leader and first.world_size == 16 and first.store_port == 29501
     other = plan(["--", torchrun[0], "--node-rank", "1", *torchrun[1:]])
     assert not other.hosts_leader and other.world_size is None
-    assert other.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_STORE_ADDRESS": "10.0.0.1:29501"}
+    assert other.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_STORE_ADDRESS": "10.0.0.1:29501",
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env = {"NODE_RANK": "2", "MASTER_ADDR": "fd00::1", "MASTER_PORT": "40000"}
     assert plan(["--", "python", "t.py"], env).env["NICSWITCH_STORE_ADDRESS"] == "[fd00::1]:40001"
     assert plan(["--node-rank", "0", "--world-size", "2", "--", "python", "t.py"], env).hosts_leader
@@ -486,3 +492,17 @@ def test_node_role_and_store_address() -> None:
     assert leader_only.hosts_leader and leader_only.store_port == 40001 and leader_only.env["NICSWITCH_JOB_ID"] == "j"
     assert plan(["--", "torchrun", "--nnodes=4", "--rdzv-endpoint", "h1:29400", "--node-rank", "3", "t.py"]).env[
         "NICSWITCH_STORE_ADDRESS"] == "h1:29401"
+
+
+@pytest.mark.parametrize("role", [
+    ["--world-size", "2"],
+    ["--node-rank", "1", "--store-host", "h", "--store-port", "1"],
+], ids=["first-node", "other-node"])
+def test_torchrun_restarts_get_a_fresh_store_unless_the_user_chose(role: list[str]) -> None:
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 goes to the child on every node; a value the user set
+    (even "0" or empty) is left alone: the child then inherits it from the launcher's environment."""
+    command = ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "t.py"]
+    assert plan([*role, *command]).env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    for chosen in ("0", "1", ""):
+        env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": chosen}
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan([*role, *command], env).env

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import sys
@@ -16,7 +15,7 @@ import pytest
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
@@ -274,10 +273,6 @@ def test_event_stats_pair_replies_with_their_lists() -> None:
 
 # -- once the agent is wired -------------------------------------------------------------------------------
 
-WIRED = "events_file" in {f.name for f in dataclasses.fields(AgentConfig)}
-
-
-@pytest.mark.skipif(not WIRED, reason="AgentConfig.events_file is not wired into the agent yet")
 def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator, tmp_path: Path) -> None:
     kinds = Kinds()
     agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
@@ -298,8 +293,18 @@ def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator
     assert records[-1]["kind"] == "agent_stopped"
 
 
-@pytest.mark.skipif(not WIRED, reason="AgentConfig.metrics_port is not wired into the agent yet")
-def test_metrics_port_without_prometheus_client_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_metrics_port_without_prometheus_client_refuses_to_start_the_leader_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    leader = SwitchAgent(server="127.0.0.1:1", job_id=JOB, metrics_port=0, dry_run=True, pause="external")
     with pytest.raises(ConfigError, match="nicswitch-agent\\[metrics\\]"):
-        SwitchAgent(server="127.0.0.1:1", job_id=JOB, metrics_port=0)
+        leader.start()
+    assert leader.status()["state"] == "created"  # nothing half-started
+    # A member serves no metrics: the same settings (one env for the whole job) start it.
+    member = SwitchAgent(server="127.0.0.1:1", job_id=JOB, metrics_port=0, dry_run=True, pause="external",
+                         rank=1, world_size=2, store=InProcessStore())
+    member.start()
+    try:
+        assert member.status()["role"] == "member"
+    finally:
+        member.stop()

@@ -1,7 +1,8 @@
 """``nicswitch-agent``: the command line.
 
 Subcommands:
-  demo    failover + switchback against the embedded simulator, with a timeline (no arguments)
+  demo    failover + switchback against the embedded simulator, with a timeline (ranks as threads, or
+          with --processes as real torch processes)
   sim     run the ClusterD-compatible simulator (for rehearsals and tests)
   switch  O&M: ask ClusterD to switch NICs and wait for the outcome
   watch   O&M: follow a job's switch result stream
@@ -38,7 +39,8 @@ def _build_parser() -> argparse.ArgumentParser:
 
     # (name, help, add_arguments, run): each command module owns its flags and its behaviour.
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Runner]] = [
-        ("demo", "run a failover and a switchback against the embedded simulator", None, _run_demo),
+        ("demo", "run a failover and a switchback against the embedded simulator", _add_demo_arguments,
+         _run_demo),
         ("sim", "run the ClusterD-compatible simulator", sim_cli.add_arguments, sim_cli.run),
         ("switch", "O&M: switch NICs of a job and wait for the outcome", om_cli.add_switch_arguments,
          om_cli.run_switch),
@@ -59,10 +61,26 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    # Here, not in demo.py: building the parser must not import the demo (and its simulator).
+    parser.description = (
+        "Run a ClusterD simulator and a small training job with the agent on this machine, ask for a failover "
+        "and a switchback, and print a timeline: every rank parking at the same step, the checkpoint guard, "
+        "the switch on every rank, the reply, the resume."
+    )
+    parser.epilog = ("exit codes: 0 both switches finished on every rank, 1 the demo failed, 2 usage error "
+                     "(--processes without torch, --ranks out of range)")
+    parser.add_argument("--ranks", type=int, default=4, metavar="N",
+                        help="training ranks (default: %(default)s; 1-64 as threads, 1-16 with --processes)")
+    parser.add_argument("--processes", action="store_true",
+                        help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
+                             "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
+
+
 def _run_demo(args: argparse.Namespace) -> int:
     from nicswitch_agent.demo import run_demo
 
-    return run_demo(sys.stdout, verbose=bool(args.verbose))
+    return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes))
 
 
 def _run_version(args: argparse.Namespace) -> int:

@@ -1,74 +1,139 @@
 """``nicswitch-agent demo``: a failover and a switchback against the embedded simulator.
 
-Everything runs in this process, on loopback: the ClusterD simulator, a small training loop with a
-SwitchAgent in pause mode ``agent`` (the agent is ClusterD's process-manage client and parks the
-training thread at a step boundary itself; no MindIO needed), and an operator that calls
-SwitchNicTrack and follows SubscribeSwitchNicSignal. It prints a timeline of what happened and
-exits 0 only if both switches ended in "switch nic finish" with every link where it should be.
+The ClusterD simulator runs in this process, on loopback, with a small training job of
+``--ranks`` ranks (4 by default) whose agents run in pause mode ``agent`` (rank 0's agent is
+ClusterD's process-manage client and every rank parks at the same step boundary; no MindIO
+needed), and an operator that calls SwitchNicTrack and follows SubscribeSwitchNicSignal. It
+prints a timeline of what happened and exits 0 only if both switches ended in "switch nic
+finish" with every link where it should be, on every rank, and every rank parked at the same
+steps.
+
+The ranks are threads by default (no torch needed; they meet at every step like an all-reduce
+and coordinate through an in-process store). With ``--processes`` each rank is a real torch
+process (see :mod:`nicswitch_agent.demo_processes`): gloo on CPU, ``torch.distributed`` over a
+TCPStore, an all-reduce every step, and the agents coordinating through the job's own Store.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, Protocol, TextIO
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.agent import SwitchAgent
-from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 JOB_ID = "demo-job"
-NODES = {"node-0": ["0", "1"], "node-1": ["0", "1"]}
 STEP_INTERVAL_S = 0.02
 WARMUP_STEPS = 10
+DEFAULT_RANKS = 4
+MAX_THREAD_RANKS = 64
+MAX_PROCESS_RANKS = 16  # each one imports torch: on a laptop more would take minutes to start
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+FINISH = "switch nic finish"
+
+
+class DemoError(Exception):
+    """The demo could not run (a rank did not start); the message says why."""
+
+
+def job_nodes(ranks: int) -> dict[str, list[str]]:
+    """The demo job's rank table: two nodes when the ranks split evenly, else one.
+
+    The simulator numbers global ranks ``node index * devices per node + device index``.
+    """
+    if ranks >= 2 and ranks % 2 == 0:
+        per_node = ranks // 2
+        return {f"node-{n}": [str(d) for d in range(per_node)] for n in range(2)}
+    return {"node-0": [str(d) for d in range(ranks)]}
+
+
+def failover_devices(nodes: dict[str, list[str]]) -> tuple[str, list[str], list[int]]:
+    """(node, its devices to move, their global ranks): the last node's devices, or the upper half
+    of a single node's (at least one)."""
+    names = list(nodes)
+    node = names[-1]
+    devices = nodes[node]
+    first = 0 if len(names) > 1 else len(devices) // 2
+    base = (len(names) - 1) * len(devices)
+    return node, devices[first:], [base + i for i in range(first, len(devices))]
+
+
+def torch_available() -> bool:
+    """Whether torch can be found, without importing it (that alone takes a second or two)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_arguments(ranks: int, processes: bool) -> str | None:
+    """The usage error of these demo arguments, or None when they are fine."""
+    limit = MAX_PROCESS_RANKS if processes else MAX_THREAD_RANKS
+    if not 1 <= ranks <= limit:
+        return f"--ranks must be between 1 and {limit}{' with --processes' if processes else ''}, got {ranks}"
+    if processes and not torch_available():
+        return ("--processes needs torch (pip install 'nicswitch-agent[torch]'); "
+                "without --processes the demo runs its ranks as threads and needs no torch")
+    return None
 
 
 @dataclass
 class Timeline:
-    """Lines stamped in ms since the demo started; thread-safe."""
+    """Lines stamped by wall clock (comparable across processes), rendered in ms since the start."""
 
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.time)
     lines: list[tuple[float, str, str]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, who: str, text: str) -> None:
+    def add(self, who: str, text: str, *, at: float | None = None) -> None:
+        """Add a line; ``at`` is its wall-clock time (default: now)."""
         with self.lock:
-            self.lines.append(((time.monotonic() - self.started) * 1000, who, text))
+            self.lines.append((time.time() if at is None else at, who, text))
 
     def render(self, out: TextIO) -> None:
         with self.lock:
-            for ms, who, text in self.lines:
-                out.write(f"  {ms:8.1f} ms  {who:<9} {text}\n")
+            lines = sorted(self.lines, key=lambda line: line[0])  # stable: same-time lines keep their order
+        for at, who, text in lines:
+            out.write(f"  {(at - self.started) * 1000:8.1f} ms  {who:<9} {text}\n")
 
 
 class LinkTable:
     """The demo's stand-in for HCCL: which global ranks currently use their standby NIC."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, on_change: Callable[[LinkTable], None] | None = None) -> None:
         self.standby = [False] * world_size
         self.calls = 0
+        self._on_change = on_change
 
     def __call__(self, order: SwitchOrder) -> bool:
         self.calls += 1
         for rank, use_backup in order:
             self.standby[rank] = use_backup
+        if self._on_change is not None:
+            self._on_change(self)
         return True
 
     def describe(self) -> str:
-        on = [str(r) for r, b in enumerate(self.standby) if b]
-        return f"ranks on standby: {', '.join(on) if on else 'none'}"
+        return describe_standby(self.standby)
+
+
+def describe_standby(standby: list[bool]) -> str:
+    on = [str(r) for r, b in enumerate(standby) if b]
+    return f"ranks on standby: {', '.join(on) if on else 'none'}"
 
 
 class FileCheckpoint:
@@ -105,7 +170,8 @@ class _SimLogToTimeline(logging.Handler):
         self.timeline.add("clusterd", re.sub(r"uuid=\S+", "uuid=...", text))
 
 
-def _describe_event(event: AgentEvent) -> str | None:
+def describe_event(event: AgentEvent) -> str | None:
+    """One timeline line for an agent event, or None for events the timeline leaves out."""
     d = event.detail
     if event.kind == "list_received":
         return f"rank list #{event.seq} received: {d['ranks']} rank(s), {d['to_standby']} to standby, " \
@@ -131,6 +197,168 @@ def _describe_event(event: AgentEvent) -> str | None:
     return None
 
 
+_LEADER_EVENTS = {"list_received", "switch_done", "reply_sent", "reply_failed"}
+
+
+def timeline_event(timeline: Timeline, event: AgentEvent, rank: int) -> None:
+    """Put rank ``rank``'s event on the timeline, at the time it happened."""
+    if event.kind in _LEADER_EVENTS or event.kind.startswith("agent_"):
+        if rank != 0 and event.kind.startswith("agent_"):
+            return  # one line for the job's start and stop is enough
+        who = "leader"
+    else:
+        if rank != 0 and event.kind == "resumed":
+            return
+        who = f"rank {rank}"
+    text = describe_event(event)
+    if text is not None:
+        timeline.add(who, text, at=event.wall)
+
+
+class Progress:
+    """Lets the demo wait for the training loop to reach a step (no polling)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.step = 0
+
+    def current(self) -> int:
+        return self.step
+
+    def advance(self, step: int) -> None:
+        with self._cond:
+            self.step = step
+            self._cond.notify_all()
+
+    def wait_for_step(self, step: int, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.step >= step, timeout)
+
+
+@dataclass
+class RankSummary:
+    """How one rank's part of the demo went."""
+
+    rank: int
+    parked_at: list[int]
+    standby: list[bool]
+    switch_calls: int
+    checkpoints: int
+    last_step: int
+    counters: dict[str, Any] = field(default_factory=dict)  # the leader's status()["counters"]
+
+
+class DemoJob(Protocol):
+    """The training job of the demo: threads in this process, or torch processes."""
+
+    description: str
+    progress: Progress  # rank 0's steps
+
+    def start(self, address: str) -> None:
+        """Start every rank; return once all of them train (DemoError if one cannot start)."""
+
+    def leader_links(self, switches: int) -> list[bool]:
+        """Rank 0's links once its switch hook has run ``switches`` times (or what it has now)."""
+
+    def stop(self) -> list[RankSummary]:
+        """Stop training on every rank at the same step, stop the agents; one summary per rank."""
+
+
+# -- ranks as threads ---------------------------------------------------------------------------
+
+
+@dataclass
+class _ThreadRank:
+    rank: int
+    agent: Any
+    links: LinkTable
+    guard: FileCheckpoint
+    progress: Progress
+    thread: threading.Thread | None = None
+    parked_at: list[int] = field(default_factory=list)
+
+
+class ThreadJob:
+    """Every rank a thread of this process, meeting the others at every step (a Barrier stands in
+    for the all-reduce); the agents coordinate through an in-process store."""
+
+    def __init__(self, world: int, timeline: Timeline, workdir: str) -> None:
+        self.world = world
+        self.timeline = timeline
+        self.workdir = workdir
+        self.description = "threads, meeting every step like an all-reduce"
+        self.progress = Progress()
+        self._ranks: list[_ThreadRank] = []
+        self._stop = threading.Event()
+        self._collective = threading.Barrier(world, timeout=60)
+
+    def start(self, address: str) -> None:
+        from nicswitch_agent.agent import SwitchAgent
+        from nicswitch_agent.coordination import InProcessStore
+
+        store = InProcessStore()  # a torch job coordinates through its own TCPStore (--processes)
+        for r in range(self.world):
+            progress = self.progress if r == 0 else Progress()
+            links = LinkTable(self.world)
+            guard = FileCheckpoint(os.path.join(self.workdir, f"rank{r}"), progress.current)
+            agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent", rank=r, world_size=self.world,
+                                store=store, switch_hook=links, checkpoint_hook=guard)
+            rank = _ThreadRank(r, agent, links, guard, progress)
+            agent.add_listener(functools.partial(self._on_event, rank=rank))
+            self._ranks.append(rank)
+        for rank in self._ranks:
+            rank.agent.start()
+        for rank in self._ranks:
+            rank.thread = threading.Thread(target=self._train, args=(rank,), name=f"demo-rank{rank.rank}",
+                                           daemon=True)
+            rank.thread.start()
+
+    def _on_event(self, event: AgentEvent, *, rank: _ThreadRank) -> None:
+        if event.kind == "parked":
+            rank.parked_at.append(int(event.detail["step"]))
+        timeline_event(self.timeline, event, rank.rank)
+
+    def _train(self, rank: _ThreadRank) -> None:
+        """A rank's training loop: compute, meet the others (the all-reduce), mark the step boundary."""
+        step = 0
+        try:
+            while not self._stop.wait(STEP_INTERVAL_S):
+                self._collective.wait()
+                step += 1
+                rank.agent.step(step)
+                rank.progress.advance(step)
+        except threading.BrokenBarrierError:
+            return
+
+    def leader_links(self, switches: int) -> list[bool]:
+        return list(self._ranks[0].links.standby)
+
+    def stop(self) -> list[RankSummary]:
+        self._stop.set()
+        self._collective.abort()
+        for rank in self._ranks:
+            rank.agent.stop()
+            if rank.thread is not None:
+                rank.thread.join(5)
+        leader = self._ranks[0] if self._ranks else None
+        counters = dict(leader.agent.status()["counters"]) if leader is not None else {}
+        return [RankSummary(r.rank, list(r.parked_at), list(r.links.standby), r.links.calls, len(r.guard.paths),
+                            r.progress.step, counters if r.rank == 0 else {}) for r in self._ranks]
+
+
+# -- the demo -------------------------------------------------------------------------------------
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _devices_text(devices: list[str]) -> str:
+    if len(devices) == 1:
+        return f"device {devices[0]}"
+    return f"devices {', '.join(devices[:-1])} and {devices[-1]}"
+
+
 def _operator_switch(stub: RecoverStub, nic_ops: dict[str, tuple[list[str], list[bool]]], timeline: Timeline,
                      timeout: float) -> str:
     request = pb.SwitchNics(jobID=JOB_ID)
@@ -152,21 +380,27 @@ def _operator_switch(stub: RecoverStub, nic_ops: dict[str, tuple[list[str], list
     return "stream ended without a result"
 
 
-@dataclass
-class _DemoRank:
-    """One training rank of the demo: its agent, its view of the links, its checkpoints."""
+def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, processes: bool = False,
+             err: TextIO | None = None) -> int:
+    """Run the demo and print its timeline to ``out``.
 
-    rank: int
-    agent: SwitchAgent
-    links: LinkTable
-    guard: FileCheckpoint
-    progress: _Progress
-    thread: threading.Thread | None = None
-    parked_at: list[int] = field(default_factory=list)
+    Args:
+        out: Where the timeline and the summary go.
+        verbose: Also log the simulator (and, with ``processes``, the ranks) at INFO.
+        ranks: Training ranks, 1 to 64 (threads) or 1 to 16 (processes).
+        processes: Run each rank as a real torch process instead of a thread.
+        err: Where a usage error goes (default ``sys.stderr``).
 
-
-def run_demo(out: TextIO, *, verbose: bool = False) -> int:
-    """Run the demo, print its timeline to ``out``; 0 when both switches finished correctly."""
+    Returns:
+        0 when both switches finished correctly on every rank, 1 when not, 2 for a usage error
+        (``--processes`` without torch, ``ranks`` out of range).
+    """
+    problem = check_arguments(ranks, processes)
+    if problem is not None:
+        print(f"nicswitch-agent demo: error: {problem}", file=err or sys.stderr)
+        return EXIT_USAGE
+    nodes = job_nodes(ranks)
+    node, moved, moved_ranks = failover_devices(nodes)
     timeline = Timeline()
     sim_logger = logging.getLogger("nicswitch_agent.sim")
     handler = _SimLogToTimeline(timeline)
@@ -174,144 +408,87 @@ def run_demo(out: TextIO, *, verbose: bool = False) -> int:
     old_level, old_propagate = sim_logger.level, sim_logger.propagate
     sim_logger.setLevel(logging.INFO)
     sim_logger.propagate = verbose
-    world = sum(len(devs) for devs in NODES.values())
-    stop_training = threading.Event()
-    collective = threading.Barrier(world, timeout=60)
     results: list[str] = []
-    ranks: list[_DemoRank] = []
-    out.write("nicswitch-agent demo: ClusterD simulator + a training job with the agent, all in this process\n")
-    out.write(f"job {JOB_ID}: {len(NODES)} nodes x {len(NODES['node-0'])} devices = {world} ranks (threads, "
-              f"meeting every step like an all-reduce); pause mode agent; a step every "
-              f"{STEP_INTERVAL_S * 1000:.0f} ms; rank 0 leads\n\n")
+    links_after: list[list[bool]] = []
+    summaries: list[RankSummary] = []
+    out.write("nicswitch-agent demo: ClusterD simulator + a training job with the agent, on this machine\n")
     try:
-        with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as ckpt_dir, Simulator(
-            jobs=[SimJob(job_id=JOB_ID, nodes=NODES)],
+        with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir, Simulator(
+            jobs=[SimJob(job_id=JOB_ID, nodes=nodes)],
             settings=SimSettings(report_timeout_s=30.0, shuffle_nodes=True),
         ) as sim:
+            job: DemoJob
+            if processes:
+                from nicswitch_agent.demo_processes import ProcessJob
+
+                job = ProcessJob(ranks, timeline, workdir, verbose=verbose)
+            else:
+                job = ThreadJob(ranks, timeline, workdir)
+            out.write(f"job {JOB_ID}: {_count(len(nodes), 'node')} x {_count(len(nodes[node]), 'device')} = "
+                      f"{_count(ranks, 'rank')} ({job.description}); pause mode agent; a step every "
+                      f"{STEP_INTERVAL_S * 1000:.0f} ms; rank 0 leads\n")
+            if processes:
+                out.write("starting the rank processes (each one imports torch: a few seconds); the timeline "
+                          "follows at the end\n")
+            out.write("\n")
+            out.flush()
             address = sim.address
             timeline.add("demo", f"simulator serving on {address}")
-            store = InProcessStore()  # a torch job would coordinate through its own TCPStore
-            for r in range(world):
-                progress = _Progress()
-                links = LinkTable(world)
-                guard = FileCheckpoint(os.path.join(ckpt_dir, f"rank{r}"), progress.current)
-                agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent", rank=r, world_size=world,
-                                    store=store, switch_hook=links, checkpoint_hook=guard)
-                demo_rank = _DemoRank(r, agent, links, guard, progress)
-                agent.add_listener(functools.partial(_on_event, timeline, rank=demo_rank))
-                ranks.append(demo_rank)
-            for demo_rank in ranks:
-                demo_rank.agent.start()
-            for demo_rank in ranks:
-                demo_rank.thread = threading.Thread(target=_train, args=(demo_rank, stop_training, collective),
-                                                    name=f"demo-rank{demo_rank.rank}", daemon=True)
-                demo_rank.thread.start()
-            leader = ranks[0]
             channel = open_channel(ChannelSettings(target=address))
             stub = RecoverStub(channel)
             try:
+                job.start(address)
+                progress = job.progress
                 _wait_streams(sim)
-                leader.progress.wait_for_step(WARMUP_STEPS)
-                timeline.add("demo", f"training at step {leader.progress.step}; failover: move node-1's devices "
-                                     "0 and 1 to their standby NICs")
-                results.append(_operator_switch(stub, {"node-1": (["0", "1"], [True, True])}, timeline, 60))
-                timeline.add("demo", leader.links.describe())
+                progress.wait_for_step(WARMUP_STEPS)
+                timeline.add("demo", f"training at step {progress.step}; failover: move {node}'s "
+                                     f"{_devices_text(moved)} to their standby NICs")
+                results.append(_operator_switch(stub, {node: (moved, [True] * len(moved))}, timeline, 60))
+                links_after.append(job.leader_links(1))
+                timeline.add("demo", describe_standby(links_after[-1]))
                 _wait_streams(sim)
-                leader.progress.wait_for_step(leader.progress.step + WARMUP_STEPS)
-                timeline.add("demo", f"training at step {leader.progress.step}; switchback: move them back to "
+                progress.wait_for_step(progress.step + WARMUP_STEPS)
+                timeline.add("demo", f"training at step {progress.step}; switchback: move them back to "
                                      "their primary NICs")
-                results.append(_operator_switch(stub, {"node-1": (["0", "1"], [False, False])}, timeline, 60))
-                timeline.add("demo", leader.links.describe())
-                leader.progress.wait_for_step(leader.progress.step + WARMUP_STEPS)
+                results.append(_operator_switch(stub, {node: (moved, [False] * len(moved))}, timeline, 60))
+                links_after.append(job.leader_links(2))
+                timeline.add("demo", describe_standby(links_after[-1]))
+                progress.wait_for_step(progress.step + WARMUP_STEPS)
+            except DemoError as exc:
+                timeline.add("demo", f"FAILED: {exc}")
             finally:
                 channel.close()
-                stop_training.set()
-                collective.abort()
-                for demo_rank in ranks:
-                    demo_rank.agent.stop()
-                    if demo_rank.thread is not None:
-                        demo_rank.thread.join(5)
-            checkpoints = sum(len(r.guard.paths) for r in ranks)
+                summaries = job.stop()
     finally:
         sim_logger.removeHandler(handler)
         sim_logger.setLevel(old_level)
         sim_logger.propagate = old_propagate
     timeline.render(out)
-    same_links = all(r.links.standby == ranks[0].links.standby for r in ranks)
-    same_steps = all(r.parked_at == ranks[0].parked_at for r in ranks) and len(ranks[0].parked_at) == 2
-    ok = (results == ["switch nic finish", "switch nic finish"] and same_links and same_steps
-          and not any(ranks[0].links.standby) and all(r.links.calls == 2 for r in ranks))
-    status = ranks[0].agent.status()
+    return _summarise(out, ranks, results, links_after, moved_ranks, summaries)
+
+
+def _summarise(out: TextIO, world: int, results: list[str], links_after: list[list[bool]], moved_ranks: list[int],
+               summaries: list[RankSummary]) -> int:
+    expected_standby = [r in moved_ranks for r in range(world)]
+    complete = len(summaries) == world
+    leader = summaries[0] if summaries else RankSummary(0, [], [], 0, 0, 0)
+    same_links = complete and all(s.standby == leader.standby for s in summaries)
+    same_steps = complete and len(leader.parked_at) == 2 and all(s.parked_at == leader.parked_at for s in summaries)
+    ok = (results == [FINISH, FINISH] and same_links and same_steps
+          and links_after == [expected_standby, [False] * world]
+          and not any(leader.standby) and all(s.switch_calls == 2 for s in summaries))
+    checkpoints = sum(s.checkpoints for s in summaries)
     out.write("\n")
     out.write(f"switches: {len(results)}, results: {results}\n")
     out.write(f"every rank parked at the same steps: {'yes' if same_steps else 'NO'} "
-              f"({', '.join(str(s) for s in ranks[0].parked_at)}); every rank switched the same links: "
+              f"({', '.join(str(s) for s in leader.parked_at)}); every rank switched the same links: "
               f"{'yes' if same_links else 'NO'}\n")
-    out.write(f"checkpoints written by the guards: {checkpoints} ({world} ranks x 2 switches); "
-              f"training reached step {ranks[0].progress.step}\n")
-    out.write(f"replies delivered: {status['counters']['replies_delivered']}, "
-              f"failed: {status['counters']['replies_failed']}\n")
+    out.write(f"checkpoints written by the guards: {checkpoints} ({_count(world, 'rank')} x 2 switches); "
+              f"training reached step {leader.last_step}\n")
+    out.write(f"replies delivered: {leader.counters.get('replies_delivered', 0)}, "
+              f"failed: {leader.counters.get('replies_failed', 0)}\n")
     out.write("demo " + ("succeeded" if ok else "FAILED") + "\n")
-    return 0 if ok else 1
-
-
-_LEADER_EVENTS = {"list_received", "switch_done", "reply_sent", "reply_failed"}
-
-
-def _on_event(timeline: Timeline, event: AgentEvent, *, rank: _DemoRank) -> None:
-    if event.kind == "parked":
-        rank.parked_at.append(int(event.detail["step"]))
-    _timeline_event(timeline, event, rank.rank)
-
-
-def _timeline_event(timeline: Timeline, event: AgentEvent, rank: int) -> None:
-    if event.kind in _LEADER_EVENTS or event.kind.startswith("agent_"):
-        if rank != 0 and event.kind.startswith("agent_"):
-            return  # one line for the job's start and stop is enough
-        who = "leader"
-    elif event.kind in ("parked", "resumed"):
-        if rank != 0 and event.kind == "resumed":
-            return
-        who = f"rank {rank}"
-    else:
-        who = f"rank {rank}"
-    text = _describe_event(event)
-    if text is not None:
-        timeline.add(who, text)
-
-
-class _Progress:
-    """Lets the demo wait for the training loop to reach a step (no polling)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.step = 0
-
-    def current(self) -> int:
-        return self.step
-
-    def advance(self, step: int) -> None:
-        with self._cond:
-            self.step = step
-            self._cond.notify_all()
-
-    def wait_for_step(self, step: int, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.step >= step, timeout)
-
-
-def _train(rank: _DemoRank, stop: threading.Event, collective: threading.Barrier) -> None:
-    """A rank's training loop: compute, meet the others (the all-reduce), mark the step boundary."""
-    step = 0
-    agent = rank.agent
-    try:
-        while not stop.wait(STEP_INTERVAL_S):
-            collective.wait()
-            step += 1
-            agent.step(step)
-            rank.progress.advance(step)
-    except threading.BrokenBarrierError:
-        return
+    return EXIT_OK if ok else EXIT_FAILED
 
 
 def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
@@ -325,4 +502,4 @@ def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
         return all(view.open_streams.get(m, 0) == 1 for m in ("SubscribeProcessManageSignal", "SubscribeNotifySwitch"))
 
     if not sim.wait_until(both_open, timeout):
-        raise RuntimeError("the simulator never saw both streams open")
+        raise DemoError("the simulator never saw both of the leader's streams open")

@@ -29,10 +29,102 @@ REPLY_FAILED = "reply_failed"
 AGENT_STARTED = "agent_started"
 AGENT_STOPPED = "agent_stopped"
 AGENT_FAILED = "agent_failed"
+PAUSE_REQUESTED = "pause_requested"  # this rank was asked to park: {epoch, completed_step}
 PARKED = "parked"  # this rank's training thread parked at a step boundary: {step, epoch}
+GUARD_DONE = "guard_done"  # this rank's checkpoint guard ran (or was skipped) before a switch
 RESUMED = "resumed"  # it left the parking spot: {step, parked_s, stop}
 TRAINING_STOP = "training_stop"
 MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / rollback / checkpoint)
+
+
+@dataclass(frozen=True)
+class EventKind:
+    """What the agent knows about one kind of event: who emits it, when, and its ``detail`` fields.
+
+    :data:`EVENT_KINDS` is the reference: docs/operations.md's event table is rendered from it,
+    and the tests check it against the events a real job emits.
+    """
+
+    kind: str
+    emitted_by: str
+    when: str
+    fields: tuple[tuple[str, str], ...]  # (detail field, what it holds), in the order the docs list them
+
+
+EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
+    EventKind(AGENT_STARTED, "every rank", "the agent started", (
+        ("rank", "this process's global rank (a launcher's leader: 0)"),
+        ("role", "`leader` or `member`"),
+        ("server", "leader: ClusterD's address"),
+        ("pause", "leader: the effective pause mode, `agent` or `external`"),
+        ("dry_run", "leader: whether hooks are skipped"),
+        ("world_size", "leader: the ranks it leads"))),
+    EventKind(STREAM_LOST, "leader", "the notify stream failed (one event per loss, not per retry)", (
+        ("why", "the gRPC error"),)),
+    EventKind(STREAM_RESTORED, "leader", "the notify stream works again after a loss", (
+        ("why", "what showed it works: `message received` or `stream ended cleanly`"),)),
+    EventKind(LIST_RECEIVED, "leader", "a valid rank list arrived", (
+        ("ranks", "how many ranks it names"),
+        ("to_standby", "ranks to move to their standby NIC"),
+        ("to_primary", "ranks to move back to their primary NIC"))),
+    EventKind(LIST_REJECTED, "leader", "a rank list was invalid: it is answered false and never run", (
+        ("reason", "what is wrong with it"),
+        ("entries", "how many entries it had"))),
+    EventKind(LIST_IGNORED, "leader", "a rank list for another job: no reply is sent", (
+        ("job_id", "the job it named (first 128 characters)"),)),
+    EventKind(PAUSE_REQUESTED, "every rank, pause mode `agent`", "the leader asked this rank to park", (
+        ("epoch", "the pause request's number"),
+        ("completed_step", "the last step this rank had completed when it saw the request"))),
+    EventKind(PARKED, "every rank, pause mode `agent`", "the training thread parked at a step boundary", (
+        ("step", "the step it parked at, the same on every rank"),
+        ("epoch", "the pause request's number"))),
+    EventKind(GUARD_DONE, "every rank", "before a switch: the checkpoint guard ran, or there was none to run", (
+        ("rank", "this process's global rank"),
+        ("ok", "whether the switch may go ahead (true when skipped)"),
+        ("skipped", "true when no checkpoint hook is configured, or in a dry run"),
+        ("status", "`ok`, `failed`, `raised`, `timeout` or `bad_result`; null when skipped"),
+        ("detail", "what the guard said, or why it failed"),
+        ("duration_s", "how long the guard took"))),
+    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a rollback or a checkpoint", (
+        ("rank", "this process's global rank"),
+        ("kind", "`switch` (checkpoint guard, then switch hook), `rollback` or `checkpoint`"),
+        ("ok", "whether it succeeded"),
+        ("reason", "why it failed, or what it did"),
+        ("duration_s", "how long it took on this rank"),
+        ("parked", "whether it ran on the parked training thread (else on the member thread)"))),
+    EventKind(SWITCH_DONE, "leader", "an order ran on every rank, or failed on one", (
+        ("ok", "true only if every rank succeeded"),
+        ("reason", "`switched on every rank`, or the first failure and where"),
+        ("ranks", "the job's ranks (its world size): every one runs the order"),
+        ("duration_s", "the whole switch on every rank, guard included"))),
+    EventKind(REPLY_SENT, "leader", "ReplySwitchNicResult was delivered", (
+        ("result", "the answer, true or false"),
+        ("reason", "why that answer"),
+        ("outcome", "`delivered`"),
+        ("attempts", "calls made, retries included"),
+        ("duration_s", "the reply call, retries included"),
+        ("code", "ClusterD's answer code"))),
+    EventKind(REPLY_FAILED, "leader", "the reply was rejected, not delivered, or may not have arrived (never resent)", (
+        ("result", "the answer it tried to send"),
+        ("reason", "why that answer"),
+        ("outcome", "`rejected`, `not_delivered`, `uncertain`, or `dropped` (pause mode `agent`: ClusterD "
+                    "reset the job since the list came, and would take the reply as its next switch's result)"),
+        ("attempts", "calls made"),
+        ("duration_s", "time spent trying"),
+        ("code", "ClusterD's answer code, if it answered"),
+        ("error", "what went wrong"))),
+    EventKind(RESUMED, "every rank, pause mode `agent`", "the training thread left its parking spot", (
+        ("step", "the step it was parked at"),
+        ("parked_s", "how long it was parked"),
+        ("stop", "why training must stop (it then raises `TrainingStopped`), or null"))),
+    EventKind(TRAINING_STOP, "leader, pause mode `agent`", "ClusterD's recovery decided that training must stop", (
+        ("reason", "`dump`, `exit` or `killMaster`, in words"),)),
+    EventKind(AGENT_FAILED, "leader", "the agent stopped taking part for good", (
+        ("error", "a terminal stream error or a refused registration"),)),
+    EventKind(AGENT_STOPPED, "every rank", "stop() ran", (
+        ("reason", "why it stopped"),)),
+)}
+"""Every event kind, in the order a switch produces them (start and stop around it)."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,23 @@ What the child gets (on top of the launcher's own environment, which passes thro
                                            other nodes: only when given as flags
     NICSWITCH_PAUSE                        first node: the leader's effective mode; other nodes:
                                            only when --pause is given
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   every node, unless the launcher's environment sets it
+                                           (to anything, "0" included: then it is passed as is)
+
+Why the last one. By default torchrun shares its rendezvous TCPStore server with the workers
+(torch 2.13.0, read in its source): the server is created once, in the torchrun agent, and every
+restart of the workers (``--max-restarts``) reuses it with every key of the failed attempt still
+in it (``DynamicRendezvousHandler.next_rendezvous``, ``_shared_tcp_store_server``). The default
+process group's keys (``default_pg/0/...``) are the same in every attempt, so a restarted gloo
+rank can read a dead rank's address before the new one is written, and ``init_process_group``
+fails ("Gloo connectFullMesh failed ... Connection refused"; torchrun then uses up its restarts).
+With torch 2.13.0, 2 ranks on CPU and a worker killed mid-training, the restart failed in 7 of 9
+runs with the default and in 0 of 8 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, which makes
+rank 0 of each attempt host a fresh store on a fresh port (``TORCHELASTIC_USE_AGENT_STORE=False``).
+A training restart is what the launcher exists to survive, and the members of its leader
+coordinate through the launcher's own Store, never torchrun's, so the opt-out costs the agent
+nothing. Only torchrun reads it, and nodes that disagree on it still work (only the node of
+global rank 0 decides who hosts the store; every other rank is a client either way).
 
 Rules (each one is also in ``--help``):
 
@@ -77,6 +94,7 @@ EXIT_NOT_EXECUTABLE = 126
 EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOOPBACK = "127.0.0.1"
+FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # see the module docstring
 
 
 class LaunchError(Exception):
@@ -255,6 +273,8 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     why = "--leader-only" if leader_only else f"node rank {node_rank} ({source})"
 
     env: dict[str, str] = {"NICSWITCH_LEADER": "launcher"}
+    if FRESH_RDZV_STORE not in environ:  # the user's choice, if any, wins
+        env[FRESH_RDZV_STORE] = "1"
     for flag, name in (("server", "NICSWITCH_SERVER"), ("job_id", "NICSWITCH_JOB_ID"), ("pause", "NICSWITCH_PAUSE")):
         value = getattr(args, flag, None)
         if value is not None:
@@ -480,8 +500,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "The child gets NICSWITCH_LEADER=launcher and NICSWITCH_STORE_ADDRESS=host:port (plus, on the first "
-        "node, NICSWITCH_SERVER/JOB_ID/PAUSE as the leader resolved them). Other settings: NICSWITCH_* and "
-        "MindCluster env, passed through. Example: nicswitch-agent launch -- torchrun --nproc-per-node 8 "
+        "node, NICSWITCH_SERVER/JOB_ID/PAUSE as the leader resolved them), and "
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set (torchrun's shared rendezvous store keeps a "
+        "failed attempt's keys, and a restarted gloo group can read them and fail). Other settings: NICSWITCH_* "
+        "and MindCluster env, passed through. Example: nicswitch-agent launch -- torchrun --nproc-per-node 8 "
         "--nnodes 2 --node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port 29500 train.py"
     )
     parser.add_argument("--leader-only", action="store_true",
@@ -545,6 +567,9 @@ def run(args: argparse.Namespace) -> int:
                     plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode, leader.port)
     else:
         logger.info("passing through (%s): the leader's Store is %s", plan.why, env["NICSWITCH_STORE_ADDRESS"])
+    if FRESH_RDZV_STORE in env:
+        logger.info("%s=1 for the training command: every torchrun restart gets a fresh store (set it in the "
+                    "environment to choose otherwise)", FRESH_RDZV_STORE)
     child_env = {**environ, **env}
     code = EXIT_NOT_FOUND
     try:

@@ -6,7 +6,7 @@ Run by torchrun: ``train.py --out DIR``. The agent is configured by the launcher
 
 Files in DIR (JSON lines, one flush per line, appended across torchrun restarts):
 
-    rank<r>.start.jsonl    one line per (re)start: pid, restart count, role, agent env
+    rank<r>.start.jsonl    one line per (re)start: pid, restart count, role, agent env, torchrun's store env
     rank<r>.steps.jsonl    {"step", "restart", "loss"} per step
     rank<r>.hooks.jsonl    {"seq", "step", "ranks", "ops", "restart", "pid", "thread"} per switch hook call
     rank<r>.signals.jsonl  {"signal", "restart", "pid"} when SIGTERM arrives (the rank then exits 0)
@@ -37,6 +37,9 @@ import torch.distributed as dist
 from torch import nn
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
+
+# How torchrun set up this attempt's store (tests/test_launcher.py checks the launcher's opt-out).
+TORCH_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_USE_AGENT_STORE")
 
 
 class JsonLines:
@@ -83,7 +86,8 @@ def main() -> int:
     status = agent.status()
     log("start").write({"pid": os.getpid(), "ppid": os.getppid(), "restart": restart, "role": status["role"],
                         "world": world, "holds_channel": agent._channel is not None,
-                        "env": {k: v for k, v in os.environ.items() if k.startswith("NICSWITCH_")}})
+                        "env": {k: v for k, v in os.environ.items() if k.startswith("NICSWITCH_")},
+                        "torch_env": {k: os.environ[k] for k in TORCH_ENV if k in os.environ}})
     torch.manual_seed(0)
     model = nn.Linear(4, 1)
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
