@@ -108,7 +108,8 @@ def test_happy_path_switches_full_list_in_received_order_and_replies_true_once(
     assert status["counters"]["replies_delivered"] == 1
     assert status["counters"]["switches_ok"] == 1
     assert status["last_switch"]["result"] is True
-    assert kinds(agent)[:5] == [ev.AGENT_STARTED, ev.LIST_RECEIVED, ev.MEMBER_RESULT, ev.SWITCH_DONE, ev.REPLY_SENT]
+    assert kinds(agent)[:6] == [ev.AGENT_STARTED, ev.LIST_RECEIVED, ev.GUARD_DONE, ev.MEMBER_RESULT, ev.SWITCH_DONE,
+                                ev.REPLY_SENT]
     assert len(clusterd.replies) == 1
 
 

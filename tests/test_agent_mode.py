@@ -306,7 +306,7 @@ def test_unknown_signal_is_logged_and_changes_nothing() -> None:
     coordinator = Coordinator(KV(store, "t"), 1)
     controller = AgentModeController(coordinator, HookSettings(False, 1, 1, 1, False), on_stop=lambda r: None)
     controller._client = object()  # type: ignore[assignment]  # any report call would raise
-    controller._handle(pb.ProcessManageSignal(uuid="u", jobId=JOB, signalType="somethingNew", actions=["x"]))
+    controller._handle(pb.ProcessManageSignal(uuid="u", jobId=JOB, signalType="somethingNew", actions=["x"]), 1)
     assert not coordinator.paused and store.keys() == []  # nothing was published
     assert "somethingNew" in controller.last_signal
 

@@ -138,8 +138,8 @@ def test_sigint_while_idle_stops_the_agent_and_raises_keyboard_interrupt(run) ->
 
 
 def test_sigterm_while_parked_unparks_and_exits(run) -> None:  # type: ignore[no-untyped-def]
-    # ClusterD waits fault_flush_s after the pause before it sends the list: training stays parked.
-    sim, child = run("idle", fault_flush_s=60.0)
+    # The simulator holds the list back after the pause: training stays parked with no list in flight.
+    sim, child = run("idle", list_delay_s=60.0)
     request_switch(sim)
     assert child.wait_line("EVENT parked"), child.output()
     child.proc.send_signal(signal.SIGTERM)

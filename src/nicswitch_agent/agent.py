@@ -69,11 +69,13 @@ CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
 class _Owed:
     """The one reply owed for one received list. ``claim()`` succeeds exactly once."""
 
-    def __init__(self, seq: int, job_id: str, order: SwitchOrder | None, rejection: str = "") -> None:
+    def __init__(self, seq: int, job_id: str, order: SwitchOrder | None, rejection: str = "",
+                 stream: int | None = None) -> None:
         self.seq = seq
         self.job_id = job_id
         self.order = order
         self.rejection = rejection
+        self.stream = stream  # pause mode agent: the process-manage stream open when the list came
         self._claimed = False
         self._lock = threading.Lock()  # guards _claimed
 
@@ -209,10 +211,7 @@ class SwitchAgent:
         if config.events_file:
             self._event_sink = JsonlEventSink(config.events_file, rank=lambda: self.rank)
             self._events.add_listener(self._event_sink)
-        self._metrics: PrometheusMetrics | None = None
-        if config.metrics_port is not None:
-            self._metrics = PrometheusMetrics()  # ConfigError here if prometheus_client is missing
-            self._events.add_listener(self._metrics)
+        self._metrics: PrometheusMetrics | None = None  # the leader's, made at start()
         self._status_writer: StatusFileWriter | None = None
         self._lock = threading.Lock()  # guards _state, _counters, _last_switch, _current
         self._state = CREATED
@@ -330,7 +329,10 @@ class SwitchAgent:
                 self._status_writer = StatusFileWriter(path, self.status, cfg.status_interval_s)
                 self._events.add_listener(self._status_writer)
                 self._status_writer.start()
-        if self._metrics is not None and leads and cfg.metrics_port is not None:
+        if leads and cfg.metrics_port is not None:
+            if self._metrics is None:  # members serve nothing, so they never need prometheus_client
+                self._metrics = PrometheusMetrics()  # ConfigError if prometheus_client is missing
+                self._events.add_listener(self._metrics)
             try:
                 self._metrics.start_http_server(cfg.metrics_port)
             except OSError as exc:  # observability must never stop training
@@ -352,6 +354,7 @@ class SwitchAgent:
             reconnect_initial_s=cfg.reconnect_initial_s,
             reconnect_max_s=cfg.reconnect_max_s,
             max_receive_bytes=cfg.max_message_bytes,
+            tls=cfg.tls_settings(),
         ))
         self._stub = RecoverStub(self._channel)
         self._replier = Replier(self._stub, ReplyPolicy(
@@ -461,6 +464,9 @@ class SwitchAgent:
             self._settle_owed_replies(reason)  # false for every list still owed a reply, before anything else
             self._coordination_stop.set()  # then cut the leader's waits short
             if self._process_manage is not None:
+                # No report after this point (ClusterD would keep it for its next question), and
+                # one on the wire arrives before the stream ends.
+                self._process_manage.close_reports(self.config.stop_timeout_s)
                 self._process_manage.stop()
             if self._controller is not None:
                 self._controller.stop(self.config.stop_timeout_s)
@@ -579,7 +585,7 @@ class SwitchAgent:
                 self._counters.lists_rejected += 1
             logger.error("switch #%d refused, replying false: %s", seq, exc)
             self._emit(ev.LIST_REJECTED, seq, {"reason": str(exc), "entries": len(message.rankID)})
-            self._queue.put(_Owed(seq, cfg.job_id, None, str(exc)))
+            self._queue.put(_Owed(seq, cfg.job_id, None, str(exc), stream=self._pm_stream()))
             return
         with self._lock:
             self._counters.lists_received += 1
@@ -587,7 +593,11 @@ class SwitchAgent:
         standby = sum(order.ops)
         self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": standby,
                                            "to_primary": len(order) - standby})
-        self._queue.put(_Owed(seq, cfg.job_id, order))
+        self._queue.put(_Owed(seq, cfg.job_id, order, stream=self._pm_stream()))
+
+    def _pm_stream(self) -> int | None:
+        pm = self._process_manage
+        return None if pm is None else pm.stream_id
 
     def _on_fatal(self, exc: BaseException) -> None:
         with self._lock:
@@ -701,6 +711,18 @@ class SwitchAgent:
                *, total_timeout_s: float | None = None) -> ReplyReport | None:
         if not owed.claim():
             logger.debug("switch #%d: reply already sent; not sending another", owed.seq)
+            return None
+        pm = self._process_manage
+        if owed.stream is not None and pm is not None and not pm.is_current(owed.stream):
+            # Pause mode agent: the process-manage stream ended since the list came, so ClusterD
+            # reset the job (or restarted). It waits for no reply any more, and would keep this one
+            # and take it as the result of its next switch.
+            with self._lock:
+                self._counters.replies_failed += 1
+            why = "ClusterD reset the job since the list arrived; a reply now would answer its next switch"
+            logger.warning("switch #%d: reply %s not sent: %s", owed.seq, str(result).lower(), why)
+            self._emit(ev.REPLY_FAILED, owed.seq, {"result": result, "reason": reason, "outcome": "dropped",
+                                                   "attempts": 0, "duration_s": 0.0, "code": None, "error": why})
             return None
         assert self._replier is not None
         report = self._replier.send(owed.job_id, result, total_timeout_s=total_timeout_s)

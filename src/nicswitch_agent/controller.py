@@ -100,7 +100,8 @@ class AgentModeController:
         self.links = LinkState()
         self._on_stop = on_stop
         self._client: ProcessManageClient | None = None
-        self._signals: queue.Queue[pb.ProcessManageSignal | str | None] = queue.Queue()
+        # (signal, the stream that delivered it) | "stream-end: why" | None (stop)
+        self._signals: queue.Queue[tuple[pb.ProcessManageSignal, int] | str | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the fields below
         self._failed_order: SwitchOrder | None = None
@@ -125,7 +126,9 @@ class AgentModeController:
     # -- inputs (from the process-manage thread; never block) -----------------------------------
 
     def on_signal(self, signal: pb.ProcessManageSignal) -> None:
-        self._signals.put(signal)
+        """Called on the process-manage thread as the signal arrives: its stream is the open one."""
+        client = self._client
+        self._signals.put((signal, client.stream_id if client is not None else 0))
 
     def on_stream_end(self, reason: str) -> None:
         self._signals.put(f"stream-end: {reason}")
@@ -158,13 +161,13 @@ class AgentModeController:
                 if isinstance(item, str):
                     self._handle_stream_end(item)
                 else:
-                    self._handle(item)
+                    self._handle(*item)
             except Exception:
-                logger.exception("handling %s failed", item if isinstance(item, str) else describe_signal(item))
+                logger.exception("handling %s failed", item if isinstance(item, str) else describe_signal(item[0]))
 
-    def _handle(self, signal: pb.ProcessManageSignal) -> None:
-        client = self._client
-        assert client is not None
+    def _handle(self, signal: pb.ProcessManageSignal, stream: int) -> None:
+        assert self._client is not None
+        client = _Reports(self._client, stream)  # every report answers this signal's stream
         self.last_signal = describe_signal(signal)
         kind, actions = signal.signalType, list(signal.actions)
         logger.info("ClusterD signal: %s", self.last_signal)
@@ -182,7 +185,7 @@ class AgentModeController:
         else:
             logger.warning("unknown process-manage signal, ignored: %s", self.last_signal)
 
-    def _pause(self, client: ProcessManageClient) -> None:
+    def _pause(self, client: _Reports) -> None:
         with self._lock:
             self._failed_order, self._rollback_ok, self._checkpoint_ok = None, False, False
         outcome = self.coordinator.pause(self.hooks.pause_timeout_s)
@@ -239,7 +242,7 @@ class AgentModeController:
             self._checkpoint_ok = outcome.ok
         return outcome.ok
 
-    def _change_strategy(self, client: ProcessManageClient, signal: pb.ProcessManageSignal) -> None:
+    def _change_strategy(self, client: _Reports, signal: pb.ProcessManageSignal) -> None:
         strategy = signal.changeStrategy
         if strategy == STRATEGY_CONTINUE:
             self.coordinator.release()
@@ -285,6 +288,22 @@ class AgentModeController:
         except Exception:
             logger.exception("on_stop hook raised; ignored")
         self.coordinator.release(stop_reason=reason)
+
+
+class _Reports:
+    """The process-manage client's reports, bound to the stream whose signal they answer."""
+
+    def __init__(self, client: ProcessManageClient, stream: int) -> None:
+        self._client, self._stream = client, stream
+
+    def report_stop_complete(self, code: int, info: str = "") -> pb.Status | None:
+        return self._client.report_stop_complete(code, info, stream=self._stream)
+
+    def report_recover_strategy(self, strategies: list[str]) -> pb.Status | None:
+        return self._client.report_recover_strategy(strategies, stream=self._stream)
+
+    def report_recover_status(self, code: int, strategy: str, info: str = "") -> pb.Status | None:
+        return self._client.report_recover_status(code, strategy, info, stream=self._stream)
 
 
 __all__ = ["AgentModeController", "HookSettings", "LinkState"]

@@ -27,7 +27,7 @@ import grpc
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.stream_thread import StreamThread
 from nicswitch_agent.subscriber import backoff_delays, describe_rpc_error, should_terminate
-from nicswitch_agent.transport import RecoverStub
+from nicswitch_agent.transport import RecoverStub, connect_problem
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
 
@@ -162,24 +162,44 @@ class ProcessManageClient(StreamThread):
         self.signals = 0
         self.last_keepalive_mono: float | None = None
         self.last_error = ""
+        # Reports answer a signal of one stream. Once that stream has ended, ClusterD has reset
+        # the job, and a late report would sit in its one-slot channel until the *next* wait
+        # took it as that wait's answer (a pause "complete" before anything paused). So a
+        # report is sent only while the stream it answers is the open one, and never once stop
+        # has begun; ``close_reports`` waits for one already on the wire.
+        self.stream_id = 0  # which stream is (or was last) open; read with the signal it delivered
+        self._stream_live = False
+        self._reports_closed = False
+        self._report_lock = threading.Lock()  # held while a report is on the wire
 
     def _on_stop(self) -> None:
         self.gate.close()
 
     # -- reports (called from the agent's worker thread) ----------------------------------------
 
-    def report_stop_complete(self, code: int, info: str = "") -> pb.Status | None:
+    def report_stop_complete(self, code: int, info: str = "", *, stream: int | None = None) -> pb.Status | None:
         request = pb.StopCompleteRequest(jobId=self._settings.job_id, status=pb.Status(code=code, info=info))
-        return self._unary("ReportStopComplete", request)
+        return self._unary("ReportStopComplete", request, stream)
 
-    def report_recover_strategy(self, strategies: list[str]) -> pb.Status | None:
+    def report_recover_strategy(self, strategies: list[str], *, stream: int | None = None) -> pb.Status | None:
         request = pb.RecoverStrategyRequest(jobId=self._settings.job_id, strategies=strategies)
-        return self._unary("ReportRecoverStrategy", request)
+        return self._unary("ReportRecoverStrategy", request, stream)
 
-    def report_recover_status(self, code: int, strategy: str, info: str = "") -> pb.Status | None:
+    def report_recover_status(self, code: int, strategy: str, info: str = "", *,
+                              stream: int | None = None) -> pb.Status | None:
         request = pb.RecoverStatusRequest(jobId=self._settings.job_id, status=pb.Status(code=code, info=info),
                                           strategy=strategy)
-        return self._unary("ReportRecoverStatus", request)
+        return self._unary("ReportRecoverStatus", request, stream)
+
+    def is_current(self, stream: int) -> bool:
+        """True while ``stream`` is the open process-manage stream (ClusterD has not reset since)."""
+        return stream == self.stream_id and self._stream_live
+
+    def close_reports(self, timeout: float) -> None:
+        """Send no more reports; wait (bounded) for one on the wire, before the stream is closed."""
+        self._reports_closed = True
+        if self._report_lock.acquire(timeout=timeout):
+            self._report_lock.release()
 
     def health_check(self) -> pb.Status:
         """HealthCheck (for status and the CLI; never on a hot path). Raises grpc.RpcError."""
@@ -189,17 +209,26 @@ class ProcessManageClient(StreamThread):
         )
         return result
 
-    def _unary(self, method: str, request: Any) -> pb.Status | None:
+    def _unary(self, method: str, request: Any, stream: int | None) -> pb.Status | None:
         """One report, with a deadline. Reports are not retried: ClusterD reads each from a
-        one-slot channel, and a duplicate would be taken as the answer to the next question."""
-        started = time.monotonic()
-        try:
-            status: pb.Status = getattr(self._stub, method)(
-                request, timeout=self._settings.rpc_timeout_s, wait_for_ready=True
-            )
-        except grpc.RpcError as exc:
-            logger.error("%s failed: %s", method, describe_rpc_error(exc))
-            return None
+        one-slot channel, and a duplicate would be taken as the answer to the next question.
+        ``stream``: the stream whose signal this answers (None: whatever stream is open)."""
+        with self._report_lock:
+            if self._reports_closed:
+                logger.warning("%s not sent: the agent is stopping", method)
+                return None
+            if stream is not None and not self.is_current(stream):
+                logger.warning("%s not sent: the process-manage stream it answers has ended (ClusterD "
+                               "reset the job); a late report would answer ClusterD's next question", method)
+                return None
+            started = time.monotonic()
+            try:
+                status: pb.Status = getattr(self._stub, method)(
+                    request, timeout=self._settings.rpc_timeout_s, wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                logger.error("%s failed: %s", method, describe_rpc_error(exc))
+                return None
         level = logging.INFO if status.code == CODE_OK else logging.ERROR
         logger.log(level, "%s -> %d %r (%.1f ms)", method, status.code, status.info,
                    (time.monotonic() - started) * 1000)
@@ -238,6 +267,8 @@ class ProcessManageClient(StreamThread):
                     self._register()
                 call = self._stub.SubscribeProcessManageSignal(request, wait_for_ready=True)
                 self._set_call(call)
+                self.stream_id += 1  # only this thread writes it
+                self._stream_live = True
                 with self._lock:
                     self.opens += 1
                 opened, opened_at, signals_before = True, time.monotonic(), self.signals
@@ -266,7 +297,7 @@ class ProcessManageClient(StreamThread):
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
-                text = describe_rpc_error(exc)
+                text = self._describe(exc)
                 with self._lock:
                     self.errors += 1
                     self.last_error = text
@@ -283,6 +314,7 @@ class ProcessManageClient(StreamThread):
                 reason = text
                 delay = next(delays)
             finally:
+                self._stream_live = False  # no report for this stream from now on
                 self.gate.close()
                 self._set_call(None)
             if opened and self._on_stream_end is not None and not self._stop.is_set():
@@ -292,6 +324,17 @@ class ProcessManageClient(StreamThread):
                     logger.exception("stream-end handler failed; ignored")
             if delay > 0 and self._stop.wait(delay):
                 break
+
+    def _describe(self, exc: grpc.RpcError) -> str:
+        """The error in words. Our calls wait for a connection, so one that cannot be made (a
+        plaintext/TLS mismatch, say) ends as a bare deadline: ask the channel why."""
+        code = getattr(exc, "code", None)
+        if callable(code) and code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+            client = pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role)
+            problem = connect_problem(self._stub, client, min(1.0, self._settings.rpc_timeout_s))
+            if problem:
+                return problem
+        return describe_rpc_error(exc)
 
     def _dispatch(self, signal: pb.ProcessManageSignal) -> None:
         with self._lock:

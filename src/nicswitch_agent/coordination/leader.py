@@ -72,8 +72,11 @@ class Coordinator:
 
     def _new_epoch(self) -> int:
         if self._garbage:
-            self.kv.delete(self._garbage)
-            self._garbage = []
+            # Off the switch's path: one delete per key (the Store has no multi-delete) is a round
+            # trip per rank per key kind, seconds at tens of thousands of ranks.
+            garbage, self._garbage = self._garbage, []
+            threading.Thread(target=_delete_keys, args=(self.kv, garbage), name="nicswitch-store-cleanup",
+                             daemon=True).start()
         self._epoch += 1
         return self._epoch
 
@@ -139,22 +142,28 @@ class Coordinator:
             return outcome
 
     def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
-        attempted, guards = False, 0
-        for index in range(1, self.world_size + 1):
-            key = p.result_key(epoch, name, index)
-            if self.kv.poll_all([key], deadline, self._stop):
-                seen = index - 1
+        """Read the results as they arrive, in batches: one counter poll, one check and one
+        multi_get per batch, however many ranks answered in it."""
+        attempted, guards, seen = False, 0, 0
+        counter = p.result_counter_key(epoch, name)
+        while seen < self.world_size:
+            count = min(self.kv.poll_count(counter, seen + 1, deadline, self._stop), self.world_size)
+            keys = [p.result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
+            # A member counts first, then writes its result: wait for the keys themselves too.
+            if count <= seen or self.kv.poll_all(keys, deadline, self._stop):
                 return RunOutcome(False, f"{self.world_size - seen} rank(s) did not answer within the budget",
                                   attempted=True, duration_s=time.monotonic() - started)
-            result = p.MemberResult.decode(self.kv.get(key))
-            attempted = attempted or result.attempted
-            guards += int(result.guard_ok)
-            if not result.ok:
-                # Known only if every rank answered: a guard that checkpointed everywhere counts
-                # for a later dump (otherwise the guard is asked again and skips a step it has).
-                everyone = index == self.world_size and guards == self.world_size
-                return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
-                                  guard_ok=everyone, duration_s=time.monotonic() - started)
+            for text in self.kv.get_many(keys):
+                seen += 1
+                result = p.MemberResult.decode(text)
+                attempted = attempted or result.attempted
+                guards += int(result.guard_ok)
+                if not result.ok:
+                    # Known only if every rank answered: a guard that checkpointed everywhere counts
+                    # for a later dump (otherwise the guard is asked again and skips a step it has).
+                    everyone = seen == self.world_size and guards == self.world_size
+                    return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
+                                      guard_ok=everyone, duration_s=time.monotonic() - started)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started)
 
@@ -165,6 +174,14 @@ class Coordinator:
                 return
             self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
             self._paused = False
+
+
+def _delete_keys(kv: KV, keys: list[str]) -> None:
+    """Delete the last epoch's keys on a connection of its own (nobody reads them any more)."""
+    try:
+        kv.clone().delete(keys)
+    except Exception:  # the Store went away: nothing left to clean
+        logger.debug("could not delete %d coordination keys", len(keys), exc_info=True)
 
 
 def _ranks(keys: list[str]) -> str:

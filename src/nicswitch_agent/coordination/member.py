@@ -182,6 +182,7 @@ class Member:
             completed = self._last_step()  # ... then the last completed step
             self.kv.set(p.c_key(epoch, self.rank), str(completed if completed is not None else 0))
             self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
+            self._emit("pause_requested", {"epoch": epoch, "completed_step": completed})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
             if target_epoch is None:
@@ -193,6 +194,8 @@ class Member:
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
+            if self._stale(name):
+                return
             with self._result_lock:
                 self._in_flight = (epoch, name)
             result = self._run_order(epoch, message)
@@ -211,6 +214,18 @@ class Member:
                 self.lot.release(stop_reason=str(stop) if stop else None)
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
+
+    def _stale(self, name: str) -> bool:
+        """True if the leader is already past this order (this rank was busy with an earlier one
+        beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
+        block for the Store's timeout). The leader publishes its next event only once it has
+        decided this order, so a next event in our queue means nobody waits for our answer."""
+        moved_on = self.kv.check([p.queue_key(self.rank, self._next)])
+        if moved_on or not self.kv.check([p.order_key(name)]):
+            logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (it was "
+                           "still busy with an earlier order)", self.rank, name)
+            return True
+        return False
 
     @staticmethod
     def _publish_result(kv: KV, epoch: int, name: str, result: p.MemberResult) -> None:
@@ -239,6 +254,12 @@ class Member:
                     order, runner=runner, switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
                     guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s,
                     dry_run=hooks.dry_run)
+                guard = execution.guard
+                self._emit("guard_done", {
+                    "rank": self.rank, "ok": guard is None or guard.ok, "skipped": guard is None,
+                    "status": None if guard is None else guard.status.value,
+                    "detail": "no checkpoint hook" if guard is None else guard.detail,
+                    "duration_s": 0.0 if guard is None else guard.duration_s})
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
                                       guard_ok=execution.guard is not None and execution.guard.ok)

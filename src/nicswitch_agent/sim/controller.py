@@ -652,6 +652,18 @@ class JobController:
         logger.debug("jobId=%s switch nic signal=%s %s", self.job_id, list(rank_list.rankID), list(rank_list.op))
         self._add_event(token.gen, P.NOTIFY_SUCCESS)
 
+    def rank_list_not_sent(self, token: StreamToken, rank_list: pb.SwitchRankList) -> None:
+        """Put a list taken by ``next_rank_list`` back, unsent (fault injection: the stream goes
+        away first). It waits in its slot for the next subscriber (observed-2 §8 race_gap)."""
+        with self._cond:
+            token.in_flight = False
+            gen = token.gen
+            if gen.closed or self._stopping or gen.rank_list is not None:
+                return
+            gen.rank_list = rank_list
+            gen.awaiting_reply = False
+            self._changed()
+
     def rank_list_unconfirmed(self, token: StreamToken) -> None:
         """The stream ended with a list handed to it and its send not confirmed.
 
@@ -951,6 +963,8 @@ class JobController:
 
         No timeout after that: the state waits for a subscriber's successful send (§2.4).
         """
+        if self.settings.list_delay_s > 0:
+            self._sleep(gen, self.settings.list_delay_s)
         with self._cond:
             rank_list = pb.SwitchRankList(rankID=gen.switch_ranks, op=gen.switch_ops, jobId=self.job_id)
             if not self._wait(gen, lambda: gen.rank_list is None, self.settings.enqueue_timeout_s):

@@ -18,21 +18,57 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import faults as F
 from nicswitch_agent.sim import protocol as P
 from nicswitch_agent.sim.controller import JobController, JobView, RpcAbort, StreamToken
+from nicswitch_agent.sim.faults import SimFaults
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 from nicswitch_agent.sim.standin import MindIOStandIn
 from nicswitch_agent.transport import generic_handler
 
 logger = logging.getLogger("nicswitch_agent.sim")
 
-__all__ = ["Simulator"]
+__all__ = ["ServerTls", "Simulator"]
+
+
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS for the simulator's port (the real ClusterD has none; its nginx proxy does this).
+
+    Attributes:
+        cert_file: PEM server certificate (chain); give it the names clients dial (SAN).
+        key_file: Its unencrypted PEM private key.
+        client_ca_file: PEM CA(s) for client certificates. Given: every client must present a
+            certificate signed by it (mutual TLS); None: no client certificate is asked for.
+    """
+
+    cert_file: str
+    key_file: str
+    client_ca_file: str | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        """Read the PEM files and build the server credentials. Raises OSError naming a file."""
+
+        def read(path: str) -> bytes:
+            with open(path, "rb") as file:
+                return file.read()
+
+        client_ca = None if self.client_ca_file is None else read(self.client_ca_file)
+        return grpc.ssl_server_credentials(
+            [(read(self.key_file), read(self.cert_file))],
+            root_certificates=client_ca,
+            require_client_auth=client_ca is not None,
+        )
+
+    def describe(self) -> str:
+        return "mutual TLS (client certificates required)" if self.client_ca_file else "TLS"
 
 
 class _Notifier:
@@ -71,8 +107,11 @@ def _server_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 5_000),
         # EnforcementPolicy{MinTime: 3s, PermitWithoutStream: true}: a client pinging more often
         # gets GOAWAY too_many_pings (observed-2 §6). gRPC core's default is 5 min, far stricter.
+        # The key is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, whose string lacks
+        # "recv": a misspelt key is silently ignored, and the 5 min default then cut off any
+        # client that pinged 3 times without hearing data (tests/test_keepalive.py).
         ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", P.KEEPALIVE_MIN_TIME_MS),
+        ("grpc.http2.min_ping_interval_without_data_ms", P.KEEPALIVE_MIN_TIME_MS),
         ("grpc.http2.max_ping_strikes", 2),
         # A second simulator on a fixed port must fail, not share the port.
         ("grpc.so_reuseport", 0),
@@ -89,6 +128,11 @@ class Simulator:
         standin: also run one :class:`~nicswitch_agent.sim.standin.MindIOStandIn` per job, the
             MindIO/TaskD process-manage client, so the switch half can be driven alone
             ("pause mode external").
+        tls: serve TLS (or mutual TLS) instead of plaintext. The stand-ins, which play a client
+            inside the training pod, then reach the server through a second, plaintext port on
+            127.0.0.1, as MindIO reaches ClusterD through its local sidecar.
+        faults: test hook (see :mod:`nicswitch_agent.sim.faults`): faults armed there are
+            injected into the next matching RPCs; default: a fresh, empty one (``self.faults``).
 
     Example::
 
@@ -103,10 +147,15 @@ class Simulator:
         host: str = "127.0.0.1",
         port: int = 0,
         standin: bool = False,
+        faults: SimFaults | None = None,
+        tls: ServerTls | None = None,
     ) -> None:
         self.settings = settings if settings is not None else SimSettings()
+        self.faults = faults if faults is not None else SimFaults()
         self.host = host
         self.port = port
+        self.tls = tls
+        self._standin_address: str | None = None  # the plaintext side port for stand-ins, with TLS
         self._use_standin = standin
         self._notifier = _Notifier()
         self._controllers: dict[str, JobController] = {}
@@ -146,23 +195,32 @@ class Simulator:
         server.add_generic_rpc_handlers((generic_handler(self._handlers()),))
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         try:
-            bound = server.add_insecure_port(f"{host}:{self.port}")
+            if self.tls is None:
+                bound = server.add_insecure_port(f"{host}:{self.port}")
+            else:
+                bound = server.add_secure_port(f"{host}:{self.port}", self.tls.credentials())
+                if bound and self._use_standin:
+                    side = server.add_insecure_port("127.0.0.1:0")
+                    self._standin_address = f"127.0.0.1:{side}" if side else None
         except RuntimeError as exc:
             raise OSError(f"cannot listen on {host}:{self.port}: {exc}") from exc
         if not bound:
             raise OSError(f"cannot listen on {host}:{self.port}")
+        if self._use_standin and self.tls is not None and self._standin_address is None:
+            raise OSError("cannot listen on 127.0.0.1 for the stand-ins' plaintext port")
         server.start()
         with self._lock:
             self._server = server
             self._address = f"{host}:{bound}"
-        logger.info("ClusterD simulator serving on %s (jobs: %s)", self._address, sorted(self._controllers))
+        logger.info("ClusterD simulator serving on %s%s (jobs: %s)", self._address,
+                    "" if self.tls is None else f" with {self.tls.describe()}", sorted(self._controllers))
         if self._use_standin:
             self._start_standins()
         return self._address
 
     def _start_standins(self) -> None:
         for job_id in self._controllers:
-            standin = MindIOStandIn(self.address, job_id)
+            standin = MindIOStandIn(self._standin_address or self.address, job_id)
             with self._lock:
                 self._standins.append(standin)
             standin.start()
@@ -285,14 +343,21 @@ class Simulator:
         return controller.switch_nic_track(request)
 
     def _reply_switch_nic_result(self, request: pb.SwitchResult, context: Any) -> pb.Status:
+        if self.faults.take(F.REPLY_QPS_EXCEEDED):
+            context.abort(grpc.StatusCode.UNKNOWN, "qps exceeded, method=/Recover/ReplySwitchNicResult")
+        if self.faults.take(F.REPLY_UNAVAILABLE_LOST):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "simulated fault: reply lost before ClusterD saw it")
         controller = self._registered(request.jobId)
         if controller is None:
             return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
         try:
-            return controller.reply_switch_nic_result(request)
+            status = controller.reply_switch_nic_result(request)
         except RpcAbort as exc:
             context.abort(getattr(grpc.StatusCode, exc.code), exc.details)
             raise  # unreachable: abort raises
+        if self.faults.take(F.REPLY_UNAVAILABLE_DELIVERED):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "simulated fault: reply taken, then the call failed")
+        return status
 
     def _report_stop_complete(self, request: pb.StopCompleteRequest, context: Any) -> pb.Status:
         controller = self._registered(request.jobId)
@@ -350,6 +415,9 @@ class Simulator:
             rank_list = controller.next_rank_list(token)
             if rank_list is None:
                 return
+            if self.faults.take(F.NOTIFY_DROP_BEFORE_SEND):
+                controller.rank_list_not_sent(token, rank_list)
+                context.abort(grpc.StatusCode.UNAVAILABLE, "simulated fault: stream dropped before the send")
             try:
                 yield rank_list
             except GeneratorExit:
@@ -357,6 +425,8 @@ class Simulator:
                 controller.rank_list_unconfirmed(token)
                 raise
             controller.rank_list_sent(token, rank_list)
+            if self.faults.take(F.NOTIFY_DROP_AFTER_SEND):
+                context.abort(grpc.StatusCode.UNAVAILABLE, "simulated fault: stream dropped after the send")
 
     def _subscribe_switch_nic_signal(
         self, request: pb.SwitchNicRequest, context: Any

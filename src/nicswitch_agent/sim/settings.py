@@ -90,6 +90,8 @@ class SimSettings:
         schedule_wait_s: ``SleepSecondBeforeCheckPGRunning`` (5 s): ListenScheduleResult and
             the FaultRetry check after ``dump_exit``.
         restart_wait_s: ``handleWaitRestartAllProcess`` (1 min).
+        list_delay_s: not ClusterD's (it has no wait there; default 0): a pause between the pause
+            report and the rank list, for tests that need training parked with no list in flight.
         shuffle_nodes: emulate Go map iteration (random node order in the rank list and in
             validation); devices keep the request's order either way.
         seed: seed for that shuffle and nothing else.
@@ -103,6 +105,7 @@ class SimSettings:
     force_release_s: float = 10.0
     schedule_wait_s: float = 5.0
     restart_wait_s: float = 60.0
+    list_delay_s: float = 0.0
     shuffle_nodes: bool = True
     seed: int | None = None
     max_workers: int = field(default=32)
@@ -115,7 +118,7 @@ class SimSettings:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
-        for name in ("fault_flush_s", "force_release_s", "schedule_wait_s", "restart_wait_s"):
+        for name in ("fault_flush_s", "force_release_s", "schedule_wait_s", "restart_wait_s", "list_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
         if self.max_workers < 8:
