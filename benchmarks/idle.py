@@ -232,7 +232,15 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
         warnings.filterwarnings("ignore")
         import torch  # noqa: F401
     agent = None
-    if "agent" in mode:
+    if mode == "member":  # every rank but the leader: coordination only, no ClusterD client
+        quiet_logging()
+        from nicswitch_agent import SwitchAgent
+        from nicswitch_agent.coordination import InProcessStore
+
+        agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                            rank=1, world_size=2, store=InProcessStore())
+        agent.start()
+    elif "agent" in mode:
         quiet_logging()
         from nicswitch_agent import SwitchAgent
 
@@ -252,6 +260,7 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
         report["threads"] = {k: round(v - threads_before.get(k, 0.0), 3) for k, v in threads_after.items()
                              if v - threads_before.get(k, 0.0) > 0}
     report["threads_alive"] = sorted(t.name for t in threading.enumerate())
+    report["grpc_imported"] = "grpc" in sys.modules
     report["native_threads"] = len(list(Path("/proc/self/task").iterdir()))
     if agent is not None:
         report["connected"] = bool(status.get("connected"))
@@ -283,6 +292,7 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
                    settings=SimSettings(shuffle_nodes=False)) as sim:
         bare_report = _run_child("bare", sim.address, 0, settle)
         agent_report = _run_child("agent", sim.address, window, settle)
+        member_report = _run_child("member", sim.address, 0, settle)
         torch_reports: dict[str, dict[str, Any]] = {}
         if not settings.quick:
             torch_reports["torch"] = _run_child("torch", sim.address, 0, settle)
@@ -302,12 +312,18 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
                                                           - bare_report["rss"]["RssAnon"]) / 1024, "MB",
                              note="the rest is file-backed: grpcio's and protobuf's shared libraries, whose "
                                   "pages the ranks of a node share"))
+    result.add(single_metric("RSS: member process - bare python", (member_report["rss"]["VmRSS"]
+                                                                    - bare_report["rss"]["VmRSS"]) / 1024, "MB",
+                             target="< 15 MB", ok=lambda v: v < 15,
+                             note="every rank but the leader: no grpcio/protobuf import (grpc imported: "
+                                  f"{member_report['grpc_imported']})"))
     if torch_reports:
         t, ta = torch_reports["torch"], torch_reports["torch+agent"]
         result.add(single_metric("RSS: torch+agent - torch process", (ta["rss"]["VmRSS"] - t["rss"]["VmRSS"]) / 1024,
                                  "MB", target="< 15 MB", ok=lambda v: v < 15,
                                  note="the realistic case: a training process already has torch loaded"))
-    result.details["children"] = {"bare": bare_report, "agent": agent_report, **torch_reports}
+    result.details["children"] = {"bare": bare_report, "agent": agent_report, "member": member_report,
+                                  **torch_reports}
 
 
 def run(settings: Settings) -> BenchResult:

@@ -322,3 +322,23 @@ def test_leader_in_a_launcher_process_and_every_rank_a_member(sim: Simulator) ->
             rank.agent.stop()
             rank.thread.join(10)
         leader.stop()
+
+
+def test_a_member_only_process_never_imports_grpc_or_protobuf() -> None:
+    """Only the leader talks to ClusterD; the other ranks (7 of 8 on a node) skip ~30 MB of imports."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from nicswitch_agent import SwitchAgent\n"
+        "from nicswitch_agent.coordination import InProcessStore\n"
+        "agent = SwitchAgent(server='127.0.0.1:1', job_id='j', rank=1, world_size=2, store=InProcessStore(),\n"
+        "                    switch_hook=lambda order: True, pause='agent').start()\n"
+        "agent.step(1)\n"
+        "agent.stop()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'ssl') or m.startswith('google.protobuf')"
+        " or m == 'nicswitch_agent._pb'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

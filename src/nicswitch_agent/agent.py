@@ -34,15 +34,11 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
-
-import grpc
+from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent import events as ev
 from nicswitch_agent import signals
-from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
-from nicswitch_agent.controller import AgentModeController, HookSettings
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks, key_prefix
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.events import AgentEvent, EventListener, EventLog
@@ -53,11 +49,19 @@ from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 from nicswitch_agent.pause import ParkingLot
-from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
-from nicswitch_agent.reply import Replier, ReplyOutcome, ReplyPolicy, ReplyReport
 from nicswitch_agent.status_file import StatusFileWriter, expand_path
-from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+if TYPE_CHECKING:
+    # The ClusterD client side (grpc, protobuf: ~30 MB resident) is imported when an agent
+    # starts as the leader, never in a member-only process, which only talks to the Store.
+    import grpc
+
+    from nicswitch_agent._pb import recover_pb2 as pb
+    from nicswitch_agent.controller import AgentModeController
+    from nicswitch_agent.process_manage import ProcessManageClient
+    from nicswitch_agent.reply import Replier, ReplyReport
+    from nicswitch_agent.subscriber import NotifySubscriber
+    from nicswitch_agent.transport import RecoverStub
 
 logger = logging.getLogger("nicswitch_agent")
 
@@ -345,6 +349,12 @@ class SwitchAgent:
             self._metrics.close()
 
     def _start_leader(self, kv: KV) -> SwitchAgent:
+        from nicswitch_agent.controller import AgentModeController, HookSettings
+        from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
+        from nicswitch_agent.reply import Replier, ReplyPolicy
+        from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
+        from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
         self._channel = open_channel(ChannelSettings(
@@ -545,6 +555,8 @@ class SwitchAgent:
         if self._stub is None:
             raise AgentStateError("health_check() needs a started agent")
         started = time.monotonic()
+        from nicswitch_agent._pb import recover_pb2 as pb
+
         status = self._stub.HealthCheck(pb.ClientInfo(jobId=self.config.job_id, role=self.config.role),
                                         timeout=self.config.rpc_timeout_s)
         return {"code": int(status.code), "info": status.info,
@@ -744,6 +756,8 @@ class SwitchAgent:
                         report.duration_s * 1000)
             self._emit(ev.REPLY_SENT, owed.seq, detail)
         else:
+            from nicswitch_agent.reply import ReplyOutcome
+
             if report.outcome is ReplyOutcome.REJECTED:
                 why = f"ClusterD answered code {report.code}: {report.info}"
             elif report.outcome is ReplyOutcome.UNCERTAIN:

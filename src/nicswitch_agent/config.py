@@ -16,14 +16,15 @@ import dataclasses
 import ipaddress
 import math
 import os
-import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.status_file import expand_path
-from nicswitch_agent.transport import TlsSettings
+
+if TYPE_CHECKING:  # transport imports grpc, which only the leader needs (members never dial)
+    from nicswitch_agent.transport import TlsSettings
 
 CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
@@ -290,6 +291,8 @@ class AgentConfig:
         """The channel's TLS settings; None: plaintext."""
         if not self.tls_enabled:
             return None
+        from nicswitch_agent.transport import TlsSettings
+
         return TlsSettings(ca_file=self.tls_ca_file, cert_file=self.tls_cert_file, key_file=self.tls_key_file,
                            server_name=self.tls_server_name)
 
@@ -361,6 +364,8 @@ def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> Tl
     _check_tls(*args)
     if not _tls_on(*args):
         return None
+    from nicswitch_agent.transport import TlsSettings
+
     return TlsSettings(ca_file=args[1], cert_file=args[2], key_file=args[3], server_name=args[4])
 
 
@@ -392,6 +397,11 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
         given, missing = ("tls_cert_file", "tls_key_file") if key_file is None else ("tls_key_file", "tls_cert_file")
         raise ConfigError(f"{given}={files[given]!r} is set without {missing}: a client certificate "
                           "and its key go together (set both, or neither)")
+    if ca_file is None and cert_file is None:
+        _check_server_name(server_name)
+        return
+    import ssl  # only when TLS files are configured: ~5 MB resident
+
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     if ca_file is not None:
         try:
@@ -406,6 +416,10 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
                 f"tls_cert_file={cert_file!r} and tls_key_file={key_file!r} cannot be used together "
                 f"({_ssl_reason(exc)}): both must be PEM, the key unencrypted and belonging to the certificate"
             ) from None
+    _check_server_name(server_name)
+
+
+def _check_server_name(server_name: Any) -> None:
     if server_name is not None and (
         not isinstance(server_name, str) or not server_name or server_name != server_name.strip()
         or any(ord(c) <= 32 for c in server_name)

@@ -32,7 +32,6 @@ import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 from typing import Any
 
 from nicswitch_agent import events as ev
@@ -323,7 +322,7 @@ class PrometheusMetrics:
         self.pause_duration = histogram("pause_duration_seconds", "How long this process's training was parked")
         self.rank_duration = histogram("rank_duration_seconds", "This rank's guard, switch or rollback", ("kind",))
         self._timings = event_timings()
-        self._server: ThreadingHTTPServer | None = None
+        self._server: Any = None  # http.server.ThreadingHTTPServer once serving
         self._server_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _server, _server_thread
 
@@ -381,6 +380,8 @@ class PrometheusMetrics:
             if self._server is not None:
                 raise RuntimeError("the metrics endpoint is already running")
             handler = self._prom.MetricsHandler.factory(self.registry)
+            from http.server import ThreadingHTTPServer  # only the leader, only with metrics_port
+
             server = ThreadingHTTPServer((addr, port), handler)
             server.daemon_threads = True
             thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
