@@ -390,6 +390,8 @@ class SwitchAgent:
                 on_stream_end=self._controller.on_stream_end,
                 on_fatal=self._on_fatal,
             )
+            self._process_manage.on_open = lambda opens: self._emit(
+                ev.SUBSCRIBED, detail={"stream": "process_manage", "opens": opens})
             self._controller.attach(self._process_manage)
             self._controller.start()
             self._process_manage.start()
@@ -406,6 +408,7 @@ class SwitchAgent:
             on_health=self._on_health,
             gate=gate,
         )
+        self._subscriber.on_open = lambda opens: self._emit(ev.SUBSCRIBED, detail={"stream": "notify", "opens": opens})
         self._subscriber.start()
         self._started_mono = time.monotonic()
         with self._lock:
@@ -588,6 +591,16 @@ class SwitchAgent:
             self._emit(ev.LIST_IGNORED, detail={"job_id": message.jobId[:128]})
             return
         seq = next(self._seq)
+        if self._queue.qsize() >= cfg.max_pending_lists:
+            reason = (f"{self._queue.qsize()} lists already wait for execution (max_pending_lists="
+                      f"{cfg.max_pending_lists}); ClusterD sends one at a time")
+            with self._lock:
+                self._counters.lists_received += 1
+                self._counters.lists_rejected += 1
+            logger.error("switch #%d refused, replying false in turn: %s", seq, reason)
+            self._emit(ev.LIST_REJECTED, seq, {"reason": reason, "entries": len(message.rankID)})
+            self._queue.put(_Owed(seq, cfg.job_id, None, reason, stream=self._pm_stream()))
+            return
         try:
             order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
                                 world_size=cfg.world_size, max_ranks=cfg.max_ranks)

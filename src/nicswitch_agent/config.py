@@ -119,6 +119,10 @@ class AgentConfig:
     default (262,144) keeps the largest accepted list well inside max_message_bytes."""
     max_message_bytes: int = 8 * 1024 * 1024
     """Largest message accepted from ClusterD (it sends up to 8 MiB)."""
+    max_pending_lists: int = 16
+    """Lists kept waiting while one is executed. ClusterD sends one and waits for its reply, so
+    more means a misbehaving server: a list beyond the limit is not kept (only its place in the
+    reply order) and is answered false in turn."""
 
     status_file: str | None = None
     """A JSON file the agent keeps with its ``status()`` (read by ``nicswitch-agent status``); None:
@@ -274,7 +278,7 @@ class AgentConfig:
             raise ConfigError(f"rank={self.rank!r} must be a non-negative integer")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size!r}")
-        for name in ("max_ranks", "max_message_bytes"):
+        for name in ("max_ranks", "max_message_bytes", "max_pending_lists"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")

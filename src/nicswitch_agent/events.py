@@ -18,6 +18,7 @@ from typing import Any
 logger = logging.getLogger("nicswitch_agent.events")
 
 # Event kinds, in the order a switch produces them.
+SUBSCRIBED = "subscribed"  # leader: a ClusterD stream was opened: {stream, opens}
 STREAM_LOST = "stream_lost"
 STREAM_RESTORED = "stream_restored"
 LIST_RECEIVED = "list_received"
@@ -59,6 +60,10 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("pause", "leader: the effective pause mode, `agent` or `external`"),
         ("dry_run", "leader: whether hooks are skipped"),
         ("world_size", "leader: the ranks it leads"))),
+    EventKind(SUBSCRIBED, "leader", "a stream to ClusterD was opened: at start, after every switch (ClusterD "
+              "ends the notify stream), after a reset or a loss. ClusterD sends nothing to confirm it", (
+        ("stream", "`notify` (SubscribeNotifySwitch) or `process_manage` (SubscribeProcessManageSignal)"),
+        ("opens", "how many times this stream has been opened"))),
     EventKind(STREAM_LOST, "leader", "the notify stream failed (one event per loss, not per retry)", (
         ("why", "the gRPC error"),)),
     EventKind(STREAM_RESTORED, "leader", "the notify stream works again after a loss", (

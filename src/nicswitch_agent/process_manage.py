@@ -271,6 +271,8 @@ class ProcessManageClient(StreamThread):
                 self._stream_live = True
                 with self._lock:
                     self.opens += 1
+                    opens = self.opens
+                self._opened(opens)
                 opened, opened_at, signals_before = True, time.monotonic(), self.signals
                 # The server handles our subscribe (and its reset) concurrently with whatever
                 # comes next on the connection; give it a moment before the notify stream opens.

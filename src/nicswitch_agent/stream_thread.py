@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("nicswitch_agent.streams")
@@ -27,6 +28,15 @@ class StreamThread(abc.ABC):
         self._lock = threading.Lock()  # guards _call and the subclass's counters
         self._call: Any = None
         self._thread: threading.Thread | None = None
+        self.on_open: Callable[[int], None] | None = None  # told the number of opens after each open
+
+    def _opened(self, opens: int) -> None:
+        """Tell ``on_open`` that a stream was opened (a listener's error never reaches the loop)."""
+        if self.on_open is not None:
+            try:
+                self.on_open(opens)
+            except Exception:
+                logger.exception("stream open listener failed; ignored")
 
     def start(self) -> None:
         """Start the thread. A second start() is refused."""

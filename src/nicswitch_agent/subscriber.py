@@ -184,6 +184,8 @@ class NotifySubscriber(StreamThread):
                 with self._lock:
                     self.opens += 1
                     self.last_open_mono = time.monotonic()
+                    opens = self.opens
+                self._opened(opens)
                 for message in call:
                     got_message = True
                     self._set_health(True, "message received")

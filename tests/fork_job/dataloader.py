@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
@@ -39,7 +40,9 @@ AGENT: SwitchAgent
 def main() -> int:
     global AGENT
     rounds = int(sys.argv[1])
-    AGENT = SwitchAgent(pause="external", dry_run=True).start()
+    replied = threading.Event()
+    AGENT = SwitchAgent(pause="external", dry_run=True,
+                        on_event=lambda event: event.kind == "reply_sent" and replied.set()).start()
     total = 0.0
     for _ in range(rounds):
         loader = DataLoader(Numbers(), batch_size=8, num_workers=2, multiprocessing_context="fork",
@@ -51,6 +54,9 @@ def main() -> int:
     # Tell the test we are done with forking; it then drives a switch and expects a reply.
     print("READY", flush=True)
     line = sys.stdin.readline().strip()
+    # ClusterD tells the operator "finish" as it takes the reply, which can be before our reply call
+    # returns and is counted: wait for that (bounded), never for a fixed time.
+    replied.wait(10)
     status = AGENT.status()
     AGENT.stop()
     print(f"replies={status['counters']['replies_delivered']} after={line}", flush=True)
