@@ -1,0 +1,186 @@
+"""Process-manage signals in any order, duplicated or unknown: the controller never crashes,
+answers each signal at most once and only with the report that signal calls for, and never
+leaves training parked once ClusterD lets go (continue, a reset, or a stop).
+
+Real pieces: the controller, the Coordinator, a Member and a ParkingLot with a training thread,
+on an in-process Store; only the report calls are recorded instead of sent (hypothesis chooses
+the sequences).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.controller import AgentModeController, HookSettings
+from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
+from nicswitch_agent.orders import SwitchOrder
+from nicswitch_agent.pause import ParkingLot, TrainingStopped
+from nicswitch_agent.process_manage import (
+    ACTION_PAUSE,
+    ACTION_STOP,
+    CHANGE_STRATEGY,
+    EXTRA_DUMP_EXIT,
+    GLOBAL_FAULT,
+    KILL_MASTER,
+    STOP_TRAIN,
+)
+
+pytestmark = pytest.mark.timeout(240)
+
+# What ClusterD may send (and some of what it never does), as (signalType, actions, strategy, extra).
+SIGNALS = [
+    (STOP_TRAIN, [ACTION_PAUSE], "", ""),
+    (STOP_TRAIN, [ACTION_STOP], "", ""),
+    (GLOBAL_FAULT, [], "", ""),
+    (CHANGE_STRATEGY, ["change_strategy"], "continue", ""),
+    (CHANGE_STRATEGY, ["change_strategy"], "recover", ""),
+    (CHANGE_STRATEGY, ["change_strategy"], "dump", ""),
+    (CHANGE_STRATEGY, ["change_strategy"], "exit", ""),
+    (CHANGE_STRATEGY, ["change_strategy"], "exit", EXTRA_DUMP_EXIT),
+    (CHANGE_STRATEGY, ["change_strategy"], "retry", ""),  # a strategy the agent never offers
+    (CHANGE_STRATEGY, [], "no-such-strategy", ""),
+    (KILL_MASTER, [], "", ""),
+    ("somethingNew", ["x"], "", ""),
+    (STOP_TRAIN, [], "", ""),  # no action at all
+]
+STEPS = st.one_of(
+    st.sampled_from(SIGNALS),
+    st.sampled_from(["switch-ok", "switch-fail", "stream-end"]),
+)
+
+# The one report each kind of signal may be answered with.
+ALLOWED = {
+    STOP_TRAIN: "report_stop_complete",
+    GLOBAL_FAULT: "report_recover_strategy",
+    CHANGE_STRATEGY: "report_recover_status",
+}
+
+
+class Reports:
+    """Stands in for the process-manage client: records each report with the stream it answers."""
+
+    def __init__(self) -> None:
+        self.stream_id = 1
+        self.calls: list[tuple[str, Any]] = []
+
+    def report_stop_complete(self, code: int, info: str = "", *, stream: int | None = None) -> None:
+        self.calls.append(("report_stop_complete", code))
+
+    def report_recover_strategy(self, strategies: list[str], *, stream: int | None = None) -> None:
+        self.calls.append(("report_recover_strategy", tuple(strategies)))
+
+    def report_recover_status(self, code: int, strategy: str, info: str = "", *, stream: int | None = None) -> None:
+        self.calls.append(("report_recover_status", (code, strategy)))
+
+
+class Training:
+    """A training thread stepping as fast as it can, parking when asked; remembers a stop."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.lot = ParkingLot(on_armed=self._arm)
+        self.step = 0
+        self.stopped: str | None = None
+        self.stop_seen = threading.Event()
+        self._halt = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _arm(self, armed: bool) -> None:
+        self.armed = armed
+
+    def _run(self) -> None:
+        while not self._halt.wait(0.0005):  # a step every half millisecond: its pace, not a synchronisation
+            self.step += 1
+            if self.armed:
+                try:
+                    self.lot.at_step_boundary(self.step)
+                except TrainingStopped as exc:
+                    self.stopped = str(exc)  # a real loop would end here; this one goes on idling
+                    self.stop_seen.set()
+
+    def close(self) -> None:
+        self._halt.set()
+        self.lot.release()
+        self.thread.join(5)
+
+
+class Rig:
+    def __init__(self, switch_results: list[bool]) -> None:
+        store = InProcessStore()
+        self.training = Training()
+        results = iter(switch_results)
+        self.member = Member(
+            KV(store, "t"), 0, self.training.lot,
+            MemberHooks(switch_hook=lambda order: next(results, True), checkpoint_hook=lambda order: None,
+                        guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False),
+            lambda: self.training.step, stop_timeout_s=2.0,
+        )
+        self.coordinator = Coordinator(KV(store, "t"), 1)
+        self.stops: list[str] = []
+        self.controller = AgentModeController(
+            self.coordinator, HookSettings(has_checkpoint_hook=True, guard_timeout_s=2.0, switch_timeout_s=2.0,
+                                           pause_timeout_s=5.0, dry_run=False),
+            on_stop=self.stops.append,
+        )
+        self.reports = Reports()
+        self.controller.attach(self.reports)  # type: ignore[arg-type]
+        self.training.thread.start()
+        self.member.start()
+
+    def close(self) -> None:
+        self.member.stop()
+        self.training.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(STEPS, min_size=1, max_size=10), st.lists(st.booleans(), max_size=4))
+def test_any_sequence_of_signals_is_answered_at_most_once_each_and_never_leaves_training_parked(
+    steps: list[Any], switch_results: list[bool],
+) -> None:
+    rig = Rig(switch_results)
+    try:
+        check_sequence(rig, steps)
+    finally:
+        rig.close()
+
+
+def check_sequence(rig: Rig, steps: list[Any]) -> None:
+    controller, reports = rig.controller, rig.reports
+    seq = 0
+    for step in steps:
+        before = len(reports.calls)
+        if step == "stream-end":  # ClusterD reset the job: nobody will send continue for a pause
+            controller._handle_stream_end("reset")
+            assert not rig.coordinator.paused, "a reset left the ranks paused"
+            continue
+        if step in ("switch-ok", "switch-fail"):
+            seq += 1
+            execution = controller.execute(SwitchOrder(seq=seq, job_id="j", ranks=(0,), ops=(step == "switch-ok",)))
+            assert execution.ok is False or rig.coordinator.paused  # a switch runs only on parked training
+            continue
+        kind, actions, strategy, extra = step
+        signal = pb.ProcessManageSignal(uuid=f"u{len(reports.calls)}", jobId="j", signalType=kind, actions=actions,
+                                        changeStrategy=strategy, extraParams=extra)
+        controller._handle(signal, 1)  # raises if any sequence crashes the controller
+        answered = reports.calls[before:]
+        assert len(answered) <= 1, f"{kind} {actions} {strategy!r} answered {answered}"
+        if answered:
+            assert answered[0][0] == ALLOWED.get(kind), f"{kind} answered with {answered[0][0]}"
+        if kind == KILL_MASTER:
+            assert rig.stops, "killMaster must stop training"
+    # ClusterD lets go: continue, or a reset. Training must not stay parked.
+    controller._handle(pb.ProcessManageSignal(uuid="last", jobId="j", signalType=CHANGE_STRATEGY,
+                                              actions=["change_strategy"], changeStrategy="continue"), 1)
+    controller._handle_stream_end("reset")
+    assert not rig.coordinator.paused
+    lot = rig.training.lot
+    with lot._cond:
+        assert lot._cond.wait_for(lambda: not lot.parked, 10), "training left parked"
+    if rig.stops:  # every stop reached the training thread as TrainingStopped
+        assert rig.training.stop_seen.wait(10), f"stopped ({rig.stops}) but step() never raised"
