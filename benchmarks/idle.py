@@ -180,8 +180,8 @@ def run_step_ratio(settings: Settings, result: BenchResult) -> None:
                              target="0", ok=lambda v: v == 0, note=", ".join(c_calls)))
     result.add(single_metric("bytes allocated per idle step (peak)", alloc_peak - bare_peak, "B",
                              target="0", ok=lambda v: v <= 0,
-                             note=f"tracemalloc peak over the bare call's ({bare_peak} B); 32 B is one int: "
-                                  "the step counter's += 1 past 256"))
+                             note=f"tracemalloc peak over the bare call's ({bare_peak} B), with step(i) given; "
+                                  "step() without a number counts its own (one int past 256)"))
     result.details["step_events"] = events
     result.details["bare_events"] = bare_events
     result.details["python_calls_in_step"] = py_calls
@@ -310,8 +310,8 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
                                   f"{agent_report['rss']['VmRSS'] / 1024:.1f} MB"))
     result.add(single_metric("RSS, private part (RssAnon): agent - bare", (agent_report["rss"]["RssAnon"]
                                                           - bare_report["rss"]["RssAnon"]) / 1024, "MB",
-                             note="the rest is file-backed: grpcio's and protobuf's shared libraries, whose "
-                                  "pages the ranks of a node share"))
+                             note="the rest is file-backed: grpcio's and protobuf's shared libraries (only the "
+                                  "leader loads them; members do not import grpc)"))
     result.add(single_metric("RSS: member process - bare python", (member_report["rss"]["VmRSS"]
                                                                     - bare_report["rss"]["VmRSS"]) / 1024, "MB",
                              target="< 15 MB", ok=lambda v: v < 15,
