@@ -461,3 +461,30 @@ def test_lists_beyond_max_pending_lists_are_answered_false_in_turn_and_not_kept(
     assert [r.result for r in replies] == [True, True, True, False, False, False]
     rejected = [e.detail["reason"] for e in seen.of(ev.LIST_REJECTED)]
     assert all("max_pending_lists=2" in reason for reason in rejected)
+
+
+@pytest.mark.parametrize(("failure", "replied"), [
+    # ClusterD restarted: it no longer knows the job, so it waits for no reply (and would take one as
+    # the result of its next switch once TaskD registers the job again).
+    (Fail(grpc.StatusCode.UNKNOWN, "jobId=job-1 not registed, please wait agent register"), False),
+    # A network blip: the same ClusterD still waits for the reply.
+    (Fail(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
+], ids=["clusterd-restarted", "network-blip"])
+def test_pause_mode_external_replies_unless_clusterd_forgot_the_job_meanwhile(
+        clusterd: ScriptedClusterD, make_agent: Any, failure: Fail, replied: bool) -> None:
+    stream_failed = threading.Event()
+    clusterd.script(Send(rank_list(["1"], [True])), End())
+    clusterd.script(failure)  # the stream reopened after the list fails while the hook runs
+
+    def hook(order: SwitchOrder) -> bool:
+        assert stream_failed.wait(10)
+        return True
+
+    agent = make_agent(switch_hook=hook, on_event=lambda e: e.kind == ev.STREAM_LOST and stream_failed.set())
+    seen: Events = agent.seen  # type: ignore[attr-defined]
+    if replied:
+        assert [r.result for r in replies_of(clusterd, agent, 1)] == [True]
+    else:
+        (event,) = seen.wait(ev.REPLY_FAILED)
+        assert event.detail["outcome"] == "dropped" and "does not know the job" in event.detail["error"]
+        assert clusterd.replies == []

@@ -74,12 +74,13 @@ class _Owed:
     """The one reply owed for one received list. ``claim()`` succeeds exactly once."""
 
     def __init__(self, seq: int, job_id: str, order: SwitchOrder | None, rejection: str = "",
-                 stream: int | None = None) -> None:
+                 stream: int | None = None, job_unknown: int | None = None) -> None:
         self.seq = seq
         self.job_id = job_id
         self.order = order
         self.rejection = rejection
         self.stream = stream  # pause mode agent: the process-manage stream open when the list came
+        self.job_unknown = job_unknown  # pause mode external: the notify stream's "not registed" count then
         self._claimed = False
         self._lock = threading.Lock()  # guards _claimed
 
@@ -599,7 +600,7 @@ class SwitchAgent:
                 self._counters.lists_rejected += 1
             logger.error("switch #%d refused, replying false in turn: %s", seq, reason)
             self._emit(ev.LIST_REJECTED, seq, {"reason": reason, "entries": len(message.rankID)})
-            self._queue.put(_Owed(seq, cfg.job_id, None, reason, stream=self._pm_stream()))
+            self._queue.put(self._owed(seq, None, reason))
             return
         try:
             order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
@@ -610,7 +611,7 @@ class SwitchAgent:
                 self._counters.lists_rejected += 1
             logger.error("switch #%d refused, replying false: %s", seq, exc)
             self._emit(ev.LIST_REJECTED, seq, {"reason": str(exc), "entries": len(message.rankID)})
-            self._queue.put(_Owed(seq, cfg.job_id, None, str(exc), stream=self._pm_stream()))
+            self._queue.put(self._owed(seq, None, str(exc)))
             return
         with self._lock:
             self._counters.lists_received += 1
@@ -618,11 +619,31 @@ class SwitchAgent:
         standby = sum(order.ops)
         self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": standby,
                                            "to_primary": len(order) - standby})
-        self._queue.put(_Owed(seq, cfg.job_id, order, stream=self._pm_stream()))
+        self._queue.put(self._owed(seq, order))
 
-    def _pm_stream(self) -> int | None:
-        pm = self._process_manage
-        return None if pm is None else pm.stream_id
+    def _owed(self, seq: int, order: SwitchOrder | None, rejection: str = "") -> _Owed:
+        """The reply token of a list just received, marked so that _forgotten can tell later."""
+        pm, sub = self._process_manage, self._subscriber
+        if pm is not None:
+            return _Owed(seq, self.config.job_id, order, rejection, stream=pm.stream_id)
+        return _Owed(seq, self.config.job_id, order, rejection, job_unknown=None if sub is None else sub.job_unknown)
+
+    def _forgotten(self, owed: _Owed) -> str:
+        """Why ClusterD no longer waits for this reply ("" if it still does).
+
+        Pause mode agent: the process-manage stream ended since the list came, so ClusterD reset
+        the job or restarted. Pause mode external: ClusterD has since said it does not know the
+        job ("not registed"), so it restarted; a network blip, after which it still waits, does
+        not say that. (If TaskD registers the job again before our notify stream reopens, the
+        restart goes unseen: TaskD waits 10 s after a failed health check, we reconnect within
+        reconnect_max_s.)
+        """
+        pm, sub = self._process_manage, self._subscriber
+        if owed.stream is not None and pm is not None and not pm.is_current(owed.stream):
+            return "ClusterD reset the job since the list arrived"
+        if owed.job_unknown is not None and sub is not None and sub.job_unknown != owed.job_unknown:
+            return "ClusterD has restarted since the list arrived (it answered that it does not know the job)"
+        return ""
 
     def _on_fatal(self, exc: BaseException) -> None:
         with self._lock:
@@ -737,14 +758,13 @@ class SwitchAgent:
         if not owed.claim():
             logger.debug("switch #%d: reply already sent; not sending another", owed.seq)
             return None
-        pm = self._process_manage
-        if owed.stream is not None and pm is not None and not pm.is_current(owed.stream):
-            # Pause mode agent: the process-manage stream ended since the list came, so ClusterD
-            # reset the job (or restarted). It waits for no reply any more, and would keep this one
-            # and take it as the result of its next switch.
+        forgotten = self._forgotten(owed)
+        if forgotten:
+            # ClusterD waits for no reply any more, and would keep this one and take it as the
+            # result of its next switch.
             with self._lock:
                 self._counters.replies_failed += 1
-            why = "ClusterD reset the job since the list arrived; a reply now would answer its next switch"
+            why = f"{forgotten}; a reply now would answer its next switch"
             logger.warning("switch #%d: reply %s not sent: %s", owed.seq, str(result).lower(), why)
             self._emit(ev.REPLY_FAILED, owed.seq, {"result": result, "reason": reason, "outcome": "dropped",
                                                    "attempts": 0, "duration_s": 0.0, "code": None, "error": why})

@@ -112,8 +112,8 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
     EventKind(REPLY_FAILED, "leader", "the reply was rejected, not delivered, or may not have arrived (never resent)", (
         ("result", "the answer it tried to send"),
         ("reason", "why that answer"),
-        ("outcome", "`rejected`, `not_delivered`, `uncertain`, or `dropped` (pause mode `agent`: ClusterD "
-                    "reset the job since the list came, and would take the reply as its next switch's result)"),
+        ("outcome", "`rejected`, `not_delivered`, `uncertain`, or `dropped` (ClusterD reset the job or "
+                    "restarted since the list came, and would take the reply as its next switch's result)"),
         ("attempts", "calls made"),
         ("duration_s", "time spent trying"),
         ("code", "ClusterD's answer code, if it answered"),

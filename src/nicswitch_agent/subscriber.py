@@ -51,6 +51,8 @@ _TERMINATING = frozenset(
 )
 
 
+NOT_REGISTERED = "not registed"  # sic: ClusterD's words for a job it does not know
+
 def should_terminate(exc: BaseException) -> bool:
     """Errors that no reconnect can fix: wrong server (UNIMPLEMENTED), refused credentials."""
     return isinstance(exc, grpc.RpcError) and _code(exc) in _TERMINATING
@@ -128,6 +130,9 @@ class NotifySubscriber(StreamThread):
         self.opens = 0
         self.clean_ends = 0
         self.errors = 0
+        # Times ClusterD answered that it does not know the job ("not registed"): it restarted (or
+        # was never told) and has lost every switch in flight. The agent compares it before replying.
+        self.job_unknown = 0
         self.messages = 0
         self.last_message_mono: float | None = None
         self.last_open_mono: float | None = None
@@ -218,6 +223,8 @@ class NotifySubscriber(StreamThread):
                 with self._lock:
                     self.errors += 1
                     self.last_error = text
+                    if NOT_REGISTERED in text:
+                        self.job_unknown += 1
                 self._set_health(False, text)
                 if fail_fast and not got_message and _connect_failed(exc):
                     # Nothing was sent: now wait for the connection (gRPC keeps dialing, with its

@@ -128,6 +128,8 @@ class Simulator:
         standin: also run one :class:`~nicswitch_agent.sim.standin.MindIOStandIn` per job, the
             MindIO/TaskD process-manage client, so the switch half can be driven alone
             ("pause mode external").
+        standin_register_delay_s: the stand-ins wait this long before registering (TaskD, after a
+            ClusterD restart, sleeps 10 s first); ``start()`` waits for them.
         tls: serve TLS (or mutual TLS) instead of plaintext. The stand-ins, which play a client
             inside the training pod, then reach the server through a second, plaintext port on
             127.0.0.1, as MindIO reaches ClusterD through its local sidecar.
@@ -147,6 +149,7 @@ class Simulator:
         host: str = "127.0.0.1",
         port: int = 0,
         standin: bool = False,
+        standin_register_delay_s: float = 0.0,
         faults: SimFaults | None = None,
         tls: ServerTls | None = None,
     ) -> None:
@@ -157,6 +160,7 @@ class Simulator:
         self.tls = tls
         self._standin_address: str | None = None  # the plaintext side port for stand-ins, with TLS
         self._use_standin = standin
+        self._standin_register_delay_s = standin_register_delay_s
         self._notifier = _Notifier()
         self._controllers: dict[str, JobController] = {}
         for job in jobs:
@@ -220,7 +224,8 @@ class Simulator:
 
     def _start_standins(self) -> None:
         for job_id in self._controllers:
-            standin = MindIOStandIn(self._standin_address or self.address, job_id)
+            standin = MindIOStandIn(self._standin_address or self.address, job_id,
+                                    register_delay_s=self._standin_register_delay_s)
             with self._lock:
                 self._standins.append(standin)
             standin.start()

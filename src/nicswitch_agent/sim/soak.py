@@ -254,8 +254,10 @@ class InProcessBackend:
 
     kind = "in-process"
 
-    def __init__(self, port: int, sim_settings: SimSettings, job: SimJob, standin: bool) -> None:
-        self.sim = Simulator(jobs=[job], settings=sim_settings, port=port, standin=standin)
+    def __init__(self, port: int, sim_settings: SimSettings, job: SimJob, standin: bool,
+                 standin_register_delay_s: float = 0.0) -> None:
+        self.sim = Simulator(jobs=[job], settings=sim_settings, port=port, standin=standin,
+                             standin_register_delay_s=standin_register_delay_s)
         self.address = self.sim.start()
         self.port = int(self.address.rsplit(":", 1)[1])
         self.faults: F.SimFaults | None = self.sim.faults
@@ -790,7 +792,11 @@ class _ModeRun:
             raise SoakFailure(f"{self.mode} switch #{index} (fault {fault}): no rank ran the switch hook")
         last = old.snapshot()
         lists, answered = last.lists_sent - before.lists_sent, last.replies - before.replies
-        self._replace_backend(self._in_process, fault)
+        # TaskD registers the job with a restarted ClusterD only after its health check failed and
+        # it slept (10 s upstream; 1 s here): the agent's notify stream sees "not registed" first.
+        self._replace_backend(lambda: InProcessBackend(self.port, self.sim_settings, self.sim_job, self.standin,
+                                                       standin_register_delay_s=1.0 if self.standin else 0.0),
+                              fault)
         new = self.backend
         fresh = new.snapshot()
         steps = job.steps()

@@ -48,6 +48,9 @@ class MindIOStandIn:
         continue_delay_s: wait before reporting ``continue`` done.
         fail_pause: acknowledge ``pause_train`` with 499 (ClusterD then kills the job).
         role: ``ClientInfo.role`` (only logged by ClusterD).
+        register_delay_s: wait before the first Init/Register. TaskD notices a restarted ClusterD by
+            its 1 s health check and sleeps 10 s before registering again (clusterd-protocol.md);
+            a stand-in started with a restarted simulator models that with this delay.
 
     ``ready`` is set once the first process-manage stream is open (the simulator sends headers
     right after the subscribe's reset; against a real ClusterD, with the first signal).
@@ -61,6 +64,7 @@ class MindIOStandIn:
         continue_delay_s: float = 0.0,
         fail_pause: bool = False,
         role: str = "mindio-standin",
+        register_delay_s: float = 0.0,
     ) -> None:
         self.address = address
         self.job_id = job_id
@@ -68,6 +72,7 @@ class MindIOStandIn:
         self.continue_delay_s = continue_delay_s
         self.fail_pause = fail_pause
         self.role = role
+        self.register_delay_s = register_delay_s
         self.ready = threading.Event()
         self._stop = threading.Event()
         # Guards _call, _started, _signals and _streams_opened.
@@ -137,6 +142,8 @@ class MindIOStandIn:
         info = pb.ClientInfo(jobId=self.job_id, role=self.role)
         registered = False
         backoff = _BACKOFF_INITIAL_S
+        if self.register_delay_s > 0 and self._stop.wait(self.register_delay_s):
+            return
         while not self._stop.is_set():
             try:
                 if not registered:
