@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -41,8 +42,10 @@ class Child:
 
     def __init__(self, sim: Simulator, scenario: str) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # stderr apart: a traceback written while the stop thread prints would split an EVENT line.
+        self.stderr = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the test's process
         self.proc = subprocess.Popen([sys.executable, str(TRAIN), sim.address, JOB, scenario],
-                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env)
         self.lines: list[str] = []
         self._cond = threading.Condition()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -69,7 +72,8 @@ class Child:
 
     def output(self) -> str:
         self._reader.join(5)
-        return "\n".join(self.lines)
+        self.stderr.seek(0)
+        return "\n".join(self.lines) + "\n--- stderr ---\n" + self.stderr.read()
 
     def kill(self) -> None:
         if self.proc.poll() is None:

@@ -492,6 +492,9 @@ class SwitchAgent:
             if self._member is not None:
                 self._member.stop()
             self._parking.release()  # never leave training parked behind a stopped agent
+            if not self._parking.wait_unparked(self.config.stop_timeout_s):
+                logger.warning("training still parked %.1f s after stop (a hook is running on it)",
+                               self.config.stop_timeout_s)
             if self._executor is not None:
                 self._queue.put(None)
             executor = self._executor

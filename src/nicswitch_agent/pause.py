@@ -62,6 +62,7 @@ class ParkingLot:
         self._parked = False
         self._parked_step: int | None = None
         self._parked_at: float | None = None
+        self._parked_thread: threading.Thread | None = None
         self._work: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
 
     # -- agent side ----------------------------------------------------------------------------
@@ -150,6 +151,14 @@ class ParkingLot:
             self._cond.notify_all()
             return was_parked
 
+    def wait_unparked(self, timeout: float) -> bool:
+        """Wait (bounded) until the training thread has left its parking spot, its ``resumed``
+        event emitted; True if it is not parked. Never waits when called by that thread."""
+        with self._cond:
+            if self._parked_thread is threading.current_thread():
+                return not self._parked
+            return self._cond.wait_for(lambda: not self._parked, timeout)
+
     def stop_requested(self) -> str | None:
         return self._stop_reason
 
@@ -180,6 +189,7 @@ class ParkingLot:
             if target is not None and step is not None and step > target:
                 logger.error("reached step %s past the pause target %s; parking here", step, target)
             self._parked, self._parked_step, self._parked_at = True, step, time.monotonic()
+            self._parked_thread = threading.current_thread()
             self._cond.notify_all()
             logger.info("training parked at step %s", step)
             self._emit("parked", {"step": step, "epoch": epoch})
@@ -201,7 +211,7 @@ class ParkingLot:
                     self._cond.wait(WAIT_SLICE_S)
             finally:
                 parked_for = time.monotonic() - (self._parked_at or time.monotonic())
-                self._parked, self._parked_at = False, None
+                self._parked, self._parked_at, self._parked_thread = False, None, None
                 self._handled(epoch)
                 self._cond.notify_all()
             logger.info("training resumed after %.1f ms parked", parked_for * 1000)

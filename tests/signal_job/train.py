@@ -23,18 +23,23 @@ from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
 
 
+def say(text: str) -> None:
+    sys.stdout.write(text + "\n")  # one write per line: lines come from several threads
+    sys.stdout.flush()
+
+
 def on_event(event: AgentEvent) -> None:
-    print(f"EVENT {event.kind}", flush=True)
+    say(f"EVENT {event.kind}")
 
 
 def hook_that_runs_on(order: SwitchOrder) -> bool:
-    print("HOOK", flush=True)
+    say("HOOK")
     while True:  # a long switch; Python code, so a signal handler gets to run
         time.sleep(0.05)
 
 
 def user_handler(signum: int, frame: FrameType | None) -> None:
-    print("USER-HANDLER", flush=True)
+    say("USER-HANDLER")
     sys.exit(42)
 
 
@@ -47,12 +52,12 @@ def main() -> int:
                         handle_signals=scenario != "no-handlers", reconnect_initial_s=0.05, reconnect_max_s=0.2,
                         stop_timeout_s=2.0)
     agent.start()
-    print("STARTED", flush=True)
+    say("STARTED")
     if scenario == "return":
         deadline = time.monotonic() + 20
         while not agent.status()["stream_open"] and time.monotonic() < deadline:
             time.sleep(0.01)
-        print("RETURNING", flush=True)
+        say("RETURNING")
         return 0
     step = 0
     while True:
