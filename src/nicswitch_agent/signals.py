@@ -69,11 +69,6 @@ class SignalStopper:
             self._pid = os.getpid()
             return tuple(signal.Signals(s).name for s in self._previous)
 
-    @property
-    def stopping(self) -> threading.Thread | None:
-        """The thread stopping the agents after a signal, if one came."""
-        return self._stopping
-
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         with self._lock:
@@ -113,8 +108,4 @@ def install(stop_all: StopAll) -> tuple[str, ...]:
     return _stopper.install(stop_all)
 
 
-def stopping_thread() -> threading.Thread | None:
-    return _stopper.stopping
-
-
-__all__ = ["HANDLED_SIGNALS", "SignalStopper", "install", "stopping_thread"]
+__all__ = ["HANDLED_SIGNALS", "SignalStopper", "install"]

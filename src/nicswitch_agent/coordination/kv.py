@@ -175,15 +175,8 @@ class KV:
         interval = interval_s
         while True:
             value = self.count(key)
-            if value >= target:
+            if value >= target or not _pause(deadline, stop, interval):
                 return value
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or (stop is not None and stop.is_set()):
-                return value
-            if stop is not None:
-                stop.wait(min(interval, remaining))
-            else:
-                time.sleep(min(interval, remaining))
             interval = min(max_interval_s, interval * 2)
 
     def poll_all(self, keys: Sequence[str], deadline: float, stop: threading.Event | None = None,
@@ -202,11 +195,19 @@ class KV:
                 pending = [k for k in pending if not self.check([k])]
                 if not pending:
                     return []
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or (stop is not None and stop.is_set()):
+            if not _pause(deadline, stop, interval):
                 return pending
-            if stop is not None:
-                stop.wait(min(interval, remaining))
-            else:
-                time.sleep(min(interval, remaining))
             interval = min(max_interval_s, interval * 2)
+
+
+def _pause(deadline: float, stop: threading.Event | None, interval: float) -> bool:
+    """One wait between polls: ``interval``, or less if the deadline is nearer. False (without
+    waiting) once the deadline has passed or ``stop`` is set: time to give up."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0 or (stop is not None and stop.is_set()):
+        return False
+    if stop is not None:
+        stop.wait(min(interval, remaining))
+    else:
+        time.sleep(min(interval, remaining))
+    return True
