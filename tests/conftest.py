@@ -7,10 +7,18 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from scripted import ScriptedClusterD
+
+# Property tests are derandomized and keep no example database by default (the README's test
+# command is CI's), so a red run is red again on any machine; every failure found is pinned with
+# @example. HYPOTHESIS_PROFILE=explore searches new random examples.
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+hypothesis_settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Scrub MindCluster/agent env so tests never pick up the machine's settings by accident.
 for name in list(os.environ):

@@ -188,6 +188,9 @@ class AgentModeController:
     def _pause(self, client: _Reports) -> None:
         with self._lock:
             self._failed_order, self._rollback_ok, self._checkpoint_ok = None, False, False
+            # A new pause is a new episode: a stop decided in an earlier one must not keep a later
+            # reset from releasing the ranks this pause parks.
+            self._stopped_reason = None
         outcome = self.coordinator.pause(self.hooks.pause_timeout_s)
         if outcome.ok:
             client.report_stop_complete(CODE_OK)
