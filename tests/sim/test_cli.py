@@ -110,7 +110,7 @@ def test_module_entry_point_stops_on_sigint() -> None:
         assert address
         assert Client(address.group(1), job_id="job-9").init().info == "job(uid=job-9) init success"
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(WAIT) == 0
+        assert proc.wait(30) == 0  # a bound, not a timing: interpreter exit is slow on a loaded box
     finally:
         if proc.poll() is None:
             proc.kill()

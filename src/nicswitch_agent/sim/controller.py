@@ -146,7 +146,8 @@ class JobView:
         open_streams: per stream method, streams open in the current generation (a reset ends
             the others at once, whatever their RPC is still doing).
         lists_sent: rank lists whose send to a subscriber completed.
-        violations: protocol misuse that would hurt the real server (empty for a correct client).
+        violations: protocol misuse that would hurt the real server (empty for a correct client);
+            what would crash it starts with :data:`FATAL_PREFIX`.
         resets: the reason of every reset, oldest first.
         queued: what waits in the current generation's channels: ``events``, the one-slot
             ``signal``, ``rank_list``, ``result``, ``stop_report``, ``strategy_report``,
