@@ -203,6 +203,13 @@ class Setup:
         self.agent = Client(sim.address, role="agent")
         self.worker = Client(sim.address, role="worker")
         self.om = Client(sim.address, role="om")
+        self.others: list[Client] = []
+
+    def client(self, role: str) -> Client:
+        """One more client on its own channel (closed with the others)."""
+        client = Client(self.sim.address, role=role)
+        self.others.append(client)
+        return client
 
     def view(self, job: str = JOB) -> Any:
         return self.sim.job_view(job)
@@ -233,7 +240,7 @@ class Setup:
         return agent, worker
 
     def close(self) -> None:
-        for client in (self.agent, self.worker, self.om):
+        for client in (self.agent, self.worker, self.om, *self.others):
             client.close()
 
 

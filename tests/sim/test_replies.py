@@ -9,6 +9,7 @@ import grpc
 import pytest
 
 from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim.controller import FATAL_PREFIX
 
 from .conftest import JOB, OK, WAIT, Setup, wait_state, wait_streams
 from .test_switch import HAPPY_PATH
@@ -51,7 +52,8 @@ def test_duplicate_reply_is_buffered_then_dropped(make_setup: Callable[..., Setu
 
 def test_third_reply_blocks_and_would_crash_at_reset(make_setup: Callable[..., Setup]) -> None:
     """§4.4: #1 consumed, #2 buffered, #3 blocks in the handler; the next reset would panic the
-    real server. The simulator records it and ends #3 with UNAVAILABLE instead."""
+    real server. By default the simulator records it and ends #3 with UNAVAILABLE instead
+    (test_recorded.py: with crash_like_clusterd it goes down)."""
     setup = make_setup()
     agent, worker = setup.ready()
     om_stream = setup.start_switch()
@@ -76,7 +78,8 @@ def test_third_reply_blocks_and_would_crash_at_reset(make_setup: Callable[..., S
     assert om_stream.get().msg == "switch nic finish"
     thread.join(WAIT)
     assert outcome == {"error": grpc.StatusCode.UNAVAILABLE}
-    assert _has(setup, "a blocked ReplySwitchNicResult met a reset")
+    assert _has(setup, FATAL_PREFIX + "a blocked ReplySwitchNicResult met a reset")
+    assert setup.sim.crashed is None and len(setup.sim.crash_points()) == 1
     # The simulator itself keeps serving.
     assert setup.agent.init().code == 0
 

@@ -16,65 +16,244 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
+from nicswitch_agent.sim import protocol as P
 from nicswitch_agent.sim.ranktable import RankTable
 from nicswitch_agent.sim.server import ServerTls, Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 
-__all__ = ["add_arguments", "main", "parse_nodes", "run", "server_tls"]
+__all__ = ["add_arguments", "main", "parse_nodes", "run", "server_tls", "settings_from"]
 
 _DEFAULT_NODES = ("node-0:0,1", "node-1:0,1")
+_SETTINGS = SimSettings()  # the real server's timings: every default shown below comes from here
+_JOB = SimJob("job-1", {"node-0": ["0"]})
+# --quick-recovery: the whole recovery tail after a failed switch (about 80 s upstream) in under a
+# second; an explicit --fault-flush/--force-release/--schedule-wait/--restart-wait still wins.
+_QUICK_RECOVERY = {"fault_flush_s": 0.05, "force_release_s": 0.1, "schedule_wait_s": 0.1, "restart_wait_s": 0.2}
+
+_DESCRIPTION = """\
+Serve a simulated MindCluster ClusterD (the Recover gRPC service on its real method paths, with its
+codes, strings, state machine and timeouts) until Ctrl-C, to rehearse a link switch with
+nicswitch-agent or TaskD before doing it for real.
+
+Every default is the real server's. The timings can be shrunk so that failure paths take
+milliseconds, and the job can be given the PodGroup settings ClusterD would read (framework,
+process-recover-enable, recover-strategy). Where the real ClusterD crashes (a report without
+status, a second reply blocked when the job resets), the simulator logs an ERROR saying so and
+keeps serving; with --crash-like-clusterd it exits with status 2 instead, as ClusterD does.
+docs/operations.md lists every setting and the differences from the real server."""
+
+_EPILOG = """\
+exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error, or crashed as the real
+ClusterD would (--crash-like-clusterd)
+
+example:
+  nicswitch-agent sim --port 8899 --job job-1 --nodes node-0:0,1 --nodes node-1:0,1 --standin"""
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port (0-65535; 0 picks a free one)")
+    return port
+
+
+def _seconds(positive: bool) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+        if not math.isfinite(value) or value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text} must be a {'positive' if positive else 'non-negative'} "
+                                             "number of seconds")
+        return value
+
+    parse.__name__ = "seconds"  # argparse names the type in "invalid seconds value" messages
+    return parse
+
+
+def _strategies(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in P.STRATEGIES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown strategy {', '.join(repr(n) for n in unknown)} (known: {', '.join(P.STRATEGIES)})"
+        )
+    return names
+
+
+def _node(text: str) -> str:
+    try:
+        parse_nodes([text])
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _superpod(text: str) -> tuple[str, int]:
+    node, sep, number = text.rpartition(":")
+    try:
+        superpod = int(number)
+    except ValueError:
+        superpod = None
+    if not sep or not node.strip() or superpod is None:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NODE:SUPERPOD_ID (an integer)")
+    return node.strip(), superpod
+
+
+def _workers(text: str) -> int:
+    try:
+        workers = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of threads") from None
+    if workers < 8:
+        raise argparse.ArgumentTypeError(f"{workers}: at least 8 (every open stream holds a thread)")
+    return workers
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``nicswitch-agent sim``."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8899, help="port (ClusterD's is 8899; 0 picks a free one)")
-    parser.add_argument("--job", default="job-1", help="job id (MINDX_TASK_ID) the simulator knows")
-    parser.add_argument(
-        "--nodes",
-        action="append",
-        metavar="NODE:DEV,DEV",
-        help=f"a node and its device ids, in pod-rank order; repeat per node (default: {' '.join(_DEFAULT_NODES)})",
-    )
-    parser.add_argument(
-        "--standin",
-        action="store_true",
-        help="also run a MindIO stand-in (answers pause/continue), for pause mode external",
-    )
-    parser.add_argument(
-        "--report-timeout",
-        type=float,
-        default=900.0,
-        metavar="SECONDS",
-        help="ClusterD's wait for each report and for the switch reply (default 900)",
-    )
-    parser.add_argument("--keepalive", type=float, default=5.0, metavar="SECONDS", help="keep-alive period")
-    parser.add_argument(
-        "--strategies",
-        default="retry,recover,dump",
-        help="the PodGroup recover-strategy annotation (exit is always allowed)",
-    )
-    parser.add_argument("--not-running", action="store_true", help="the job is not running (SwitchNicTrack: 413)")
-    parser.add_argument(
-        "--quick-recovery",
-        action="store_true",
-        help="shrink the fault-recovery waits (about 80 s after a failed switch) to under a second",
-    )
-    parser.add_argument("--seed", type=int, default=None, help="seed for the random node order")
-    parser.add_argument("--no-shuffle", action="store_true", help="keep the request's node order")
-    parser.add_argument("-v", "--verbose", action="store_true", help="also print every signal, list, reply and report")
+    """Options of ``nicswitch-agent sim`` (and ``python -m nicswitch_agent.sim``), with their help."""
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=_port, default=8899,
+                        help="port, 0-65535 (default: %(default)s, ClusterD's; 0 picks a free one)")
+    parser.add_argument("--standin", action="store_true",
+                        help="also run a MindIO stand-in that answers pause/continue, for pause mode external "
+                             "(default: off)")
+    parser.add_argument("--standin-register-delay", type=_seconds(False), default=0.0, metavar="SECONDS",
+                        help="the stand-in waits this long before registering, as TaskD does after a ClusterD "
+                             "restart (default: %(default)s)")
+    parser.add_argument("--crash-like-clusterd", action="store_true",
+                        help="where the real ClusterD crashes, crash too: cut every stream, close the port, exit "
+                             "with status 2 (default: off, log an ERROR and keep serving)")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="also print every signal, list, reply and report (default: state changes only)")
+
+    job = parser.add_argument_group("the job (what ClusterD reads from its PodGroup and caches)")
+    job.add_argument("--job", default="job-1", help="job id, MINDX_TASK_ID (default: %(default)s)")
+    job.add_argument("--nodes", action="append", type=_node, metavar="NODE:DEV,DEV",
+                     help="a node and its device ids, in pod-rank order; repeat per node "
+                          f"(default: {' '.join(_DEFAULT_NODES)})")
+    job.add_argument("--strategies", type=_strategies, default=_JOB.recover_strategies, metavar="NAMES",
+                     help=f"the recover-strategy annotation, from {', '.join(P.STRATEGIES)}; exit is always "
+                          f"allowed (default: {','.join(_JOB.recover_strategies)})")
+    job.add_argument("--framework", choices=P.FRAMEWORKS, default=_JOB.framework,
+                     help="the framework label; with mindspore a failed switch exits instead of dumping "
+                          "(default: %(default)s)")
+    job.add_argument("--process-recover-off", action="store_true",
+                     help="process-recover-enable is off: Init answers 403 (default: on)")
+    job.add_argument("--no-job-cache", action="store_true",
+                     help="the job is missing from ClusterD's job cache: SwitchNicTrack answers 413 "
+                          "'job:<id> not exist' (default: cached)")
+    job.add_argument("--not-running", action="store_true",
+                     help="the job is not running: SwitchNicTrack answers 413 (default: running)")
+    job.add_argument("--superpod", action="append", type=_superpod, metavar="NODE:ID",
+                     help="a node's SuperPoD id; negative makes SwitchNicTrack answer 413; repeat per node "
+                          "(default: 0 for every node)")
+
+    timing = parser.add_argument_group("timings (defaults: the real ClusterD's)")
+    timing.add_argument("--report-timeout", type=_seconds(True), default=_SETTINGS.report_timeout_s,
+                        metavar="SECONDS",
+                        help="wait for each report, the switch reply and the O&M result (default: %(default)s)")
+    timing.add_argument("--keepalive", type=_seconds(True), default=_SETTINGS.keepalive_interval_s,
+                        metavar="SECONDS",
+                        help="keep-alive signal period on the process-manage stream (default: %(default)s)")
+    timing.add_argument("--enqueue-timeout", type=_seconds(True), default=_SETTINGS.enqueue_timeout_s,
+                        metavar="SECONDS",
+                        help="wait for a full one-slot queue before a 504 and a reset (default: %(default)s)")
+    quick = ", ".join(f"{name[:-2].replace('_', '-')} {value}" for name, value in _QUICK_RECOVERY.items())
+    for flag, name, what in (
+        ("--fault-flush", "fault_flush_s", "after the stop report"),
+        ("--force-release", "force_release_s", "before globalFault"),
+        ("--schedule-wait", "schedule_wait_s", "for the rescheduled job, twice on the exit/dump path"),
+        ("--restart-wait", "restart_wait_s", "for all processes to restart"),
+    ):
+        timing.add_argument(flag, type=_seconds(False), default=None, metavar="SECONDS",
+                            help=f"recovery wait {what} (default: {getattr(_SETTINGS, name)}, or the "
+                                 "--quick-recovery value)")
+    timing.add_argument("--quick-recovery", action="store_true",
+                        help=f"shrink the recovery waits after a failed switch (about 80 s) to under a second: "
+                             f"{quick} (default: off)")
+    timing.add_argument("--list-delay", type=_seconds(False), default=_SETTINGS.list_delay_s, metavar="SECONDS",
+                        help="not ClusterD's: a pause between the pause report and the rank list "
+                             "(default: %(default)s)")
+
+    other = parser.add_argument_group("rank-list order and capacity")
+    other.add_argument("--seed", type=int, default=_SETTINGS.seed,
+                       help="seed for the random node order (default: none, a new order every time)")
+    other.add_argument("--no-shuffle", action="store_true",
+                       help="keep the request's node order (default: random, as Go map iteration)")
+    other.add_argument("--max-workers", type=_workers, default=_SETTINGS.max_workers, metavar="N",
+                       help="server threads, at least 8; every open stream and blocked call holds one "
+                            "(default: %(default)s)")
+
     tls = parser.add_argument_group("TLS (the real ClusterD serves plaintext; its nginx proxy does TLS)")
     tls.add_argument("--tls-cert", metavar="PEM", help="serve TLS with this server certificate (needs --tls-key)")
     tls.add_argument("--tls-key", metavar="PEM", help="the server certificate's unencrypted private key")
     tls.add_argument("--tls-client-ca", metavar="PEM",
                      help="require client certificates signed by this CA (mutual TLS; needs --tls-cert)")
+
+
+def settings_from(args: argparse.Namespace) -> tuple[SimJob, SimSettings]:
+    """The job and the settings the options describe; ValueError on an inconsistent combination."""
+    nodes = parse_nodes(args.nodes or _DEFAULT_NODES)
+    superpods = dict(args.superpod or ())
+    job = SimJob(
+        job_id=args.job,
+        nodes=nodes,
+        running=not args.not_running,
+        superpod_ids=superpods or None,
+        recover_strategies=tuple(args.strategies),
+        framework=args.framework,
+        process_recover_enable=not args.process_recover_off,
+        in_job_cache=not args.no_job_cache,
+    )
+    recovery = {}
+    for name in _QUICK_RECOVERY:
+        given = getattr(args, name[:-2])
+        if given is not None:
+            recovery[name] = given
+        elif args.quick_recovery:
+            recovery[name] = _QUICK_RECOVERY[name]
+    settings = dataclasses.replace(
+        _SETTINGS,
+        report_timeout_s=args.report_timeout,
+        keepalive_interval_s=args.keepalive,
+        enqueue_timeout_s=args.enqueue_timeout,
+        list_delay_s=args.list_delay,
+        shuffle_nodes=not args.no_shuffle,
+        seed=args.seed,
+        max_workers=args.max_workers,
+        crash_like_clusterd=args.crash_like_clusterd,
+        **recovery,
+    )
+    return job, settings
+
+
+def _non_default(job: SimJob, settings: SimSettings) -> str:
+    """``name=value`` for every job or timing setting that is not the real server's default."""
+    changed = [
+        f"{f.name}={getattr(settings, f.name)}"
+        for f in dataclasses.fields(settings)
+        if getattr(settings, f.name) != getattr(_SETTINGS, f.name)
+    ]
+    for name in ("running", "framework", "process_recover_enable", "in_job_cache", "superpod_ids"):
+        if getattr(job, name) != getattr(_JOB, name):
+            changed.append(f"{name}={getattr(job, name)}")
+    return ", ".join(changed)
 
 
 def server_tls(args: argparse.Namespace) -> ServerTls | None:
@@ -122,33 +301,19 @@ class _LineHandler(logging.Handler):
 
 
 def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, out: TextIO | None = None) -> int:
-    """Serve until SIGINT/SIGTERM (or ``stop_event``, for embedding and tests). Returns 0.
+    """Serve until SIGINT/SIGTERM (or ``stop_event``, for embedding and tests). Returns 0; 2 on a
+    usage error, and after a crash like the real ClusterD's (``--crash-like-clusterd``, which also
+    sets ``stop_event``); 1 when it cannot listen.
 
-    Prints the address, the rank table, then one line per state change.
+    Prints the address, the rank table, the settings that differ from ClusterD's, then one line per
+    state change (and an ERROR where the real ClusterD would crash).
     """
     out = out if out is not None else sys.stdout
     try:
-        nodes = parse_nodes(args.nodes or _DEFAULT_NODES)
-        job = SimJob(
-            job_id=args.job,
-            nodes=nodes,
-            running=not args.not_running,
-            recover_strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
-        )
-        settings = SimSettings(
-            report_timeout_s=args.report_timeout,
-            keepalive_interval_s=args.keepalive,
-            shuffle_nodes=not args.no_shuffle,
-            seed=args.seed,
-        )
+        job, settings = settings_from(args)
         tls = server_tls(args)
-        if args.quick_recovery:
-            # The whole recovery tail after a failed switch (about 80 s upstream) in under a second.
-            settings = dataclasses.replace(
-                settings, fault_flush_s=0.05, force_release_s=0.1, schedule_wait_s=0.1, restart_wait_s=0.2
-            )
     except ValueError as exc:
-        print(f"nicswitch-agent sim: {exc}", file=sys.stderr)
+        print(f"nicswitch-agent sim: error: {exc}", file=sys.stderr)
         return 2
 
     stop = stop_event if stop_event is not None else threading.Event()
@@ -170,7 +335,8 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
     handler.setLevel(wanted)
     if sim_logger.getEffectiveLevel() > wanted:
         sim_logger.setLevel(wanted)
-    sim = Simulator(jobs=[job], settings=settings, host=args.host, port=args.port, standin=args.standin, tls=tls)
+    sim = Simulator(jobs=[job], settings=settings, host=args.host, port=args.port, standin=args.standin, tls=tls,
+                    standin_register_delay_s=args.standin_register_delay, on_crash=lambda reason: stop.set())
     try:
         try:
             address = sim.start()
@@ -183,9 +349,18 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
             out.write(f"  job {job.job_id} node {server.server_name}: device->rank {pairs}\n")
         if args.standin:
             out.write("  MindIO stand-in subscribed (pause mode external)\n")
+        changed = _non_default(job, settings)
+        if changed:
+            out.write(f"  not as the real ClusterD's defaults: {changed}\n")
         out.write("Ctrl-C to stop.\n")
         out.flush()
         stop.wait()
+        crashed = sim.crashed
+        if crashed is not None:
+            sim.wait_crashed(10.0)
+            print(f"nicswitch-agent sim: crashed as the real ClusterD would (exit status 2): {crashed}",
+                  file=sys.stderr)
+            return 2
         return 0
     finally:
         sim.stop()
@@ -197,7 +372,7 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry point (``python -m nicswitch_agent.sim``)."""
-    parser = argparse.ArgumentParser(prog="nicswitch-agent sim", description=__doc__.splitlines()[0])
+    """Standalone entry point (``python -m nicswitch_agent.sim``): the same options and help."""
+    parser = argparse.ArgumentParser(prog="python -m nicswitch_agent.sim")
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -41,7 +41,10 @@ logger = logging.getLogger("nicswitch_agent.sim")
 
 _M = TypeVar("_M", pb.ProcessManageSignal, pb.SwitchRankList)
 
-__all__ = ["JobController", "JobView", "RpcAbort", "StreamToken"]
+__all__ = ["FATAL_PREFIX", "JobController", "JobView", "RpcAbort", "StreamToken"]
+
+# How every violation that would crash the real ClusterD begins (JobView.violations, the log).
+FATAL_PREFIX = "real ClusterD would crash here: "
 
 
 class RpcAbort(Exception):
@@ -96,6 +99,10 @@ class _Generation:
     strategy_report: pb.RecoverStrategyRequest | None = None  # reportRecoverStrategyChan
     status_report: pb.RecoverStatusRequest | None = None  # reportStatusChan
     om: deque[pb.SwitchNicResponse] = field(default_factory=deque)  # switchNicResponse (10)
+    # Stream handlers blocked on a channel, longest-waiting first: a Go channel hands each value
+    # to the receiver that has waited longest, so that one gets the next list (or O&M message).
+    list_waiters: deque[StreamToken] = field(default_factory=deque)
+    om_waiters: deque[StreamToken] = field(default_factory=deque)
     # Controller slices cleaned by reset.
     switch_ranks: list[str] = field(default_factory=list)  # globalSwitchRankIDs
     switch_ops: list[bool] = field(default_factory=list)  # globalOps
@@ -139,7 +146,8 @@ class JobView:
         open_streams: per stream method, streams open in the current generation (a reset ends
             the others at once, whatever their RPC is still doing).
         lists_sent: rank lists whose send to a subscriber completed.
-        violations: protocol misuse that would hurt the real server (empty for a correct client).
+        violations: protocol misuse that would hurt the real server (empty for a correct client);
+            what would crash it starts with :data:`FATAL_PREFIX`.
         resets: the reason of every reset, oldest first.
         queued: what waits in the current generation's channels: ``events``, the one-slot
             ``signal``, ``rank_list``, ``result``, ``stop_report``, ``strategy_report``,
@@ -248,12 +256,14 @@ class JobController:
         settings: SimSettings,
         rng: random.Random,
         on_change: Callable[[], None] = lambda: None,
+        on_fatal: Callable[[str], None] = lambda text: None,
     ) -> None:
         self.job = job
         self.settings = settings
         self.ranktable = RankTable(job.nodes)
         self._rng = rng
         self._on_change = on_change
+        self._on_fatal = on_fatal
         self._cond = threading.Condition(threading.RLock())
         self._stopping = False
         self._inited = False
@@ -332,8 +342,15 @@ class JobController:
     # ------------------------------------------------------------------ registration (§1.3)
 
     def init(self) -> pb.Status:
-        """``Init``: idempotent (fault_recover_service.go ``Init``; observed §pre)."""
+        """``Init``: idempotent (fault_recover_service.go ``Init``; observed §pre).
+
+        403 when the PodGroup has ``process-recover-enable`` off: ``getJobBaseInfo`` refuses and
+        nothing is recorded, so a later ``Register`` answers 408.
+        """
         with self._cond:
+            if not self.job.process_recover_enable:
+                logger.debug("jobId=%s Init refused: process-recover-enable off", self.job_id)
+                return pb.Status(code=P.PROCESS_RECOVER_ENABLE_OFF, info=P.INIT_RECOVER_OFF.format(job=self.job_id))
             self._inited = True
             self._changed()
         return pb.Status(code=P.OK, info=P.INIT_SUCCESS.format(job=self.job_id))
@@ -356,6 +373,10 @@ class JobController:
         """Validate in upstream order, map devices to global ranks, queue ``startSwitchNic``."""
         job = self.job_id
         with self._cond:
+            if not self.job.in_job_cache:
+                # Check 2, before the registration check: a registered job can still be missing
+                # from ClusterD's job cache.
+                return _param_invalid(P.JOB_NOT_EXIST_MSG.format(job=job))
             if not self._registered:
                 return _param_invalid(P.JOB_NOT_REGISTERED_MSG.format(job=job))
             if not self.job.running:
@@ -416,8 +437,9 @@ class JobController:
         """``ReplySwitchNicResult``: into the one-slot result channel, with no state check.
 
         Upstream's send blocks when the slot is full and panics the whole server when a reset
-        closes the channel under it (observed-2 §4.4, §4.5); the simulator blocks the same way,
-        records the crash as a violation and ends that call with UNAVAILABLE instead of dying.
+        closes the channel under it; the simulator blocks the same way, then reports the crash
+        (:meth:`_fatal`: recorded, logged as an ERROR, and with ``crash_like_clusterd`` the whole
+        simulator goes down) and ends that call with UNAVAILABLE.
         """
         with self._cond:
             if not self._registered:
@@ -434,9 +456,11 @@ class JobController:
                 if self._stopping:
                     raise RpcAbort("UNAVAILABLE", "simulator stopped")
                 if gen.closed:
-                    self._violation(
-                        "a blocked ReplySwitchNicResult met a reset: real ClusterD panics with 'send on "
-                        "closed channel' and the whole server process exits (observed-2 §4.4)"
+                    self._fatal(
+                        "a blocked ReplySwitchNicResult met a reset: the one-slot result channel was "
+                        "full (a second reply for one list), the reset closed it, and the blocked send "
+                        "panics with 'send on closed channel'; the whole server process exits (status 2) "
+                        "and every job on it is lost"
                     )
                     raise RpcAbort("UNAVAILABLE", "Stream removed (simulated ClusterD crash: send on closed channel)")
             elif not gen.awaiting_reply:
@@ -568,6 +592,9 @@ class JobController:
                 return
             token.dead = True
             self._streams.discard(token)
+            for waiters in (token.gen.list_waiters, token.gen.om_waiters):
+                if token in waiters:
+                    waiters.remove(token)
             if token.method == P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL and token.gen is self._gen and not self._stopping:
                 self._reset("SubscribeProcessManageSignal stream ended")
             self._changed()
@@ -618,14 +645,20 @@ class JobController:
         """The queued rank list for one of the job's competing subscribers, or None to end.
 
         A list waits in its slot until a live subscriber takes it; a subscriber that went away
-        leaves it for the next one (observed-2 §8 race_gap / race_tight).
+        leaves it for the next one. Subscribers are served first come, first served, as a Go
+        channel serves its receivers: the one that has waited longest gets the list, even when
+        it is a stale stream whose client is gone but whose connection still looks alive.
         """
         with self._cond:
             gen = token.gen
             while True:
                 if self._stopping or gen.closed or token.dead:
+                    _discard(gen.list_waiters, token)
                     return None
-                if gen.rank_list is not None:
+                if token not in gen.list_waiters:
+                    gen.list_waiters.append(token)
+                if gen.rank_list is not None and gen.list_waiters[0] is token:
+                    gen.list_waiters.popleft()
                     rank_list, gen.rank_list = gen.rank_list, None
                     gen.awaiting_reply = True
                     token.in_flight = True
@@ -693,14 +726,19 @@ class JobController:
             gen = token.gen
             deadline = time.monotonic() + self.settings.report_timeout_s
             while True:
-                if gen.om and not token.dead and not self._stopping:
+                if not token.dead and not self._stopping and token not in gen.om_waiters:
+                    gen.om_waiters.append(token)  # first come, first served, as for rank lists
+                if gen.om and not token.dead and not self._stopping and gen.om_waiters[0] is token:
+                    gen.om_waiters.popleft()
                     response = gen.om.popleft()
                     self._changed()
                     return response
                 if self._stopping or gen.closed or token.dead:
+                    _discard(gen.om_waiters, token)
                     return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    _discard(gen.om_waiters, token)
                     # The timeout message goes into the channel, not to this stream.
                     if len(gen.om) < P.OM_QUEUE_LENGTH:
                         self._om_messages.append(P.OM_RESULT_TIMEOUT)
@@ -734,6 +772,25 @@ class JobController:
         logger.warning("jobId=%s protocol misuse: %s", self.job_id, text)
         self._violations.append(text)
         self._changed()
+
+    def _fatal(self, why: str) -> None:
+        """Something that crashes the real ClusterD: recorded as a violation, logged as an ERROR,
+        then handed to the simulator (``on_fatal``), which goes down too with ``crash_like_clusterd``."""
+        text = f"{FATAL_PREFIX}{why}"
+        what_now = (
+            "the simulator crashes too (crash_like_clusterd)"
+            if self.settings.crash_like_clusterd
+            else "the simulator keeps serving (crash_like_clusterd, --crash-like-clusterd, makes it exit instead)"
+        )
+        logger.error("jobId=%s protocol misuse: %s; %s", self.job_id, text, what_now)
+        self._violations.append(text)
+        self._changed()
+        self._on_fatal(f"jobId={self.job_id}: {why}")
+
+    def record_fatal(self, why: str) -> None:
+        """:meth:`_fatal` for a crash the RPC layer detects (a report without ``status``)."""
+        with self._cond:
+            self._fatal(why)
 
     def _current_path(self) -> list[str]:
         return [*self._transitions, self._state]
@@ -1127,9 +1184,16 @@ class JobController:
         return P.EXIT
 
     def _h_notify_decided(self, gen: _Generation) -> str | None:
-        """``handleNotifyDecidedStrategy``: ``changeStrategy`` with the pick, uuid unchanged."""
+        """``handleNotifyDecidedStrategy``: ``changeStrategy`` with the pick, uuid unchanged.
+
+        ``handleDecidedStrategyAfterChoose``: for a MindSpore job, ``dump`` becomes ``exit`` while
+        the NIC switch is still in progress (its rank list is kept until the reset).
+        """
         with self._cond:
             strategy = self._choose_strategy(gen)
+            if strategy == P.DUMP and gen.switch_ranks and self.job.framework == P.MINDSPORE:
+                logger.debug("jobId=%s, mindspore job switching nic: dump becomes exit", self.job_id)
+                strategy = P.EXIT
             logger.debug("jobId=%s, choose strategy:%s (offered %s)", self.job_id, strategy, gen.agent_strategies)
             self._enqueue_or_fail(
                 gen, self._signal(gen, P.CHANGE_STRATEGY, [P.CHANGE_STRATEGY_ACTION], change_strategy=strategy)
@@ -1230,3 +1294,8 @@ class JobController:
 
 def _param_invalid(info: str) -> pb.Status:
     return pb.Status(code=P.OM_PARAM_INVALID, info=info)
+
+
+def _discard(waiters: deque[StreamToken], token: StreamToken) -> None:
+    if token in waiters:
+        waiters.remove(token)

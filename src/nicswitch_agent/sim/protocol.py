@@ -34,6 +34,10 @@ INIT_SUCCESS: Final = "job(uid={job}) init success"
 # (fault_recover_service.go) answers 502 OperatePodGroupError with this text. Not observed on
 # the wire (the harness always had the PodGroup); reference §1.3 documents "502 on PodGroup errors".
 INIT_NO_POD_GROUP: Final = "job(uid={job}) one of jobName, pgName, ns is empty"
+# Init for a job whose PodGroup has process-recover-enable off (and no sub-healthy hot switch):
+# getJobBaseInfo answers 403 ProcessRecoverEnableOff, formatting a nil error as "<nil>". Read from
+# the source (fault_recover_service.go), not observed on the wire.
+INIT_RECOVER_OFF: Final = "job(uid={job}) process-recover-enable and subhealthy hotswtich not open:<nil>"
 REGISTER_SUCCESS: Final = "register success"
 NOT_INITED: Final = "jobId={job} not inited"
 HEALTH_CHECK: Final = "jobId={job}, receive HeathCheck"
@@ -89,6 +93,13 @@ RECOVER: Final = "recover"
 DUMP: Final = "dump"
 EXIT: Final = "exit"
 DUMP_EXIT: Final = "dump_exit"
+# The strategy names a PodGroup's recover-strategy annotation may list, as far as a NIC switch goes.
+STRATEGIES: Final = (RETRY, RECOVER, DUMP, EXIT)
+
+# --- The PodGroup label ``framework`` (podgroup.GetModelFramework; constant.PtFramework/MsFramework)
+PYTORCH: Final = "pytorch"
+MINDSPORE: Final = "mindspore"
+FRAMEWORKS: Final = (PYTORCH, MINDSPORE)
 
 # --- States (upstream domain/common/state.go; names as the real server logs them) --------------
 INIT: Final = "INIT"
@@ -173,6 +184,8 @@ MAX_RECEIVE_BYTES: Final = 4 * 1024 * 1024
 MAX_SEND_BYTES: Final = 8 * 1024 * 1024
 MAX_CONCURRENT_STREAMS: Final = 64
 KEEPALIVE_MIN_TIME_MS: Final = 3000
+# gRPC core's max_ping_strikes for grpc-go's maxPingStrikes=2 (see sim/server.py _server_options).
+KEEPALIVE_MAX_PING_STRIKES: Final = 1
 EVENT_QUEUE_LENGTH: Final = 10  # eventChanLength
 OM_QUEUE_LENGTH: Final = 10  # switchNicResponse capacity
 KILL_MASTER_ENQUEUE_TIMEOUT_S: Final = 60.0  # handleKillJob: time.After(time.Minute)

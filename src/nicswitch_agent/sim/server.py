@@ -27,7 +27,7 @@ import grpc
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import faults as F
 from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.controller import JobController, JobView, RpcAbort, StreamToken
+from nicswitch_agent.sim.controller import FATAL_PREFIX, JobController, JobView, RpcAbort, StreamToken
 from nicswitch_agent.sim.faults import SimFaults
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 from nicswitch_agent.sim.standin import MindIOStandIn
@@ -106,13 +106,19 @@ def _server_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         # EnforcementPolicy{MinTime: 3s, PermitWithoutStream: true}: a client pinging more often
-        # gets GOAWAY too_many_pings (observed-2 §6). gRPC core's default is 5 min, far stricter.
+        # gets GOAWAY too_many_pings. gRPC core's default is 5 min, far stricter.
         # The key is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, whose string lacks
         # "recv": a misspelt key is silently ignored, and the 5 min default then cut off any
         # client that pinged 3 times without hearing data (tests/test_keepalive.py).
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", P.KEEPALIVE_MIN_TIME_MS),
-        ("grpc.http2.max_ping_strikes", 2),
+        # grpc-go (ClusterD) allows 2 strikes and sends GOAWAY on the 3rd; the first ping after
+        # a header or data frame from the server is forgiven. gRPC core forgives one ping more:
+        # the connection WINDOW_UPDATE for the client's request, flushed with the first ping's
+        # ACK, resets its count too. One strike fewer gives ClusterD's recorded count: a client
+        # pinging every 1 s on an idle stream is cut off on the 4th ping, 4 s after it opened
+        # the stream (tests/sim/test_keepalive_policy.py).
+        ("grpc.http2.max_ping_strikes", P.KEEPALIVE_MAX_PING_STRIKES),
         # A second simulator on a fixed port must fail, not share the port.
         ("grpc.so_reuseport", 0),
     ]
@@ -135,6 +141,14 @@ class Simulator:
             127.0.0.1, as MindIO reaches ClusterD through its local sidecar.
         faults: test hook (see :mod:`nicswitch_agent.sim.faults`): faults armed there are
             injected into the next matching RPCs; default: a fresh, empty one (``self.faults``).
+        on_crash: called once, with the reason, when the simulator crashes like the real
+            ClusterD (``settings.crash_like_clusterd``); the CLI uses it to exit with status 2.
+
+    Where the real ClusterD would crash, :meth:`crash_points` lists why (whatever the mode).
+    With ``settings.crash_like_clusterd`` the simulator then goes down: :attr:`crashed` holds the
+    reason, every open stream and call ends with UNAVAILABLE, the port closes and later calls are
+    refused (UNAVAILABLE). A test that must prove an agent never crashes ClusterD runs with it on
+    and asserts ``sim.crashed is None`` (and ``sim.crash_points() == []``).
 
     Example::
 
@@ -152,6 +166,7 @@ class Simulator:
         standin_register_delay_s: float = 0.0,
         faults: SimFaults | None = None,
         tls: ServerTls | None = None,
+        on_crash: Callable[[str], None] | None = None,
     ) -> None:
         self.settings = settings if settings is not None else SimSettings()
         self.faults = faults if faults is not None else SimFaults()
@@ -162,19 +177,26 @@ class Simulator:
         self._use_standin = standin
         self._standin_register_delay_s = standin_register_delay_s
         self._notifier = _Notifier()
-        self._controllers: dict[str, JobController] = {}
-        for job in jobs:
-            if job.job_id in self._controllers:
-                raise ValueError(f"duplicate job id {job.job_id!r}")
-            seed = None if self.settings.seed is None else f"{self.settings.seed}/{job.job_id}"
-            self._controllers[job.job_id] = JobController(job, self.settings, random.Random(seed), self._notifier.bump)
-        # Guards the lifecycle fields below; never held while calling into gRPC or a job.
+        self._on_crash = on_crash
+        # Guards the lifecycle and crash fields below; never held while calling into gRPC or a
+        # job (a job's lock may be held while taking it, never the other way round).
         self._lock = threading.Lock()
         self._server: Any = None
         self._address: str | None = None
         self._started = False
         self._stopped = False
         self._standins: list[MindIOStandIn] = []
+        self._crash_points: list[str] = []
+        self._crashed: str | None = None
+        self._crash_done = threading.Event()
+        self._controllers: dict[str, JobController] = {}
+        for job in jobs:
+            if job.job_id in self._controllers:
+                raise ValueError(f"duplicate job id {job.job_id!r}")
+            seed = None if self.settings.seed is None else f"{self.settings.seed}/{job.job_id}"
+            self._controllers[job.job_id] = JobController(
+                job, self.settings, random.Random(seed), self._notifier.bump, on_fatal=self._fatal
+            )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -237,6 +259,64 @@ class Simulator:
         if not ready:
             self.stop()
             raise RuntimeError("MindIO stand-ins did not subscribe within 10 s")
+
+    # ------------------------------------------------------------------ crashing like ClusterD
+
+    @property
+    def crashed(self) -> str | None:
+        """Why the simulator crashed (``crash_like_clusterd``), or None while it serves."""
+        with self._lock:
+            return self._crashed
+
+    def crash_points(self) -> list[str]:
+        """Every point where the real ClusterD would have crashed, oldest first (either mode)."""
+        with self._lock:
+            return list(self._crash_points)
+
+    def wait_crashed(self, timeout: float) -> bool:
+        """Wait until a crash has cut every stream and closed the port; False on timeout."""
+        return self._crash_done.wait(timeout)
+
+    def _fatal(self, reason: str, log: bool = False) -> None:
+        """Something the real ClusterD dies of happened (a job's controller has logged it unless
+        ``log``). May be called with a job's lock held: records, and with ``crash_like_clusterd``
+        goes down on another thread."""
+        with self._lock:
+            self._crash_points.append(reason)
+            crash = self.settings.crash_like_clusterd and self._crashed is None and not self._stopped
+            if crash:
+                self._crashed = reason
+        if log:
+            logger.error("protocol misuse: %s%s", FATAL_PREFIX, reason)
+        if not crash:
+            self._notifier.bump()
+            return
+        logger.error("ClusterD simulator crashing as the real server would (exit status 2): %s", reason)
+        threading.Thread(target=self._go_down, args=(reason,), name="nicswitch-sim-crash", daemon=True).start()
+        self._notifier.bump()
+
+    def _go_down(self, reason: str) -> None:
+        """The crash itself: cancel every call (UNAVAILABLE), close the port, end the jobs' threads."""
+        with self._lock:
+            server, standins = self._server, list(self._standins)
+        if server is not None:
+            server.stop(0).wait(5.0)
+        for standin in standins:
+            standin.stop()
+        for controller in self._controllers.values():
+            controller.stop()
+        self._crash_done.set()
+        self._notifier.bump()
+        if self._on_crash is not None:
+            try:
+                self._on_crash(reason)
+            except Exception:
+                logger.exception("on_crash callback failed")
+
+    def _refuse_if_crashed(self, context: Any) -> None:
+        """After a crash, calls that slip in before the port closes fail as on a dead server."""
+        if self.crashed is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "simulated ClusterD crashed (connection refused)")
 
     def stop(self, grace: float | None = 0) -> None:
         """Stop serving and end every stream; idempotent. Stand-ins stop first."""
@@ -304,7 +384,7 @@ class Simulator:
     # ------------------------------------------------------------------ RPC handlers
 
     def _handlers(self) -> dict[str, Callable[..., Any]]:
-        return {
+        handlers: dict[str, Callable[..., Any]] = {
             "Init": self._init,
             "Register": self._register,
             "SubscribeProcessManageSignal": self._subscribe_process_manage,
@@ -317,6 +397,14 @@ class Simulator:
             "SubscribeNotifySwitch": self._subscribe_notify_switch,
             "ReplySwitchNicResult": self._reply_switch_nic_result,
         }
+        return {name: self._guarded(handler) for name, handler in handlers.items()}
+
+    def _guarded(self, handler: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        def guarded(request: Any, context: Any) -> Any:
+            self._refuse_if_crashed(context)
+            return handler(request, context)
+
+        return guarded
 
     def _registered(self, job_id: str) -> JobController | None:
         controller = self._controllers.get(job_id)
@@ -364,7 +452,29 @@ class Simulator:
             context.abort(grpc.StatusCode.UNAVAILABLE, "simulated fault: reply taken, then the call failed")
         return status
 
+    def _missing_status(
+        self, method: str, request: pb.StopCompleteRequest | pb.RecoverStatusRequest, context: Any
+    ) -> None:
+        """A report without ``status``: ClusterD logs ``request.Status.Code`` before anything
+        else, dereferences nil and dies, whatever the job. Recorded (on the job if known); with
+        ``crash_like_clusterd`` the simulator dies too and this call ends with UNAVAILABLE."""
+        if request.HasField("status"):
+            return
+        why = (
+            f"{method} without a status field: ClusterD reads request.Status.Code before anything else, "
+            "dereferences nil and panics; the whole server process exits (status 2), every stream and "
+            "call fails with UNAVAILABLE and every job on it is lost"
+        )
+        controller = self._controllers.get(request.jobId)
+        if controller is not None:
+            controller.record_fatal(why)
+        else:
+            self._fatal(f"jobId={request.jobId}: {why}", log=True)
+        if self.crashed is not None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (simulated ClusterD crash: nil status)")
+
     def _report_stop_complete(self, request: pb.StopCompleteRequest, context: Any) -> pb.Status:
+        self._missing_status(P.REPORT_STOP_COMPLETE, request, context)
         controller = self._registered(request.jobId)
         if controller is None:
             return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))
@@ -377,6 +487,7 @@ class Simulator:
         return controller.report_recover_strategy(request)
 
     def _report_recover_status(self, request: pb.RecoverStatusRequest, context: Any) -> pb.Status:
+        self._missing_status(P.REPORT_RECOVER_STATUS, request, context)
         controller = self._registered(request.jobId)
         if controller is None:
             return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=request.jobId))

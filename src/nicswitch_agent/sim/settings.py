@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from nicswitch_agent.sim import protocol as P
+
 __all__ = ["SimJob", "SimSettings"]
 
 
@@ -21,8 +23,16 @@ class SimJob:
             413 ``job:%s is not running`` (reference §2.1 check 4).
         superpod_ids: node -> SuperPoD id from the device-info cache (default 0 for every node);
             a negative id makes SwitchNicTrack answer 413 ``node:%s should operate in superPodID``.
-        recover_strategies: the PodGroup annotation ``recover-strategy``; ``exit`` is always
-            allowed on top (clusterd-observed-2 summary, point 6).
+        recover_strategies: the PodGroup annotation ``recover-strategy`` (names from ``retry``,
+            ``recover``, ``dump``, ``exit``); ``exit`` is always allowed on top.
+        framework: the PodGroup label ``framework``, ``pytorch`` or ``mindspore``. For a MindSpore
+            job ClusterD turns a ``dump`` decision into ``exit`` while a NIC switch is in progress
+            (``handleDecidedStrategyAfterChoose``), so a failed switch never dumps.
+        process_recover_enable: the PodGroup label ``process-recover-enable``; ``False`` makes
+            ``Init`` answer 403 (ProcessRecoverEnableOff), and ``Register`` then 408.
+        in_job_cache: whether ClusterD's job cache holds the job; ``False`` (a job ClusterD lost
+            track of, or one its informer has not seen yet) makes ``SwitchNicTrack`` answer 413
+            ``job:<id> not exist`` although Init and Register succeed.
     """
 
     job_id: str
@@ -30,6 +40,9 @@ class SimJob:
     running: bool = True
     superpod_ids: Mapping[str, int] | None = None
     recover_strategies: tuple[str, ...] = ("retry", "recover", "dump")
+    framework: str = P.PYTORCH
+    process_recover_enable: bool = True
+    in_job_cache: bool = True
 
     def __post_init__(self) -> None:
         if not self.job_id:
@@ -59,7 +72,18 @@ class SimJob:
             if unknown:
                 raise ValueError(f"job {self.job_id}: superpod_ids for unknown nodes {sorted(unknown)}")
             object.__setattr__(self, "superpod_ids", dict(self.superpod_ids))
-        object.__setattr__(self, "recover_strategies", tuple(self.recover_strategies))
+        strategies = tuple(self.recover_strategies)
+        unknown_strategies = [name for name in strategies if name not in P.STRATEGIES]
+        if unknown_strategies:
+            raise ValueError(
+                f"job {self.job_id}: recover_strategies {unknown_strategies} unknown; "
+                f"known: {', '.join(P.STRATEGIES)}"
+            )
+        object.__setattr__(self, "recover_strategies", strategies)
+        if self.framework not in P.FRAMEWORKS:
+            raise ValueError(
+                f"job {self.job_id}: framework {self.framework!r} unknown; known: {', '.join(P.FRAMEWORKS)}"
+            )
 
     def superpod_id(self, node: str) -> int:
         """The node's SuperPoD id (0 unless configured)."""
@@ -96,6 +120,11 @@ class SimSettings:
             validation); devices keep the request's order either way.
         seed: seed for that shuffle and nothing else.
         max_workers: gRPC server threads; every open stream and every blocked call holds one.
+        crash_like_clusterd: where the real ClusterD crashes (a report without ``status``; a
+            second reply blocked on the one-slot result channel when the job resets), crash too:
+            every stream and call ends with UNAVAILABLE, the port closes, later calls are refused,
+            and the CLI exits with status 2. Off (the default), the simulator records the
+            violation, logs an ERROR naming the crash, and keeps serving so a rehearsal can go on.
     """
 
     report_timeout_s: float = 900.0
@@ -109,6 +138,7 @@ class SimSettings:
     shuffle_nodes: bool = True
     seed: int | None = None
     max_workers: int = field(default=32)
+    crash_like_clusterd: bool = False
 
     def __post_init__(self) -> None:
         for name in (

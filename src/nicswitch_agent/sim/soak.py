@@ -23,7 +23,9 @@ bounded wait runs out):
 - one reply reached ClusterD per list it delivered, none for a list it did not deliver (a restarted
   ClusterD delivered none), and the agent received every delivered list and settled exactly one
   reply for each;
-- ``JobView.violations`` gained nothing (the simulator records every protocol misuse);
+- ``JobView.violations`` gained nothing (the simulator records every protocol misuse), and the
+  simulator, which runs with ``crash_like_clusterd``, did not go down: the agent never does what
+  crashes the real ClusterD (a report without status, a second reply for one list);
 - every agent thread is alive, no rank is parked, and training steps again (or, after ClusterD
   chose exit, every rank was told to stop: the job is then started again, as a launcher would);
 - every rank that ran the switch hook got the same full list, and every rank answered the order
@@ -296,7 +298,8 @@ class SubprocessBackend:
         nodes = [f"{node}:{','.join(devs)}" for node, devs in job.nodes.items()]
         command = [sys.executable, "-m", "nicswitch_agent.sim", "--port", str(port), "--job", JOB,
                    "--report-timeout", str(report_timeout_s), "--keepalive", "1", "--quick-recovery",
-                   "--strategies", ",".join(job.recover_strategies), "--no-shuffle", "--verbose"]
+                   "--strategies", ",".join(job.recover_strategies), "--no-shuffle", "--verbose",
+                   "--crash-like-clusterd"]
         for node in nodes:
             command += ["--nodes", node]
         if standin:
@@ -657,7 +660,8 @@ class _ModeRun:
         self.sim_job = SimJob(job_id=JOB, nodes=_nodes(settings.ranks), recover_strategies=("recover",))
         self.sim_settings = SimSettings(report_timeout_s=settings.report_timeout_s, keepalive_interval_s=1.0,
                                         fault_flush_s=0.01, force_release_s=0.05, schedule_wait_s=0.02,
-                                        restart_wait_s=0.02, seed=rng.randrange(1 << 30))
+                                        restart_wait_s=0.02, seed=rng.randrange(1 << 30),
+                                        crash_like_clusterd=True)
         guard_s, switch_s = 0.2, 0.4
         self.plan = HookPlan(slow_s=guard_s + switch_s + 0.3)
         self.agent_settings: dict[str, Any] = dict(
