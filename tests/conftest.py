@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
+import nicswitch_agent  # noqa: F401  (before grpc, as in a user's process: it sets up grpc for forks)
+
 sys.path.insert(0, str(Path(__file__).parent))
 
 from scripted import ScriptedClusterD

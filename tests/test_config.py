@@ -410,7 +410,7 @@ def test_unknown_setting_names() -> None:
         from_env({}, **BASE, zzz=1, keepalive_s=3)
 
 
-@pytest.mark.parametrize("pause", ["internal", "mindio", "", "External", None])
+@pytest.mark.parametrize("pause", ["internal", "mindio", "", "Externals", None])
 def test_unknown_pause_modes_refused(pause: Any) -> None:
     message = refused("is not supported; choose one of auto, agent, external", pause=pause)
     assert f"pause={pause!r}" in message
@@ -432,9 +432,11 @@ def test_limits_must_be_positive_ints(name: str, value: Any) -> None:
     assert f"{name}={value!r} must be a positive integer" in refused(name, **{name: value})
 
 
-@pytest.mark.parametrize("role", ["", None, 7])
-def test_role_must_be_a_non_empty_string(role: Any) -> None:
-    assert f"role={role!r} must be a non-empty string" in refused("role", role=role)
+@pytest.mark.parametrize(("role", "expected"), [("", "role='' must be a non-empty string"),
+                                              (None, "role must be a string, got NoneType None"),
+                                              (7, "role must be a string, got int 7")])
+def test_role_must_be_a_non_empty_string(role: Any, expected: str) -> None:
+    assert expected in refused("role", role=role)
 
 
 def test_config_error_is_a_value_error() -> None:
@@ -483,7 +485,7 @@ def test_dns_scheme_target_is_accepted() -> None:
 
 
 def test_non_string_server_names_the_value() -> None:
-    assert "server=123" in refused("must be a string", server=123)
+    assert "server must be a string 'host:port', got int 123" in refused("must be a string", server=123)
 
 
 def test_replace_with_unknown_setting_is_a_config_error() -> None:

@@ -10,6 +10,8 @@ Typical use in a training loop::
             agent.step(step)              # a safe point; costs about an attribute write
 """
 
+# First, before any module of ours imports grpc: makes grpc safe for forked DataLoader workers.
+from nicswitch_agent import _fork_safety  # noqa: F401
 from nicswitch_agent.agent import SwitchAgent
 from nicswitch_agent.config import AgentConfig
 from nicswitch_agent.errors import (

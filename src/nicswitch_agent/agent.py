@@ -43,7 +43,7 @@ from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcess
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.events import AgentEvent, EventListener, EventLog
 from nicswitch_agent.execute import Execution
-from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook
+from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, require_callable
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
@@ -194,6 +194,15 @@ class SwitchAgent:
         config: AgentConfig | None = None,
         **settings: Any,
     ) -> None:
+        # Refused here, not at the first switch, where a broken hook costs the job a recovery.
+        require_callable("switch_hook", switch_hook, "one argument (the order)")
+        require_callable("checkpoint_hook", checkpoint_hook, "one argument (the order)")
+        require_callable("on_stop", on_stop, "one argument (the reason)")
+        require_callable("on_event", on_event, "one argument (the event)")
+        if not isinstance(leader_only, bool):
+            raise ConfigError(f"leader_only must be a bool, got {type(leader_only).__name__} {leader_only!r}")
+        if config is not None and not isinstance(config, AgentConfig):
+            raise ConfigError(f"config must be an AgentConfig, got {type(config).__name__} {config!r}")
         if config is None:
             config = AgentConfig.from_env(server=server, job_id=job_id, pause=pause, **settings)
         elif server is not None or job_id is not None or pause is not None or settings:

@@ -13,9 +13,13 @@ prompt false, because ClusterD then takes it as the result of the *next* switch.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
+import logging
 import math
 import os
+import re
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,9 +41,16 @@ ENV_PREFIX = "NICSWITCH_"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 
+logger = logging.getLogger("nicswitch_agent.config")
+
 
 def _env_name(field_name: str) -> str:
     return ENV_PREFIX + field_name.upper()
+
+
+def _describe(value: Any) -> str:
+    """``int 123``: the type and the value, for messages about a value of the wrong type."""
+    return f"{type(value).__name__} {value!r}"
 
 
 @dataclass(frozen=True)
@@ -150,6 +161,10 @@ class AgentConfig:
     (``grpc.ssl_target_name_override``), e.g. when ``server`` is an IP address."""
 
     def __post_init__(self) -> None:
+        for name in ("pause", "leader"):  # enumerations: any case (NICSWITCH_PAUSE=External)
+            value = getattr(self, name)
+            if isinstance(value, str) and value != value.lower() and value.lower() in PAUSE_MODES + LEADER_PLACES:
+                object.__setattr__(self, name, value.lower())
         self._validate()
 
     # -- construction -------------------------------------------------------------------------
@@ -165,6 +180,7 @@ class AgentConfig:
         unknown = sorted(set(explicit) - set(names))
         if unknown:
             raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+        warn_unknown_env(env)
         values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
         for name, f in names.items():
             if name in values:
@@ -193,20 +209,24 @@ class AgentConfig:
 
     def _validate(self) -> None:
         if not isinstance(self.server, str):
-            raise ConfigError(f"server={self.server!r} must be a string 'host:port'")
+            raise ConfigError(f"server must be a string 'host:port', got {_describe(self.server)}")
         if not self.server.strip():
             raise ConfigError(
                 "server is not set: pass server='host:port', or set NICSWITCH_SERVER, "
                 "MINDX_SERVER_IP or LOCAL_PROXY_ENABLE=on"
             )
         _check_target("server", self.server)
-        if not isinstance(self.job_id, str) or not self.job_id.strip():
+        if not isinstance(self.job_id, str):
+            raise ConfigError(f"job_id must be a string, got {_describe(self.job_id)}")
+        if not self.job_id.strip():
             raise ConfigError("job_id is not set: pass job_id=..., or set NICSWITCH_JOB_ID or MINDX_TASK_ID")
         if self.job_id != self.job_id.strip() or any(ord(c) < 32 for c in self.job_id):
             raise ConfigError(f"job_id={self.job_id!r} has surrounding spaces or control characters")
         if self.leader not in LEADER_PLACES:
             raise ConfigError(f"leader={self.leader!r} is not supported; choose one of {', '.join(LEADER_PLACES)}")
         if self.store_address is not None:
+            if not isinstance(self.store_address, str):
+                raise ConfigError(f"store_address must be a string 'host:port', got {_describe(self.store_address)}")
             _check_target("store_address", self.store_address)
         if self.pause not in PAUSE_MODES:
             raise ConfigError(
@@ -282,7 +302,9 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r} must be a positive integer")
-        if not isinstance(self.role, str) or not self.role:
+        if not isinstance(self.role, str):
+            raise ConfigError(f"role must be a string, got {_describe(self.role)}")
+        if not self.role:
             raise ConfigError(f"role={self.role!r} must be a non-empty string")
         _check_tls(self.tls, self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
 
@@ -358,6 +380,7 @@ def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> Tl
     unknown = sorted(set(explicit) - set(TLS_FIELDS))
     if unknown:
         raise ConfigError(f"unknown TLS setting(s): {', '.join(unknown)}")
+    warn_unknown_env(env)
     types = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
     values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
     for name in TLS_FIELDS:
@@ -436,16 +459,79 @@ def _ssl_reason(exc: BaseException) -> str:
     return str(reason) if reason else type(exc).__name__
 
 
+# A DNS name (Kubernetes service names included): dot-separated labels of letters, digits, "-" and
+# "_" (seen in some internal resolvers), none empty or longer than 63 characters.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
 def _check_target(name: str, target: str) -> None:
+    """``host:port`` with a port in 1-65535 and a host that is an IP address or a DNS name.
+
+    gRPC's ``unix:`` targets pass as they are; ``dns:`` ones (``dns:///svc.ns:8899``) are checked
+    after the scheme and authority."""
     if target.startswith(("unix:", "unix-abstract:")):
         return
-    if target.startswith("dns:"):  # gRPC name syntax, e.g. dns:///clusterd-grpc-svc.mindx-dl:8899
-        target = target.split("/")[-1]
-    host, sep, port = target.rpartition(":")
-    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
+    address = target
+    if address.startswith("dns:"):  # gRPC name syntax: dns:[//authority/]host:port
+        address = address[len("dns:"):]
+        if address.startswith("//"):
+            address = address[2:].partition("/")[2]
+    elif "://" in address:
+        raise ConfigError(f"{name}={target!r}: give host:port without a scheme (gRPC dials it directly), "
+                          f"e.g. {address.partition('://')[2].rstrip('/')!r}")
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port:
         raise ConfigError(f"{name}={target!r} must look like host:port (IPv6 as [addr]:port)")
+    if not (port.isascii() and port.isdigit()):
+        raise ConfigError(f"{name}={target!r} must look like host:port: the port {port!r} is not a number")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ConfigError(f"{name}={target!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"{name}={target!r} must look like host:port: the port {int(port)} is outside 1-65535")
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"{name}={target!r}: {host[1:-1]!r} is not an IPv6 address") from None
+        return
+    if host.replace(".", "").isdigit():  # looks like IPv4: it has to be one
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ConfigError(f"{name}={target!r}: {host!r} is not an IPv4 address") from None
+        return
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")  # a trailing dot: fully qualified
+    if len(host) > 253 or not all(label.isascii() and _HOST_LABEL.fullmatch(label) for label in labels):
+        raise ConfigError(f"{name}={target!r}: {host!r} is not a host name or IP address "
+                          "(letters, digits, '-' and '.' only)")
+
+
+def known_env_names() -> frozenset[str]:
+    """Every ``NICSWITCH_*`` variable the library reads: one per :class:`AgentConfig` field."""
+    return frozenset(_env_name(f.name) for f in dataclasses.fields(AgentConfig))
+
+
+_warned_env: set[str] = set()  # unknown variables already warned about in this process
+_warned_lock = threading.Lock()  # guards _warned_env
+
+
+def warn_unknown_env(env: Mapping[str, str]) -> list[str]:
+    """Log one WARNING per ``NICSWITCH_*`` variable in ``env`` that is no setting (a typo is
+    otherwise silently ignored), naming the closest known one. Each name is warned about once per
+    process, however often a config is loaded. Returns the unknown names."""
+    known = known_env_names()
+    unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k not in known)
+    for name in unknown:
+        with _warned_lock:
+            if name in _warned_env:
+                continue
+            _warned_env.add(name)
+        # Compared without the prefix every name shares, which would make anything look close.
+        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], [k[len(ENV_PREFIX):] for k in sorted(known)],
+                                          n=1, cutoff=0.6)
+        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "docs/configuration.md lists the settings"
+        logger.warning("%s is not a nicswitch-agent setting and is ignored: %s", name, hint)
+    return unknown
 
 
 def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:

@@ -21,8 +21,11 @@ from typing import Any
 
 import grpc
 
+from nicswitch_agent import _fork_safety
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.errors import ConfigError
+
+_fork_safety.warn_if_unsafe()  # once: grpc was set up for forks by the package's __init__, unless too late
 
 SERVICE = "Recover"
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import abc
+import inspect
 from collections.abc import Callable
 from typing import Any
 
+from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.orders import SwitchOrder
 
 SwitchHook = Callable[[SwitchOrder], "bool | None"]
@@ -42,3 +44,29 @@ def check_hook(hook: Any) -> None:
     check = getattr(hook, "check", None)
     if callable(check):
         check()
+
+
+def require_callable(name: str, value: Any, takes: str) -> None:
+    """Refuse ``value`` unless it is None or can be called with one argument (``takes`` names it).
+
+    A hook that cannot be called would otherwise fail only at the first switch, when it costs the
+    job a recovery; a class instead of an instance is the common slip.
+
+    Raises:
+        ConfigError: naming the argument, the type and the value.
+    """
+    if value is None:
+        return
+    if isinstance(value, type):
+        raise ConfigError(f"{name} must be callable with {takes}, got the class {value.__name__}: "
+                          f"pass an instance, e.g. {value.__name__}()")
+    if not callable(value):
+        raise ConfigError(f"{name} must be callable, got {type(value).__name__} {value!r}")
+    try:
+        signature = inspect.signature(value)
+    except (TypeError, ValueError):  # some builtins and extension types have none: trust them
+        return
+    try:
+        signature.bind(None)
+    except TypeError as exc:
+        raise ConfigError(f"{name}={value!r} must be callable with {takes} ({exc})") from None
