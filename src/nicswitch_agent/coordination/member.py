@@ -250,8 +250,8 @@ class Member:
         decided this order, so a next event in our queue means nobody waits for our answer."""
         moved_on = self.kv.check([p.queue_key(self.rank, self._next)])
         if moved_on or not self.kv.check([p.order_key(name)]):
-            logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (it was "
-                           "still busy with an earlier order)", self.rank, name)
+            logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
+                           "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
             return True
         return False
 
