@@ -14,6 +14,9 @@ terminals::
         torchrun --standalone --nproc-per-node 2 examples/ddp_train.py --wait-for-switch
     nicswitch-agent switch --server 127.0.0.1:8899 --job demo --node node-0 --dev 0,1 --op standby
 
+With the leader outside training (``nicswitch-agent launch --server 127.0.0.1:8899 --job-id demo --
+torchrun ...``) it works the same: every rank learns the switch's outcome from the leader.
+
 The integration is three lines: create the agent (with a switch hook and a checkpoint guard),
 ``with agent:`` around the loop, and ``enumerate_steps(agent, batches)`` instead of
 ``enumerate(batches)`` (it calls ``agent.step(step)`` at every step boundary). When ClusterD asks
@@ -118,10 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         state=lambda: dict(zip(("model", "optimizer"), get_state_dict(model, optimizer), strict=True)),
         step=parked_step,
     )
-    switched = threading.Event()  # set on the leader (rank 0) when a switch succeeded on every rank
+    switched = threading.Event()  # set when the leader's decision "switched on every rank" reaches this rank
 
     def on_event(event: AgentEvent) -> None:
-        if event.kind == "switch_done" and event.detail.get("ok"):
+        # switch_outcome: every rank hears the leader's decision, whether the leader is rank 0 or the
+        # `nicswitch-agent launch` process (switch_done is the leader's own event, so only rank 0 would
+        # see it, and under the launcher nobody would).
+        if event.kind == "switch_outcome" and event.detail.get("kind") == "switch" and event.detail.get("ok"):
             switched.set()
 
     # switch_hook=None: torch_npu's _comm_switch_nic
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 loss.backward()
                 optimizer.step()
                 # One small all_reduce: the mean loss for the log, and whether a switch has been done
-                # (the leader knows), so that every rank takes the same decision to stop.
+                # (ranks hear it at slightly different moments), so that every rank stops at the same step.
                 stats = torch.tensor([loss.item(), float(switched.is_set())])
                 dist.all_reduce(stats)
                 loss_avg = stats[0].item() / world

@@ -148,6 +148,7 @@ class SwitchAgent:
         "_event_sink",
         "_events",
         "_executor",
+        "_failure_thread",
         "_last_switch",
         "_leader_only",
         "_lock",
@@ -163,6 +164,7 @@ class SwitchAgent:
         "_seq",
         "_started_mono",
         "_state",
+        "_state_reason",
         "_stats",
         "_status_writer",
         "_steps",
@@ -227,8 +229,10 @@ class SwitchAgent:
             self._events.add_listener(self._event_sink)
         self._metrics: PrometheusMetrics | None = None  # the leader's, made at start()
         self._status_writer: StatusFileWriter | None = None
-        self._lock = threading.Lock()  # guards _state, _counters, _last_switch, _current
+        self._lock = threading.Lock()  # guards _state, _state_reason, _counters, _last_switch, _current
         self._state = CREATED
+        self._state_reason = ""  # why the agent failed, or why it stopped
+        self._failure_thread: threading.Thread | None = None  # stops the threads of a failed leader
         self._stopped = threading.Event()  # set when a stop() that did the work has finished
         self._stopping_thread: threading.Thread | None = None
         self._counters = _Counters()
@@ -320,7 +324,7 @@ class SwitchAgent:
                         guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
                         dry_run=cfg.dry_run, local_ranks=rank_map.local_ranks),
             lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
-            on_event=lambda kind, detail: self._emit(kind, detail=detail),
+            on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail),
         )
         self._member.start()
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
@@ -388,7 +392,8 @@ class SwitchAgent:
                 self._coordinator,
                 HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
                              guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
-                             pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run),
+                             pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
+                             guard_unknown=self._leader_only),
                 on_stop=self._training_must_stop,
             )
             self._process_manage = ProcessManageClient(
@@ -424,6 +429,9 @@ class SwitchAgent:
         with self._lock:
             if self._state == "starting":  # a fatal error may already have marked it failed
                 self._state = RUNNING
+            failed_during_start = self._state == FAILED
+        if failed_during_start:
+            self._start_failure_teardown()
         _register_exit_hooks(self)
         logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s",
                     self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
@@ -467,6 +475,9 @@ class SwitchAgent:
                 was_started = self._state not in (CREATED, "starting")
                 self._state = STOPPING
                 self._stopping_thread = threading.current_thread()
+        failure = self._failure_thread
+        if failure is not None and failure is not threading.current_thread():
+            failure.join(self.config.stop_timeout_s * 4)  # a failed leader's threads are being stopped
         if in_progress:
             # Another thread is stopping it (a signal, interpreter exit): wait for it, bounded, so
             # that the process does not end while the false replies are still being sent.
@@ -482,57 +493,63 @@ class SwitchAgent:
     def _stop(self, reason: str, was_started: bool) -> None:
         if was_started:
             logger.info("nicswitch-agent stopping: %s", reason)
-            if self._subscriber is not None:
-                self._subscriber.stop()  # no new lists
-            self._settle_owed_replies(reason)  # false for every list still owed a reply, before anything else
-            self._coordination_stop.set()  # then cut the leader's waits short
-            if self._process_manage is not None:
-                # No report after this point (ClusterD would keep it for its next question), and
-                # one on the wire arrives before the stream ends.
-                self._process_manage.close_reports(self.config.stop_timeout_s)
-                self._process_manage.stop()
-            if self._controller is not None:
-                self._controller.stop(self.config.stop_timeout_s)
-            if self._coordinator is not None and self._coordinator.paused:
-                try:
-                    self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
-                except Exception:
-                    logger.warning("could not release the members", exc_info=True)
-            if self._member is not None:
-                self._member.stop()
-            self._parking.release()  # never leave training parked behind a stopped agent
-            if not self._parking.wait_unparked(self.config.stop_timeout_s):
-                logger.warning("training still parked %.1f s after stop (a hook is running on it)",
-                               self.config.stop_timeout_s)
-            if self._executor is not None:
-                self._queue.put(None)
-            executor = self._executor
-            if executor is not None and executor is not threading.current_thread():
-                executor.join(self.config.stop_timeout_s)
-                if executor.is_alive():
-                    logger.warning("executor thread still busy after %.1f s (a hook is running); "
-                                   "leaving it as a daemon", self.config.stop_timeout_s)
+            self._stop_threads(reason)
             if self._replier is not None:
                 self._replier.close()
             if self._channel is not None:
                 self._channel.close()
         with self._lock:
-            self._state = STOPPED
+            self._state, self._state_reason = STOPPED, reason
         self._emit(ev.AGENT_STOPPED, detail={"reason": reason})
         self._stop_observers()
         if self._event_sink is not None:
             self._event_sink.close()
+
+    def _stop_threads(self, reason: str) -> None:
+        """Everything stop() does but closing the channel; safe to run twice (a failed leader's
+        threads are stopped this way at once, and stop() runs it again later)."""
+        if self._subscriber is not None:
+            self._subscriber.stop()  # no new lists
+        self._settle_owed_replies(reason)  # false for every list still owed a reply, before anything else
+        self._coordination_stop.set()  # then cut the leader's waits short
+        if self._process_manage is not None:
+            # No report after this point (ClusterD would keep it for its next question), and
+            # one on the wire arrives before the stream ends.
+            self._process_manage.close_reports(self.config.stop_timeout_s)
+            self._process_manage.stop()
+        if self._controller is not None:
+            self._controller.stop(self.config.stop_timeout_s)
+        if self._coordinator is not None and self._coordinator.paused:
+            try:
+                self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
+            except Exception:
+                logger.warning("could not release the members", exc_info=True)
+        if self._member is not None:
+            self._member.stop()
+        self._parking.release()  # never leave training parked behind a stopped agent
+        if not self._parking.wait_unparked(self.config.stop_timeout_s):
+            logger.warning("training still parked %.1f s after stop (a hook is running on it)",
+                           self.config.stop_timeout_s)
+        if self._executor is not None:
+            self._queue.put(None)
+        executor = self._executor
+        if executor is not None and executor is not threading.current_thread():
+            executor.join(self.config.stop_timeout_s)
+            if executor.is_alive():
+                logger.warning("executor thread still busy after %.1f s (a hook is running); "
+                               "leaving it as a daemon", self.config.stop_timeout_s)
 
     def status(self) -> dict[str, Any]:
         """A snapshot for humans and health checks: state, connection, counters, last switch."""
         sub = self._subscriber
         with self._lock:
             counters = dict(vars(self._counters))
-            state = self._state
+            state, reason = self._state, self._state_reason
             last_switch = dict(self._last_switch) if self._last_switch else None
         last_msg = sub.last_message_mono if sub else None
         return {
             "state": state,
+            "reason": reason if state in (FAILED, STOPPED) else "",
             "role": "leader" if self._coordinator is not None else ("member" if self._member is not None else None),
             "rank": self.rank,
             "world_size": self.world_size,
@@ -556,6 +573,7 @@ class SwitchAgent:
             "last_step": self.last_step,
             "parked": self._parking.parked,
             "parked_step": self._parking.parked_step,
+            "stuck_hook": None if self._member is None else self._member.stuck_hook(),
             "process_manage": None if self._process_manage is None else {
                 "registered": self._process_manage.registered,
                 "stream_open": self._process_manage.stream_open,
@@ -658,9 +676,28 @@ class SwitchAgent:
         return ""
 
     def _on_fatal(self, exc: BaseException) -> None:
+        """A stream thread met an error no retry can fix (its ERROR, naming the fix, is logged
+        there). The leader cannot go on: it says why in status(), and its threads stop; training
+        is not touched (``step()`` stays as cheap as ever, and no rank is left parked)."""
+        reason = str(exc)
         with self._lock:
-            self._state = FAILED
-        self._emit(ev.AGENT_FAILED, detail={"error": str(exc)})
+            if self._state in (STOPPING, STOPPED, FAILED):
+                return
+            starting = self._state == "starting"  # _start_leader stops the threads once all exist
+            self._state, self._state_reason = FAILED, reason
+        self._emit(ev.AGENT_FAILED, detail={"error": reason})
+        if not starting:
+            self._start_failure_teardown()
+
+    def _start_failure_teardown(self) -> None:
+        with self._lock:
+            if self._failure_thread is not None:
+                return
+            reason = self._state_reason
+            thread = threading.Thread(target=self._stop_threads, args=(f"the agent failed: {reason}",),
+                                      name="nicswitch-failed", daemon=True)
+            thread.start()  # before it is published: stop() joins it
+            self._failure_thread = thread
 
     def _training_must_stop(self, reason: str) -> None:
         self._emit(ev.TRAINING_STOP, detail={"reason": reason})
@@ -737,10 +774,15 @@ class SwitchAgent:
             if self._controller is not None:
                 execution = self._controller.execute(order)
             else:  # pause mode external: members run it on their background threads
+                from nicswitch_agent.controller import HookSettings, success_reason
+
                 assert self._coordinator is not None
-                outcome = self._coordinator.run(order, kind=KIND_SWITCH,
-                                                budget_s=cfg.guard_timeout_s + cfg.switch_timeout_s)
-                execution = Execution(outcome.ok, "switched on every rank" if outcome.ok else outcome.reason)
+                budget = HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
+                                      guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
+                                      pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
+                                      guard_unknown=self._leader_only).order_budget_s
+                outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=budget)
+                execution = Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
             execution = dataclasses.replace(execution, duration_s=time.monotonic() - started)
             self._record_execution(order, execution)
             self._reply(owed, execution.ok, execution.reason, execution)

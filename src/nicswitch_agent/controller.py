@@ -37,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator
+from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator, RunOutcome
 from nicswitch_agent.execute import Execution
 from nicswitch_agent.orders import SwitchOrder
 from nicswitch_agent.process_manage import (
@@ -70,6 +70,18 @@ class HookSettings:
     switch_timeout_s: float
     pause_timeout_s: float
     dry_run: bool
+    guard_unknown: bool = False  # a launcher's leader: the members' hooks are not known here
+
+    @property
+    def order_budget_s(self) -> float:
+        return order_budget_s(self)
+
+
+def order_budget_s(hooks: HookSettings) -> float:
+    """How long an order may take on a rank: the guard's timeout only where a guard runs (not in
+    a dry run, where no hook runs), plus the switch's. The leader adds a small slack to it."""
+    guarded = (hooks.has_checkpoint_hook or hooks.guard_unknown) and not hooks.dry_run
+    return (hooks.guard_timeout_s if guarded else 0.0) + hooks.switch_timeout_s
 
 
 class LinkState:
@@ -100,8 +112,8 @@ class AgentModeController:
         self.links = LinkState()
         self._on_stop = on_stop
         self._client: ProcessManageClient | None = None
-        # (signal, the stream that delivered it) | "stream-end: why" | None (stop)
-        self._signals: queue.Queue[tuple[pb.ProcessManageSignal, int] | str | None] = queue.Queue()
+        # (signal, the stream that delivered it) | "stream-end: why" | stop training | None (stop)
+        self._signals: queue.Queue[tuple[pb.ProcessManageSignal, int] | str | _Stop | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards the fields below
         self._failed_order: SwitchOrder | None = None
@@ -139,8 +151,7 @@ class AgentModeController:
         """Run guard and switch on every parked rank; bounded by the hook budgets."""
         if not self.coordinator.paused:
             return Execution(False, "training is not parked: refusing to switch links under a running step")
-        hooks = self.hooks
-        outcome = self.coordinator.run(order, kind=KIND_SWITCH, budget_s=hooks.guard_timeout_s + hooks.switch_timeout_s)
+        outcome = self.coordinator.run(order, kind=KIND_SWITCH, budget_s=self.hooks.order_budget_s)
         with self._lock:
             self._checkpoint_ok = self._checkpoint_ok or outcome.guard_ok
             if outcome.ok:
@@ -148,7 +159,13 @@ class AgentModeController:
                 self._failed_order = None
             else:
                 self._failed_order, self._failed_switch_attempted = order, outcome.attempted
-        return Execution(outcome.ok, "switched on every rank" if outcome.ok else outcome.reason)
+        if outcome.interrupted is not None:
+            # That rank's training thread has left step() for good (Ctrl-C, sys.exit): the job
+            # cannot go on without it, and nothing may resume on links in an unknown state.
+            # Stopped on the worker thread, so that the false reply does not wait for on_stop.
+            self._signals.put(_Stop(f"rank {outcome.interrupted}'s training was interrupted during switch "
+                                    f"#{order.seq}; the job cannot go on without it"))
+        return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
 
     # -- the worker ----------------------------------------------------------------------------
 
@@ -160,10 +177,12 @@ class AgentModeController:
             try:
                 if isinstance(item, str):
                     self._handle_stream_end(item)
+                elif isinstance(item, _Stop):
+                    self._stop_training(item.reason)
                 else:
                     self._handle(*item)
             except Exception:
-                logger.exception("handling %s failed", item if isinstance(item, str) else describe_signal(item[0]))
+                logger.exception("handling %s failed", describe_signal(item[0]) if isinstance(item, tuple) else item)
 
     def _handle(self, signal: pb.ProcessManageSignal, stream: int) -> None:
         assert self._client is not None
@@ -293,6 +312,22 @@ class AgentModeController:
         self.coordinator.release(stop_reason=reason)
 
 
+@dataclass(frozen=True)
+class _Stop:
+    """A worker item: training must stop on every rank."""
+
+    reason: str
+
+
+def success_reason(order: SwitchOrder, outcome: RunOutcome) -> str:
+    """What a true reply means: links moved, or (no rank called the switch hook) nothing did."""
+    if outcome.attempted:
+        return "switched on every rank"
+    if order.empty:
+        return "empty list: nothing to switch"
+    return "dry run: nothing switched"
+
+
 class _Reports:
     """The process-manage client's reports, bound to the stream whose signal they answer."""
 
@@ -309,4 +344,4 @@ class _Reports:
         return self._client.report_recover_status(code, strategy, info, stream=self._stream)
 
 
-__all__ = ["AgentModeController", "HookSettings", "LinkState"]
+__all__ = ["AgentModeController", "HookSettings", "LinkState", "order_budget_s", "success_reason"]

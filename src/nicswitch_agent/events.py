@@ -25,6 +25,7 @@ LIST_RECEIVED = "list_received"
 LIST_REJECTED = "list_rejected"
 LIST_IGNORED = "list_ignored"
 SWITCH_DONE = "switch_done"  # leader: an order ran on every rank: {ok, reason, ranks, duration_s}
+SWITCH_OUTCOME = "switch_outcome"  # every rank: the leader's decision on an order reached it
 REPLY_SENT = "reply_sent"
 REPLY_FAILED = "reply_failed"
 AGENT_STARTED = "agent_started"
@@ -102,6 +103,13 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("reason", "`switched on every rank`, or the first failure and where"),
         ("ranks", "the job's ranks (its world size): every one runs the order"),
         ("duration_s", "the whole switch on every rank, guard included"))),
+    EventKind(SWITCH_OUTCOME, "every rank", "the leader's decision on an order reached this rank (how a rank "
+              "that is only a member, e.g. under `nicswitch-agent launch`, learns how a switch ended); `seq` is "
+              "the leader's number of the list", (
+        ("rank", "this process's global rank"),
+        ("kind", "`switch`, or `rollback` / `checkpoint` during ClusterD's recovery"),
+        ("ok", "the leader's decision: true only if every rank succeeded"),
+        ("reason", "`switched on every rank`, `dry run: nothing switched`, or the first failure and where"))),
     EventKind(REPLY_SENT, "leader", "ReplySwitchNicResult was delivered", (
         ("result", "the answer, true or false"),
         ("reason", "why that answer"),
@@ -121,7 +129,10 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
     EventKind(RESUMED, "every rank, pause mode `agent`", "the training thread left its parking spot", (
         ("step", "the step it was parked at"),
         ("parked_s", "how long it was parked"),
-        ("stop", "why training must stop (it then raises `TrainingStopped`), or null"))),
+        ("stop", "why training must stop (it then raises `TrainingStopped`), or null"),
+        ("interrupted", "`KeyboardInterrupt` or `SystemExit` when one raised on the training thread while parked "
+                        "(in a hook or not) ended the parking: it goes on up out of `step()` and training does "
+                        "not resume; else null"))),
     EventKind(TRAINING_STOP, "leader, pause mode `agent`", "ClusterD's recovery decided that training must stop", (
         ("reason", "`dump`, `exit` or `killMaster`, in words"),)),
     EventKind(AGENT_FAILED, "leader", "the agent stopped taking part for good", (

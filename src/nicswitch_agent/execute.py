@@ -4,6 +4,12 @@ User code is isolated here: a hook that raises, returns something odd or hangs b
 result, never a dead or wedged agent thread. A hook that overruns its budget keeps running in its
 (daemon) thread, because Python cannot kill a thread; while it does, further orders are refused
 rather than run concurrently with it (HCCL requires link switches to be serial on every rank).
+
+A hook that raises is logged here, once, at ERROR with its traceback: the reason that travels to
+the leader is one line, and a failure deep inside torch_npu needs the whole stack. On the parked
+training thread (:class:`InlineRunner`) only ``Exception`` becomes a result: a ``KeyboardInterrupt``
+or ``SystemExit`` raised there (Ctrl-C, a SIGTERM handler calling ``sys.exit``) is the user's
+decision to end training, and goes on up out of ``agent.step()``.
 """
 
 from __future__ import annotations
@@ -92,28 +98,65 @@ class HookRunner:
             return HookResult(name, HookStatus.TIMEOUT, f"{name} hook did not finish within {timeout:g} s",
                               duration)
         if "error" in outcome:
-            exc = outcome["error"]
-            return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}",
-                              duration)
+            return _raised(name, order, outcome["error"], duration)
         return _classify(name, outcome.get("value"), expect_bool, duration)
 
 
 class InlineRunner(HookRunner):
     """Calls hooks in the current thread (the parked training thread, in pause mode ``agent``).
 
-    It cannot abandon a hook; the caller waiting for the result enforces the timeout instead
-    (and answers false), while the training thread stays parked until the hook returns.
+    It cannot abandon a hook, so the thread waiting for the result enforces the timeouts: it reads
+    :meth:`running` (which hook runs, and until when it may) and answers false once a hook
+    overruns, then calls :meth:`abandon` so that no later hook of the same order starts (a guard
+    that returns late must not be followed by a switch nobody waits for). The training thread
+    stays parked until the hook returns; :meth:`busy` names the hook meanwhile.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cond = threading.Condition()  # guards _running and _abandoned
+        self._running: tuple[str, float, float] | None = None  # (what, started, timeout)
+        self._abandoned = False
+
+    def busy(self) -> str | None:
+        """Name of the hook running on the training thread, or None."""
+        with self._cond:
+            return None if self._running is None else self._running[0]
+
+    def running(self) -> tuple[str, float, float] | None:
+        """(what, deadline, timeout) of the hook running now, or None between and after hooks."""
+        with self._cond:
+            if self._running is None:
+                return None
+            what, started, timeout = self._running
+            return what, started + timeout, timeout
+
+    def abandon(self) -> None:
+        """Nobody waits for this order any more: hooks not started yet will not run."""
+        with self._cond:
+            self._abandoned = True
 
     def run(self, name: str, hook: Callable[[SwitchOrder], Any], order: SwitchOrder, timeout: float,
             *, expect_bool: bool) -> HookResult:
-        started = time.monotonic()
+        with self._cond:
+            if self._abandoned:
+                return HookResult(name, HookStatus.TIMEOUT, f"{name} hook not run: the order was given up on", 0.0)
+            started = time.monotonic()
+            self._running = (f"{name} hook of order #{order.seq}", started, timeout)
         try:
             value = hook(order)
-        except Exception as exc:  # user code: every failure becomes a result
-            return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}",
-                              time.monotonic() - started)
+        except Exception as exc:  # user code: every failure becomes a result (BaseException goes on up)
+            return _raised(name, order, exc, time.monotonic() - started)
+        finally:
+            with self._cond:
+                self._running = None
         return _classify(name, value, expect_bool, time.monotonic() - started)
+
+
+def _raised(name: str, order: SwitchOrder, exc: BaseException, duration: float) -> HookResult:
+    """A hook's exception as a result, logged here once with its traceback."""
+    logger.error("%s hook raised on order #%d", name, order.seq, exc_info=(type(exc), exc, exc.__traceback__))
+    return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}", duration)
 
 
 def _classify(name: str, value: Any, expect_bool: bool, duration: float) -> HookResult:
@@ -140,7 +183,7 @@ def execute_order(
         return Execution(True, "empty list: nothing to switch")
     if dry_run:
         logger.info("dry run: would switch %s", order.summary())
-        return Execution(True, "dry run")
+        return Execution(True, "dry run: nothing switched")
     busy = runner.busy()
     if busy is not None:
         return Execution(False, f"refused: the {busy} is still running past its timeout")

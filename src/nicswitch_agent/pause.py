@@ -11,7 +11,9 @@ race with the next request and lose it (torch-store-notes.md §8: it hung 3 of 6
 While parked, the training thread runs the callables handed to :meth:`run_parked` (the
 checkpoint guard and switch hook), so a guard can use the framework as usual (it is the thread
 that owns the model). It leaves when :meth:`release` is called, or raises
-:class:`TrainingStopped` if the release says training must stop.
+:class:`TrainingStopped` if the release says training must stop. A ``KeyboardInterrupt`` or
+``SystemExit`` raised on it while parked (Ctrl-C during a hook) goes on up out of ``step()`` at
+once: the work's future gets it first, so whoever waits for the hook learns it was interrupted.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class ParkingLot:
         self._parked_step: int | None = None
         self._parked_at: float | None = None
         self._parked_thread: threading.Thread | None = None
+        # Set by the training thread when a KeyboardInterrupt/SystemExit ended its parking (the
+        # exception's type name); cleared by the next request.
+        self.interrupted: str | None = None
         self._work: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
 
     # -- agent side ----------------------------------------------------------------------------
@@ -92,6 +97,7 @@ class ParkingLot:
             self.request_epoch += 1
             self._arm(True)
             self._aligned, self._target = aligned, None
+            self.interrupted = None
             self._cond.notify_all()
             return self.request_epoch
 
@@ -193,6 +199,7 @@ class ParkingLot:
             self._cond.notify_all()
             logger.info("training parked at step %s", step)
             self._emit("parked", {"step": step, "epoch": epoch})
+            interrupted: BaseException | None = None
             try:
                 while True:
                     while self._work:
@@ -202,21 +209,46 @@ class ParkingLot:
                             if future.set_running_or_notify_cancel():
                                 try:
                                     future.set_result(fn())
-                                except BaseException as exc:  # user code: report, never raise here
+                                except Exception as exc:  # user code: report, never raise here
                                     future.set_exception(exc)
+                                except BaseException as exc:
+                                    # Ctrl-C or sys.exit() in a hook: tell the waiter, then leave.
+                                    future.set_exception(exc)
+                                    raise
                         finally:
                             self._cond.acquire()
                     if self._released_epoch >= epoch:
                         break
                     self._cond.wait(WAIT_SLICE_S)
+            except BaseException as exc:
+                # KeyboardInterrupt/SystemExit while parked (in a hook or between): the user ends
+                # training here, and it must not resume. Recorded for the member, which answers
+                # any later order of this pause false instead of switching under a gone thread.
+                interrupted = exc
+                self.interrupted = type(exc).__name__
+                raise
             finally:
                 parked_for = time.monotonic() - (self._parked_at or time.monotonic())
                 self._parked, self._parked_at, self._parked_thread = False, None, None
                 self._handled(epoch)
+                self._fail_leftover_work()
                 self._cond.notify_all()
+                if interrupted is not None:
+                    logger.warning("training left its parking spot after %.1f ms: %s raised on the training thread; "
+                                   "it does not resume", parked_for * 1000, type(interrupted).__name__)
+                    self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
+                                           "interrupted": type(interrupted).__name__})
             logger.info("training resumed after %.1f ms parked", parked_for * 1000)
-            self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason})
+            self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
+                                   "interrupted": None})
             self._raise_if_stopped()
+
+    def _fail_leftover_work(self) -> None:
+        """Work handed over but never run (the thread left): its waiter must not wait for ever."""
+        while self._work:
+            _fn, future = self._work.popleft()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(RuntimeError("training left its parking spot before this ran"))
 
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         if self._on_event is not None:

@@ -100,7 +100,8 @@ class RegistrationRefused(Exception):
 
     def __init__(self, method: str, code: int, info: str) -> None:
         hints = {
-            403: "process recovery / hot switch is not enabled for this job's PodGroup",
+            403: "process recovery / hot switch is not enabled for this job's PodGroup: enable process "
+                 "recovery for the job (label process-recover-enable=on) or hot switch, then restart it",
             402: "ClusterD does not know this job (check MINDX_TASK_ID)",
             500: "ClusterD serves its maximum number of jobs",
             502: "ClusterD could not read or patch the job's PodGroup",
@@ -292,7 +293,7 @@ class ProcessManageClient(StreamThread):
                 if self.signals == signals_before and time.monotonic() - opened_at < 0.5:
                     delay = next(delays)  # a server that ends every stream at once: do not spin
             except RegistrationRefused as exc:
-                logger.error("%s; the agent cannot pause training for switches", exc)
+                logger.error("%s; the agent takes no part in switches (training goes on undisturbed)", exc)
                 if self._on_fatal is not None:
                     self._on_fatal(exc)
                 break

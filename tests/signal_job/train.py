@@ -7,8 +7,11 @@ test can wait for a state before it sends a signal. Scenarios:
 - ``switching``: the switch hook prints HOOK and then runs (Python code, sleeping in slices)
   until the process ends;
 - ``user-handler``: a SIGTERM handler installed before the agent prints USER-HANDLER and exits 42;
+- ``user-handler-switching``: both: the handler's ``sys.exit(42)`` raises inside the hook;
 - ``no-handlers``: ``handle_signals=False``;
 - ``return``: main returns while the agent runs (interpreter exit must stop it, bounded).
+
+Once the hook has started, a ``step()`` that returns prints STEPPED-AFTER-HOOK (training resumed).
 """
 
 from __future__ import annotations
@@ -32,7 +35,12 @@ def on_event(event: AgentEvent) -> None:
     say(f"EVENT {event.kind}")
 
 
+HOOK_STARTED = False
+
+
 def hook_that_runs_on(order: SwitchOrder) -> bool:
+    global HOOK_STARTED
+    HOOK_STARTED = True
     say("HOOK")
     while True:  # a long switch; Python code, so a signal handler gets to run
         time.sleep(0.05)
@@ -44,10 +52,11 @@ def user_handler(signum: int, frame: FrameType | None) -> None:
 
 
 def main() -> int:
+    global HOOK_STARTED
     server, job, scenario = sys.argv[1:4]
-    if scenario == "user-handler":
+    if scenario.startswith("user-handler"):
         signal.signal(signal.SIGTERM, user_handler)
-    hook = hook_that_runs_on if scenario == "switching" else (lambda order: True)
+    hook = hook_that_runs_on if scenario.endswith("switching") else (lambda order: True)
     agent = SwitchAgent(server=server, job_id=job, pause="agent", switch_hook=hook, on_event=on_event,
                         handle_signals=scenario != "no-handlers", reconnect_initial_s=0.05, reconnect_max_s=0.2,
                         stop_timeout_s=2.0)
@@ -63,6 +72,9 @@ def main() -> int:
     while True:
         step += 1
         agent.step(step)
+        if HOOK_STARTED:
+            say("STEPPED-AFTER-HOOK")
+            HOOK_STARTED = False
         time.sleep(0.01)
 
 

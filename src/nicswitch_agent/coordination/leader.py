@@ -36,6 +36,7 @@ class RunOutcome:
     attempted: bool = False  # some rank called the switch hook (its links may have moved)
     guard_ok: bool = False  # every rank has a checkpoint of the parked step
     duration_s: float = 0.0
+    interrupted: int | None = None  # a rank whose training thread was interrupted during it (Ctrl-C)
 
 
 class Coordinator:
@@ -102,13 +103,26 @@ class Coordinator:
             count = self.kv.poll_count(p.parked_counter_key(epoch), self.world_size, deadline, self._stop)
             if count < self.world_size:
                 missing = self._missing(parked_keys)
-                return self._abandon(epoch, started, f"rank(s) {_ranks(missing)} did not park at step {target}")
+                return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target))
             self._paused = True
             outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
             self.last_pause = outcome
             logger.info("all %d rank(s) parked at step %d in %.1f ms", self.world_size, target,
                         outcome.duration_s * 1000)
             return outcome
+
+    def _why_not_parked(self, epoch: int, missing: list[str], target: int) -> str:
+        """Why the pause failed, in words; names the ranks whose step() was never called."""
+        ranks = [int(k.rsplit("/", 1)[-1]) for k in missing]
+        nostep = [f"{r}" for r in ranks if self.kv.check([p.nostep_key(epoch, r)])]
+        self._garbage += [p.nostep_key(epoch, int(r)) for r in nostep]
+        if nostep and len(nostep) == len(ranks) == self.world_size:
+            return ("no rank reached a step boundary: step() was never called (is agent.step() called in the "
+                    "training loop?)")
+        reason = f"rank(s) {_ranks(missing)} did not park at step {target}"
+        if nostep:
+            reason += f"; step() was never called on rank(s) {_ranks(nostep)}"
+        return reason
 
     def _missing(self, keys: list[str]) -> list[str]:
         """Which of ``keys`` are missing (the failure path only: one round trip per key)."""
@@ -133,6 +147,7 @@ class Coordinator:
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s})
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
+            self._tell_outcome(epoch, name, kind, order.seq, outcome)
             self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
             self._garbage += [p.result_counter_key(epoch, name)]
             if outcome.reason != "incomplete":
@@ -140,6 +155,14 @@ class Coordinator:
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
             return outcome
+
+    def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
+        """Let every member know the decision (members that are not the leader learn it only so)."""
+        try:
+            self._publish({"t": p.OUTCOME, "e": epoch, "key": name, "kind": kind, "seq": seq, "ok": outcome.ok,
+                           "reason": outcome.reason[:512]})
+        except RuntimeError:  # the Store is gone: the members cannot hear it anyway
+            logger.debug("could not publish the outcome of %s", name, exc_info=True)
 
     def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
         """Read the results as they arrive, in batches: one counter poll, one check and one
@@ -163,7 +186,8 @@ class Coordinator:
                     # for a later dump (otherwise the guard is asked again and skips a step it has).
                     everyone = seen == self.world_size and guards == self.world_size
                     return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
-                                      guard_ok=everyone, duration_s=time.monotonic() - started)
+                                      guard_ok=everyone, duration_s=time.monotonic() - started,
+                                      interrupted=result.rank if result.interrupted else None)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started)
 

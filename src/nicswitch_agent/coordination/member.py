@@ -11,7 +11,14 @@ The member reads its event queue (see protocol.py) and drives the rank's :class:
 - ``order``: run the guard/switch (or rollback, or checkpoint) — on the parked training thread
   when parked (pause mode agent), else on this thread with timeouts (pause mode external) — and
   publish the result. Every rank runs the same full list in the received order.
+- ``outcome``: the leader's decision on an order; told to listeners as ``switch_outcome``, so a
+  rank that is only a member (the launcher leads) learns how a switch ended too.
 - ``release``: let the training thread go (or make ``step()`` raise TrainingStopped).
+
+On the parked training thread the member enforces each hook's own timeout (the guard's only if
+there is a guard): it watches which hook runs and answers false as soon as that hook overruns.
+The thread stays parked until the hook returns; meanwhile every later order is answered false at
+once on this rank (``refused: the switch hook of order #N is still running``).
 
 A member never blocks training for ever: parked longer than ``max_parked_s`` without a word from
 the leader, or with the Store gone, it lets training go on and says why.
@@ -23,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
@@ -36,6 +44,7 @@ from nicswitch_agent.pause import ParkingLot
 logger = logging.getLogger("nicswitch_agent.member")
 
 IDLE_WAIT_S = 3600.0  # one blocking wait per hour when idle; stop() wakes it at once
+IDLE_SLICE_S = 0.05  # while no hook runs on the training thread: how often to look again
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,7 @@ class Member:
         self._next = 1  # the queue index this member waits for
         self._local_epoch: dict[int, int] = {}  # leader epoch -> ParkingLot epoch
         self._runner = HookRunner()
+        self._inline: InlineRunner | None = None  # the last order's runner on the parked training thread
         self._wake_kv: KV | None = None
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
         self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
@@ -118,6 +128,19 @@ class Member:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    def stuck_hook(self) -> str | None:
+        """A hook still running on this rank past its timeout, in words; None if there is none.
+
+        While there is one, every order reaching this rank is answered false without running
+        anything (hooks must not run side by side: HCCL switches are serial on every rank).
+        """
+        inline = self._inline
+        running = inline.running() if inline is not None else None
+        if running is not None and time.monotonic() >= running[1]:
+            return f"{running[0]} (on the training thread, which stays parked until it returns)"
+        straggler = self._runner.busy()
+        return None if straggler is None else f"{straggler} (on a hook thread of its own)"
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -180,6 +203,8 @@ class Member:
             local = self.lot.request(aligned=True)  # the flag first ...
             self._local_epoch[epoch] = local
             completed = self._last_step()  # ... then the last completed step
+            if completed is None:  # so that a pause that times out can say step() was never called
+                self.kv.set(p.nostep_key(epoch, self.rank), "1")
             self.kv.set(p.c_key(epoch, self.rank), str(completed if completed is not None else 0))
             self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
             self._emit("pause_requested", {"epoch": epoch, "completed_step": completed})
@@ -207,6 +232,9 @@ class Member:
                 self._in_flight = None
             if not answered_by_stop:
                 self._publish_result(self.kv, epoch, name, result)
+        elif kind == p.OUTCOME:
+            self._emit("switch_outcome", {"rank": self.rank, "seq": message.get("seq"), "kind": message.get("kind"),
+                                          "ok": bool(message.get("ok")), "reason": str(message.get("reason", ""))})
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
@@ -222,8 +250,8 @@ class Member:
         decided this order, so a next event in our queue means nobody waits for our answer."""
         moved_on = self.kv.check([p.queue_key(self.rank, self._next)])
         if moved_on or not self.kv.check([p.order_key(name)]):
-            logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (it was "
-                           "still busy with an earlier order)", self.rank, name)
+            logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
+                           "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
             return True
         return False
 
@@ -245,7 +273,19 @@ class Member:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])
         parked = self.lot.parked
-        runner: HookRunner = InlineRunner() if parked else self._runner
+        if not parked and epoch in self._local_epoch:
+            # This rank parked for the pause the order belongs to, and its training thread has
+            # left since (Ctrl-C, or max_parked_s): links must not move under a running step.
+            why = f" ({self.lot.interrupted} on the training thread)" if self.lot.interrupted else ""
+            return p.MemberResult(self.rank, False, f"training is no longer parked on this rank{why}",
+                                  interrupted=self.lot.interrupted is not None)
+        runner: HookRunner = self._runner
+        if parked:
+            busy = self._inline.busy() if self._inline is not None else None
+            if busy is not None:
+                return p.MemberResult(self.rank, False, f"refused: the {busy} is still running on the training "
+                                      "thread, past its timeout")
+            runner = self._inline = InlineRunner()
         hooks = self.hooks
 
         def work() -> p.MemberResult:
@@ -273,18 +313,49 @@ class Member:
 
         if not parked:
             return work()
-        future = self.lot.run_parked(work)
-        try:
-            result: p.MemberResult = future.result(timeout=budget)
-            return result
-        except FutureTimeout:
-            # Given up on: if the training thread has not started it yet (a hook before it hangs),
-            # it must never run later, after ClusterD has moved on.
-            future.cancel()
-            return p.MemberResult(self.rank, False, f"hooks did not finish within {budget:g} s on the training "
-                                  "thread", attempted=kind != p.KIND_CHECKPOINT)
-        except Exception as exc:
-            return p.MemberResult(self.rank, False, f"could not run on the training thread: {exc}")
+        assert isinstance(runner, InlineRunner)
+        return self._await_parked(self.lot.run_parked(work), runner, budget, kind)
+
+    def _await_parked(self, future: Future[p.MemberResult], runner: InlineRunner, budget: float,
+                      kind: str) -> p.MemberResult:
+        """Wait for work on the training thread, each hook within its own timeout.
+
+        ``budget`` (the leader's) bounds only the time no hook runs (before the thread picks the
+        work up, between hooks), so a switch without a guard is answered within its own timeout.
+        """
+        idle_deadline = time.monotonic() + budget
+        while True:
+            running = runner.running()
+            now = time.monotonic()
+            if running is not None:
+                what, deadline, timeout = running
+                idle_deadline = max(idle_deadline, now + budget)  # a gap after this hook counts afresh
+                if now >= deadline:
+                    runner.abandon()  # a guard returning late must not start the switch
+                    return p.MemberResult(
+                        self.rank, False, f"{what} did not finish within {timeout:g} s (it goes on running on "
+                        "the training thread, which stays parked until it returns)",
+                        attempted=not what.startswith("checkpoint"))
+                wait = deadline - now
+            elif now >= idle_deadline:
+                runner.abandon()
+                future.cancel()  # if the training thread has not started it, it never will
+                return p.MemberResult(self.rank, False, f"the training thread did not run the hooks within "
+                                      f"{budget:g} s", attempted=False)
+            else:
+                wait = min(IDLE_SLICE_S, idle_deadline - now)
+            try:
+                return future.result(timeout=wait)
+            except FutureTimeout:
+                continue
+            except Exception as exc:
+                return p.MemberResult(self.rank, False, f"could not run on the training thread: {exc}")
+            except BaseException as exc:  # KeyboardInterrupt/SystemExit, raised on the training thread
+                name = type(exc).__name__
+                logger.error("rank %d: %s on the training thread during a %s order: training leaves step() and "
+                             "does not resume here", self.rank, name, kind)
+                return p.MemberResult(self.rank, False, f"interrupted by {name} on the training thread",
+                                      attempted=kind != p.KIND_CHECKPOINT, interrupted=True)
 
     def _one_hook(self, runner: HookRunner, name: str, hook: Callable[[SwitchOrder], Any] | None,
                   order: SwitchOrder, timeout: float, expect_bool: bool) -> p.MemberResult:

@@ -9,6 +9,8 @@ Leader -> each member ``r``, a numbered queue (one key per event, deleted by the
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
                                 "budget": seconds}
+                               {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
+                                "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
     o/<K>                      the order itself (written once, read by every member)
 
@@ -16,10 +18,12 @@ Member ``r`` -> leader, per pause/session ``E``::
 
     e/<E>/c/<r>                the last step r completed when it saw the pause (c_r)
     e/<E>/c/n                  how many ranks have written theirs (add() only)
+    e/<E>/nostep/<r>           only if r's step() had never been called when it saw the pause
     e/<E>/parked/<r>           the step r parked at
     e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
-    e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"}
+    e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
+                               [, "interrupted": true]}
 
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
@@ -39,7 +43,7 @@ from typing import Any
 
 from nicswitch_agent.orders import SwitchOrder
 
-PAUSE, TARGET, ORDER, RELEASE, WAKE = "pause", "target", "order", "release", "wake"
+PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 
 
@@ -57,6 +61,10 @@ def queue_key(rank: int, n: int) -> str:
 
 def c_key(epoch: int, rank: int) -> str:
     return f"e/{epoch}/c/{rank}"
+
+
+def nostep_key(epoch: int, rank: int) -> str:
+    return f"e/{epoch}/nostep/{rank}"
 
 
 def parked_key(epoch: int, rank: int) -> str:
@@ -134,12 +142,17 @@ class MemberResult:
     reason: str
     attempted: bool = False  # the switch hook was called (links may have moved)
     guard_ok: bool = False  # a checkpoint of the parked step exists on this rank
+    interrupted: bool = False  # the training thread left its parking spot (Ctrl-C, sys.exit) during it
 
     def encode(self) -> str:
-        return encode({"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
-                       "attempted": self.attempted, "guard": self.guard_ok})
+        message = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
+                   "attempted": self.attempted, "guard": self.guard_ok}
+        if self.interrupted:  # only then: a leader of an earlier version reads the same keys as before
+            message["interrupted"] = True
+        return encode(message)
 
     @classmethod
     def decode(cls, text: str) -> MemberResult:
         v = decode(text)
-        return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]))
+        return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
+                   bool(v.get("interrupted", False)))
