@@ -43,6 +43,7 @@ pytestmark = pytest.mark.timeout(60)
 
 NODES = {"node-0": ["0", "1"]}
 REFUSED = "Connection refused"
+NOT_CONNECTED = 5  # nicswitch-agent status: a running leader that takes no part (ExitCode.NOT_CONNECTED)
 # The old code called a stream "connected" once it had been open 1 s without error, whether or
 # not a connection existed; watching 1.5 s past that shows it no longer does.
 OLD_SETTLE_S = 1.0
@@ -108,7 +109,7 @@ def test_external_with_nothing_listening_is_never_connected(agents: list[SwitchA
     assert status["stream_open"]  # a stream waits for the connection: open, and not connected
     assert status["disconnected_s"] >= OLD_SETTLE_S
 
-    assert wait_until(lambda: status_command(status_file)[0] == ExitCode.NOT_CONNECTED, 10), status_command(
+    assert wait_until(lambda: status_command(status_file)[0] == NOT_CONNECTED, 10), status_command(
         status_file)
     _code, text = status_command(status_file)
     assert "verdict     OK" not in text and "NOT OK: not connected to ClusterD" in text, text
@@ -130,7 +131,7 @@ def test_connected_goes_false_and_stays_false_when_clusterd_is_killed(agents: li
         sim.kill()  # SIGKILL: the stream breaks, and nothing listens on the port any more
         assert wait_until(lambda: not agent.status()["connected"], 10), agent.status()
         assert never_within(lambda: agent.status()["connected"], WINDOW_S), agent.status()
-        assert wait_until(lambda: status_command(status_file)[0] == ExitCode.NOT_CONNECTED, 10), status_command(
+        assert wait_until(lambda: status_command(status_file)[0] == NOT_CONNECTED, 10), status_command(
             status_file)
         _code, text = status_command(status_file)
         assert "verdict     OK" not in text and "connected   NO" in text, text
@@ -226,7 +227,7 @@ def test_pause_agent_next_to_a_standin_detects_the_fight_warns_and_backs_off(
             assert needle in warned[0].getMessage()
 
         code, text = status_command(status_file)
-        assert code == ExitCode.NOT_CONNECTED and "fights for the job's stream" in text, text
+        assert code == NOT_CONNECTED and "fights for the job's stream" in text, text
 
         # Stopped fighting: the stand-in keeps its stream and the agent does not subscribe again.
         opens, standin_opens = status["process_manage"]["opens"], standin.streams_opened
@@ -259,3 +260,65 @@ def test_pause_auto_next_to_a_standin_falls_back_to_external_and_switches(
         paused_by = [(s.signalType, list(s.actions)) for s in standin.signals[signals_before:]]
         assert ("stopTrain", ["pause_train"]) in paused_by, paused_by  # the stand-in paused training
         assert agent.status()["counters"]["replies_delivered"] == 1
+
+
+def test_stop_right_after_start_in_agent_mode_with_nothing_at_the_port_is_prompt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Init waits for a connection (rpc_timeout_s, 10 s by default): stop() cancels it."""
+    agent = SwitchAgent(server=f"127.0.0.1:{free_port()}", job_id=JOB, pause="agent", switch_hook=lambda order: True)
+    agent.start()  # its process-manage thread is in Init at once
+    agent.stop()
+    assert not warnings_with(caplog, "did not stop within"), [r.getMessage() for r in caplog.records]
+
+
+# -- the verdict of nicswitch-agent status, from written files -------------------------------------
+
+
+def write_status(path: Path, **status: Any) -> Path:
+    import json
+
+    base = {"state": "running", "role": "leader", "pause": "external", "connected": True, "disconnected_s": None,
+            "last_error": "", "conflict": None}
+    base.update(status)
+    path.write_text(json.dumps({"format": "nicswitch-agent-status/1", "written_at": time.time(), "pid": 1,
+                                "host": "h", "interval_s": 10.0, "writes": 1, "status": base}))
+    return path
+
+
+@pytest.mark.parametrize(("status", "code", "needle"), [
+    ({}, ExitCode.OK, "verdict     OK"),
+    ({"connected": False, "disconnected_s": 0.4}, ExitCode.OK, "connected   NO, for 400 ms"),  # after a switch
+    ({"connected": False, "disconnected_s": 12.0, "last_error": "UNAVAILABLE: Connection refused"},
+     NOT_CONNECTED, "not connected to ClusterD for 12.0 s (more than 3.0 s): UNAVAILABLE: Connection refused"),
+    ({"connected": False, "disconnected_s": 12.0, "role": "member"}, ExitCode.OK, "verdict     OK"),
+    ({"connected": False, "disconnected_s": 12.0, "state": "stopped"}, ExitCode.NOT_RUNNING, "the agent is stopped"),
+    ({"pause": "agent", "conflict": {"detail": "another process-manage client ...", "action": "backing off"}},
+     NOT_CONNECTED, "fights for the job's stream"),
+    ({"pause": "external", "conflict": {"detail": "another process-manage client ...",
+                                        "action": "fell back to pause mode external (pause=auto)"}},
+     ExitCode.OK, "conflict    fell back to pause mode external"),
+])
+def test_status_verdict(tmp_path: Path, status: dict[str, Any], code: ExitCode, needle: str) -> None:
+    got, text = status_command(write_status(tmp_path / "s.json", **status))
+    assert got == code and needle in text, text
+
+
+def test_a_longer_grace_can_be_asked_for(tmp_path: Path) -> None:
+    path = write_status(tmp_path / "s.json", connected=False, disconnected_s=12.0)
+    assert status_command(path)[0] == NOT_CONNECTED
+    assert status_command(path, "--max-disconnected", "60")[0] == ExitCode.OK
+
+
+def test_conflict_detector_counts_quiet_ends_within_the_window() -> None:
+    from nicswitch_agent.process_manage import ConflictDetector
+
+    now = [0.0]
+    detector = ConflictDetector(3, 30.0, clock=lambda: now[0])
+    assert [detector.quiet_end() for _ in range(2)] == [False, False]
+    now[0] = 10.0
+    assert detector.quiet_end()  # 3 within 30 s
+    detector.signal()  # a real signal between them: ClusterD's own reset
+    assert not detector.quiet_end() and not detector.quiet_end()
+    now[0] = 50.0
+    assert not detector.quiet_end()  # the first two were 40 s ago
