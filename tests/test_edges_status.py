@@ -212,7 +212,6 @@ def test_pause_agent_next_to_a_standin_detects_the_fight_warns_and_backs_off(
 ) -> None:
     status_file = tmp_path / "status.json"
     with conflict_sim() as sim:
-        standin = sim._standins[0]
         agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
                             status_file=str(status_file), status_interval_s=0.2)
         agents.append(agent.start())
@@ -229,10 +228,12 @@ def test_pause_agent_next_to_a_standin_detects_the_fight_warns_and_backs_off(
         code, text = status_command(status_file)
         assert code == NOT_CONNECTED and "fights for the job's stream" in text, text
 
-        # Stopped fighting: the stand-in keeps its stream and the agent does not subscribe again.
-        opens, standin_opens = status["process_manage"]["opens"], standin.streams_opened
+        # Stopped fighting: nobody resets the job any more (each subscribe of either client did),
+        # the stand-in keeps its stream, and the agent does not subscribe again.
+        opens, resets = status["process_manage"]["opens"], sim.reset_count(JOB)
         assert never_within(lambda: agent.status()["process_manage"]["opens"] > opens
-                            or standin.streams_opened > standin_opens, 2.0), agent.status()
+                            or sim.reset_count(JOB) > resets, 2.0), (agent.status(), sim.reset_count(JOB))
+        assert sim.wait_idle(JOB, 10)  # the stand-in holds the process-manage stream
 
 
 def test_pause_auto_next_to_a_standin_falls_back_to_external_and_switches(
