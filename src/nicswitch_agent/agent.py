@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from nicswitch_agent.process_manage import ProcessManageClient
     from nicswitch_agent.reply import Replier, ReplyReport
     from nicswitch_agent.subscriber import NotifySubscriber
-    from nicswitch_agent.transport import RecoverStub
+    from nicswitch_agent.transport import ConnectivityWatch, RecoverStub
 
 logger = logging.getLogger("nicswitch_agent")
 
@@ -140,6 +140,7 @@ class SwitchAgent:
         "_armed",
         "_channel",
         "_checkpoint_hook",
+        "_conflict",
         "_controller",
         "_coordination_stop",
         "_coordinator",
@@ -174,6 +175,7 @@ class SwitchAgent:
         "_stub",
         "_subscriber",
         "_switch_hook",
+        "_watch",
         "config",
         "last_step",
         "pause_mode",
@@ -242,6 +244,8 @@ class SwitchAgent:
         self._queue: queue.Queue[_Owed | None] = queue.Queue()
         self._channel: grpc.Channel | None = None
         self._stub: RecoverStub | None = None
+        self._watch: ConnectivityWatch | None = None  # the channel's one connectivity subscription
+        self._conflict = ""  # pause mode auto fell back to external because of this conflict
         self._replier: Replier | None = None
         self._subscriber: NotifySubscriber | None = None
         self._executor: threading.Thread | None = None
@@ -300,10 +304,13 @@ class SwitchAgent:
             self._queue = queue.Queue()
         if self._replier is not None:
             self._replier.close()
+        if self._watch is not None:
+            self._watch.close()
         if self._channel is not None:
             self._channel.close()
         self._subscriber = self._process_manage = self._member = self._controller = None
         self._executor = self._channel = self._replier = self._stub = self._coordinator = None
+        self._watch = None
         with self._lock:
             self._state = CREATED
         self._stop_observers()  # the status file's last word: "created"
@@ -367,7 +374,7 @@ class SwitchAgent:
         from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
         from nicswitch_agent.reply import Replier, ReplyPolicy
         from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
-        from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+        from nicswitch_agent.transport import ChannelSettings, ConnectivityWatch, RecoverStub, open_channel
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
@@ -381,9 +388,12 @@ class SwitchAgent:
             tls=cfg.tls_settings(),
         ))
         self._stub = RecoverStub(self._channel)
+        # One watch for the channel, shared by every stream and the replier (each subscription is
+        # a gRPC polling thread); status()["connected"] reads it through the notify subscriber.
+        self._watch = ConnectivityWatch(self._channel).start()
         self._replier = Replier(self._stub, ReplyPolicy(
             total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
-        ))
+        ), watch=self._watch)
         self._executor = threading.Thread(target=self._execute_loop, name="nicswitch-executor", daemon=True)
         self._executor.start()
         gate = None
@@ -404,6 +414,8 @@ class SwitchAgent:
                 self._controller.on_signal,
                 on_stream_end=self._controller.on_stream_end,
                 on_fatal=self._on_fatal,
+                on_conflict=self._on_conflict,
+                watch=self._watch,
             )
             self._process_manage.on_open = lambda opens: self._emit(
                 ev.SUBSCRIBED, detail={"stream": "process_manage", "opens": opens})
@@ -422,6 +434,8 @@ class SwitchAgent:
             on_fatal=self._on_fatal,
             on_health=self._on_health,
             gate=gate,
+            watch=self._watch,
+            on_connection=lambda connected, why: self._refresh_status(),
         )
         self._subscriber.on_open = lambda opens: self._emit(ev.SUBSCRIBED, detail={"stream": "notify", "opens": opens})
         self._subscriber.start()
@@ -496,6 +510,8 @@ class SwitchAgent:
             self._stop_threads(reason)
             if self._replier is not None:
                 self._replier.close()
+            if self._watch is not None:
+                self._watch.close()
             if self._channel is not None:
                 self._channel.close()
         with self._lock:
@@ -540,13 +556,30 @@ class SwitchAgent:
                                "leaving it as a daemon", self.config.stop_timeout_s)
 
     def status(self) -> dict[str, Any]:
-        """A snapshot for humans and health checks: state, connection, counters, last switch."""
-        sub = self._subscriber
+        """A snapshot for humans and health checks: state, connection, counters, last switch.
+
+        ``connected`` is true only while the notify stream is established (see subscriber.py);
+        ``disconnected_s`` says for how long it has not been. ``last_error`` is the error that
+        keeps it from being so: the process-manage client's while that stream, which the notify
+        stream waits for, is not open. ``conflict`` is set while another process-manage client
+        fights for the job's stream (see process_manage.py).
+        """
+        sub, pm = self._subscriber, self._process_manage
         with self._lock:
             counters = dict(vars(self._counters))
             state, reason = self._state, self._state_reason
             last_switch = dict(self._last_switch) if self._last_switch else None
+        now = time.monotonic()
         last_msg = sub.last_message_mono if sub else None
+        connected = bool(sub and sub.running and sub.connected())
+        last_error = sub.last_error if sub else ""
+        if pm is not None and pm.last_error and (not pm.stream_open or not last_error):
+            last_error = pm.last_error
+        conflict = None
+        if pm is not None and pm.conflict:
+            conflict = {"detail": pm.conflict, "action": "backing off: the other client keeps the stream"}
+        elif self._conflict:
+            conflict = {"detail": self._conflict, "action": "fell back to pause mode external (pause=auto)"}
         return {
             "state": state,
             "reason": reason if state in (FAILED, STOPPED) else "",
@@ -557,9 +590,11 @@ class SwitchAgent:
             "server": self.config.server,
             "pause": self.pause_mode,
             "dry_run": self.config.dry_run,
-            "connected": bool(sub and sub.running and sub.connected()),
+            "connected": connected,
+            "disconnected_s": None if connected or sub is None else round(now - sub.connection_changed_mono, 3),
             "stream_open": bool(sub and sub.stream_open),
-            "last_error": sub.last_error if sub else "",
+            "last_error": last_error,
+            "conflict": conflict,
             "last_message_age_s": None if last_msg is None else round(time.monotonic() - last_msg, 3),
             "uptime_s": None if self._started_mono is None else round(time.monotonic() - self._started_mono, 3),
             "stream": {
@@ -581,6 +616,7 @@ class SwitchAgent:
                 "errors": self._process_manage.errors,
                 "last_error": self._process_manage.last_error,
                 "last_signal": self._controller.last_signal if self._controller else "",
+                "quiet_resets": self._process_manage.conflict_resets,
             },
         }
 
@@ -745,6 +781,38 @@ class SwitchAgent:
 
     def _on_health(self, healthy: bool, why: str) -> None:
         self._emit(ev.STREAM_RESTORED if healthy else ev.STREAM_LOST, detail={"why": why})
+
+    def _refresh_status(self) -> None:
+        """Rewrite the status file soon: ``connected`` changed without an event."""
+        writer = self._status_writer
+        if writer is not None:
+            writer.refresh()
+
+    def _on_conflict(self, detail: str) -> None:
+        """Another process-manage client fights for the job's stream (process-manage thread).
+
+        Pause mode ``agent`` asked for explicitly: the client backs off and status shows it.
+        Pause mode ``auto``: the other client is MindIO/TaskD (or a stand-in) pausing training, so
+        leave the stream to it: stop ours and run the notify stream ungated, as in ``external``.
+        """
+        self._refresh_status()
+        if self.config.pause != "auto":
+            return
+        pm, controller, sub = self._process_manage, self._controller, self._subscriber
+        logger.warning("pause mode auto: falling back to pause mode external (another process-manage client "
+                       "pauses this job); set pause=\"external\" to start that way")
+        self._conflict = detail
+        self.pause_mode = "external"
+        self._pause_reason = "pause=auto fell back: another process-manage client holds the job's stream"
+        self._process_manage = None  # lists from now on are not tied to a process-manage stream
+        self._controller = None  # orders run on the members' threads, as in pause mode external
+        if pm is not None:
+            pm.stop()  # on its own thread: no join; it ends after this callback
+        if controller is not None:
+            controller.stop(self.config.stop_timeout_s)
+        if sub is not None:
+            sub.ungate()
+        self._refresh_status()
 
     # -- executor thread -----------------------------------------------------------------------
 

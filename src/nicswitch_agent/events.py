@@ -68,7 +68,8 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
     EventKind(STREAM_LOST, "leader", "the notify stream failed (one event per loss, not per retry)", (
         ("why", "the gRPC error"),)),
     EventKind(STREAM_RESTORED, "leader", "the notify stream works again after a loss", (
-        ("why", "what showed it works: `message received` or `stream ended cleanly`"),)),
+        ("why", "what showed it works: `stream established` (open on a READY channel with no error), "
+                "`message received` or `stream ended cleanly`"),)),
     EventKind(LIST_RECEIVED, "leader", "a valid rank list arrived", (
         ("ranks", "how many ranks it names"),
         ("to_standby", "ranks to move to their standby NIC"),

@@ -9,6 +9,19 @@ which ends every other stream of the job (clusterd-observed.md §order). So this
 first, and the notify stream is allowed to open (``gate``) only once this one is open; after any
 end of this stream the gate closes until it is reopened.
 
+A job has room for one process-manage client. A second one (MindIO/TaskD, or the simulator's
+``--standin``, next to an agent in pause mode ``agent``) makes the two reset each other: every
+subscribe of one ends the other's stream, which subscribes again and ends the first one's, every
+second or so, forever, and neither ever gets a pause. This client notices it (its stream ends
+cleanly again and again with no signal in between: :class:`ConflictDetector`), says so once at
+WARNING with the likely cause and the fix, tells ``on_conflict``, and stops fighting: it
+resubscribes only after a long, growing pause (``conflict_backoff_s`` up to
+``conflict_backoff_max_s``), so the other client keeps its stream in between.
+
+A connection that cannot be made shows at once: the first Init is sent without waiting for a
+connection, so a refused port or a plaintext/TLS mismatch is in ``last_error`` and the log right
+away; the next waits for the connection, cancellably (``stop()`` cancels it).
+
 This module only talks to ClusterD and hands signals to ``on_signal`` (which must not block: the
 agent queues them to its own worker). Deciding what a signal means is the agent's job.
 """
@@ -18,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,8 +40,14 @@ import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.subscriber import backoff_delays, describe_rpc_error, should_terminate
-from nicswitch_agent.transport import RecoverStub, connect_problem
+from nicswitch_agent.subscriber import backoff_delays, connect_failed, describe_rpc_error, should_terminate
+from nicswitch_agent.transport import (
+    ConnectivityWatch,
+    RecoverStub,
+    connect_problem,
+    explain_connect_failure,
+    settings_of,
+)
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
 
@@ -130,12 +150,61 @@ def describe_signal(signal: pb.ProcessManageSignal) -> str:
 
 @dataclass(frozen=True)
 class ProcessManageSettings:
+    """Timings of the process-manage client.
+
+    Attributes:
+        conflict_resets: Clean ends with no signal in between (keep-alives aside) that mean
+            another process-manage client is fighting for the job's stream ...
+        conflict_window_s: ... when they all fall within this many seconds. ClusterD ends the
+            stream cleanly on its own only after a switch or a recovery, which send signals first.
+        conflict_backoff_s: Once a conflict is seen, wait this long before subscribing again
+            (each subscribe resets the other client), doubling while the conflict lasts ...
+        conflict_backoff_max_s: ... up to this.
+    """
+
     job_id: str
     role: str
     rpc_timeout_s: float = 10.0
     reconnect_initial_s: float = 0.2
     reconnect_max_s: float = 5.0
     stop_timeout_s: float = 1.0
+    conflict_resets: int = 3
+    conflict_window_s: float = 30.0
+    conflict_backoff_s: float = 30.0
+    conflict_backoff_max_s: float = 300.0
+
+
+CONFLICT_CAUSE = (
+    "another process-manage client is subscribed for job {job}: every subscribe of one resets "
+    "ClusterD's controller and ends the other's stream ({resets} clean ends with no signal within "
+    "{window:g} s). Likely MindIO/TaskD (or the simulator's --standin) pauses this job as well. "
+    "Fix: set pause=\"external\" (NICSWITCH_PAUSE=external) so the agent leaves the process-manage "
+    "stream to it, or stop the other client"
+)
+
+
+class ConflictDetector:
+    """Counts clean ends of the process-manage stream with no signal in between.
+
+    Not thread-safe: fed by the process-manage thread only.
+    """
+
+    def __init__(self, resets: int, window_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._resets = max(1, resets)
+        self._window_s = window_s
+        self._clock = clock
+        self._ends: deque[float] = deque(maxlen=self._resets)
+
+    def quiet_end(self) -> bool:
+        """Record a clean end with no signal since the stream opened; True when it makes a
+        conflict (``resets`` of them within the window)."""
+        now = self._clock()
+        self._ends.append(now)
+        return len(self._ends) == self._resets and now - self._ends[0] <= self._window_s
+
+    def signal(self) -> None:
+        """A real signal arrived: the stream is ClusterD's to end, not the other client's."""
+        self._ends.clear()
 
 
 class ProcessManageClient(StreamThread):
@@ -149,6 +218,8 @@ class ProcessManageClient(StreamThread):
         *,
         on_stream_end: Callable[[str], None] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        on_conflict: Callable[[str], None] | None = None,
+        watch: ConnectivityWatch | None = None,
     ) -> None:
         super().__init__("nicswitch-process-manage", settings.stop_timeout_s)
         self._stub = stub
@@ -156,6 +227,14 @@ class ProcessManageClient(StreamThread):
         self._on_signal = on_signal
         self._on_stream_end = on_stream_end
         self._on_fatal = on_fatal
+        self._on_conflict = on_conflict  # told once per conflict, on this client's thread
+        self._owns_watch = watch is None
+        self._watch = watch or ConnectivityWatch(stub.channel)
+        self._conflicts = ConflictDetector(settings.conflict_resets, settings.conflict_window_s)
+        # Another process-manage client fights for the job's stream (why, in words); "" when not.
+        self.conflict = ""
+        self.conflict_resets = 0  # quiet clean ends seen, in all
+        self._real_signals = 0  # signals other than keep-alives; only this thread writes it
         self.gate = StreamGate()  # open while our stream is open: the notify stream may open
         self.registered = False
         self.opens = 0
@@ -175,6 +254,19 @@ class ProcessManageClient(StreamThread):
 
     def _on_stop(self) -> None:
         self.gate.close()
+
+    def stop(self) -> bool:
+        """Cancel the call in flight (the stream, or an Init/Register waiting for a connection)
+        and join the thread (bounded). Idempotent."""
+        ended = super().stop()
+        if self._owns_watch:
+            self._watch.close()
+        return ended
+
+    @property
+    def stream_open(self) -> bool:
+        """The signal stream is open (an Init or Register in flight is not)."""
+        return self._stream_live
 
     # -- reports (called from the agent's worker thread) ----------------------------------------
 
@@ -237,15 +329,30 @@ class ProcessManageClient(StreamThread):
 
     # -- the loop ----------------------------------------------------------------------------
 
-    def _register(self) -> None:
-        """Init then Register. 408 (not inited) is answered by Init again; other codes are fatal."""
+    def _cancellable(self, method: str, request: Any, *, wait_for_ready: bool) -> pb.Status:
+        """One unary call that stop() can cancel (a blocking call cannot be: a stop during a 10 s
+        wait for a connection would outlast its bound). Raises grpc.RpcError, or
+        grpc.FutureCancelledError once cancelled."""
+        future = getattr(self._stub, method).future(
+            request, timeout=self._settings.rpc_timeout_s, wait_for_ready=wait_for_ready
+        )
+        self._set_call(future)
+        try:
+            result: pb.Status = future.result()
+            return result
+        finally:
+            self._set_call(None)
+
+    def _register(self, *, wait_for_ready: bool = True) -> None:
+        """Init then Register. 408 (not inited) is answered by Init again; other codes are fatal.
+
+        ``wait_for_ready=False``: fail at once if no connection can be made (and say why)."""
         info = pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role)
-        timeout = self._settings.rpc_timeout_s
         for _ in range(3):
-            status = self._stub.Init(info, timeout=timeout, wait_for_ready=True)
+            status = self._cancellable("Init", info, wait_for_ready=wait_for_ready)
             if status.code != CODE_OK:
                 raise RegistrationRefused("Init", status.code, status.info)
-            status = self._stub.Register(info, timeout=timeout, wait_for_ready=True)
+            status = self._cancellable("Register", info, wait_for_ready=True)
             if status.code == CODE_OK:
                 if not self.registered:
                     logger.info("registered job %s with ClusterD", self._settings.job_id)
@@ -259,13 +366,16 @@ class ProcessManageClient(StreamThread):
         settings = self._settings
         request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
         delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+        conflict_delays = backoff_delays(settings.conflict_backoff_s, settings.conflict_backoff_max_s)
         failing: str | None = None
+        self._watch.start()
+        fail_fast = True  # the next Init fails at once if no connection can be made (and says why)
         while not self._stop.is_set():
             delay = 0.0
             opened = False
             try:
                 if not self.registered:
-                    self._register()
+                    self._register(wait_for_ready=not fail_fast)
                 call = self._stub.SubscribeProcessManageSignal(request, wait_for_ready=True)
                 self._set_call(call)
                 self.stream_id += 1  # only this thread writes it
@@ -275,6 +385,7 @@ class ProcessManageClient(StreamThread):
                     opens = self.opens
                 self._opened(opens)
                 opened, opened_at, signals_before = True, time.monotonic(), self.signals
+                real_before = self._real_signals
                 # The server handles our subscribe (and its reset) concurrently with whatever
                 # comes next on the connection; give it a moment before the notify stream opens.
                 if not self._stop.wait(GATE_SETTLE_S):
@@ -285,25 +396,53 @@ class ProcessManageClient(StreamThread):
                         logger.info("process-manage stream restored after: %s", failing)
                         failing = None
                     delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
+                    if self.conflict and (self._real_signals > real_before
+                                          or time.monotonic() - opened_at >= settings.conflict_window_s):
+                        self._conflict_over()
+                        conflict_delays = backoff_delays(settings.conflict_backoff_s, settings.conflict_backoff_max_s)
                 logger.debug("process-manage stream ended cleanly (ClusterD reset the job); reopening")
+                fail_fast = True
                 if failing is not None:
                     logger.info("process-manage stream restored after: %s", failing)
                     failing = None
                 reason = "clean end"
-                if self.signals == signals_before and time.monotonic() - opened_at < 0.5:
+                if self._real_signals > real_before:
+                    self._conflicts.signal()
+                elif not self._stop.is_set() and self._quiet_end() and not self._stop.is_set():
+                    delay = next(conflict_delays)  # stop fighting: leave the stream to the other client
+                    logger.info("process-manage stream: subscribing again in %.0f s (another client holds it)",
+                                delay)
+                if not delay and self.signals == signals_before and time.monotonic() - opened_at < 0.5:
                     delay = next(delays)  # a server that ends every stream at once: do not spin
             except RegistrationRefused as exc:
                 logger.error("%s; the agent takes no part in switches (training goes on undisturbed)", exc)
                 if self._on_fatal is not None:
                     self._on_fatal(exc)
                 break
+            except grpc.FutureCancelledError:
+                if self._stop.is_set():
+                    break
+                delay = next(delays)
+                reason = "cancelled"
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
+                waited = not fail_fast
+                if not opened and fail_fast and connect_failed(exc):
+                    # Nothing reached ClusterD: say why at once, then wait for the connection (gRPC
+                    # keeps dialing with its own backoff) in a call that stop() can cancel.
+                    text = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe_rpc_error(exc)
+                    self._record_error(text)
+                    if failing != text:
+                        logger.warning("cannot connect to ClusterD, waiting for it: %s", text)
+                        failing = text
+                    fail_fast = False
+                    continue
+                fail_fast = True
+                if waited and not opened and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not self._watch.ready:
+                    continue  # the wait for a connection ran out: fail fast again, which says why
                 text = self._describe(exc)
-                with self._lock:
-                    self.errors += 1
-                    self.last_error = text
+                self._record_error(text)
                 if should_terminate(exc):
                     logger.error("process-manage stream failed for good: %s", text)
                     if self._on_fatal is not None:
@@ -328,6 +467,39 @@ class ProcessManageClient(StreamThread):
             if delay > 0 and self._stop.wait(delay):
                 break
 
+    def _record_error(self, text: str) -> None:
+        with self._lock:
+            self.errors += 1
+            self.last_error = text
+
+    def _quiet_end(self) -> bool:
+        """Our stream ended cleanly with no signal: another client's subscribe, most likely. True
+        when that makes (or continues) a conflict, after telling the log and ``on_conflict``."""
+        with self._lock:
+            self.conflict_resets += 1
+        if not self._conflicts.quiet_end() and not self.conflict:
+            return False
+        if self.conflict:
+            return True  # still fighting after a pause: pause longer
+        s = self._settings
+        text = CONFLICT_CAUSE.format(job=s.job_id, resets=s.conflict_resets, window=s.conflict_window_s)
+        with self._lock:
+            self.conflict = text
+            self.last_error = text
+        logger.warning("%s", text)
+        if self._on_conflict is not None:
+            try:
+                self._on_conflict(text)
+            except Exception:
+                logger.exception("conflict handler failed; ignored")
+        return True
+
+    def _conflict_over(self) -> None:
+        with self._lock:
+            self.conflict = ""
+        self._conflicts.signal()
+        logger.info("process-manage stream held again: the other process-manage client is gone")
+
     def _describe(self, exc: grpc.RpcError) -> str:
         """The error in words. Our calls wait for a connection, so one that cannot be made (a
         plaintext/TLS mismatch, say) ends as a bare deadline: ask the channel why."""
@@ -349,6 +521,7 @@ class ProcessManageClient(StreamThread):
         if signal.signalType == KEEP_ALIVE:
             self.last_keepalive_mono = time.monotonic()
             return
+        self._real_signals += 1
         try:
             self._on_signal(signal)
         except Exception:

@@ -18,12 +18,18 @@ set (``AgentConfig.status_file``):
 Exit codes of ``nicswitch-agent status``:
 
 ===  ========================================================================================
-0    the file is fresh and the agent in it is running
+0    the file is fresh and the agent in it is running (and, a leader, connected to ClusterD)
 1    the agent is not running (created, stopping, stopped or failed)
 2    usage error (no file given and NICSWITCH_STATUS_FILE unset)
 3    the file is stale: not rewritten for longer than ``--max-age`` (the process is gone or hung)
 4    no status file, or it cannot be read or parsed
+5    a running leader that does not take part: its notify stream has not been established for
+     longer than ``--max-disconnected``, or (pause mode ``agent``) another process-manage
+     client fights it for the job's stream
 ===  ========================================================================================
+
+A leader is briefly not connected after every switch (ClusterD ends the stream; it is reopened
+at once and counts as established half a second later), hence the grace of ``--max-disconnected``.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ STATUS_FILE_ENV = "NICSWITCH_STATUS_FILE"
 FORMAT = "nicswitch-agent-status/1"
 DEFAULT_INTERVAL_S = 10.0
 RUNNING_STATES = frozenset({"starting", "running", "switching"})
+DEFAULT_MAX_DISCONNECTED_S = 3.0
 PER_PROCESS_FIELDS = ("{rank}", "{pid}")
 
 
@@ -63,6 +70,7 @@ class ExitCode(enum.IntEnum):
     USAGE = 2
     STALE = 3
     NO_FILE = 4
+    NOT_CONNECTED = 5
 
 
 def expand_path(template: str, *, rank: int, job_id: str, role: str | None = "leader") -> str | None:
@@ -144,6 +152,10 @@ class StatusFileWriter:
 
     def __call__(self, event: AgentEvent) -> None:
         """Event listener: wake the writer thread (every agent event is a change of state)."""
+        self._wake.set()
+
+    def refresh(self) -> None:
+        """Rewrite the file soon: the agent's state changed without an event (``connected``)."""
         self._wake.set()
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -306,13 +318,16 @@ def default_max_age(interval_s: float) -> float:
 
 
 def read_status(path: str | os.PathLike[str], *, now: float | None = None,
-                max_age_s: float | None = None) -> StatusReport:
+                max_age_s: float | None = None,
+                max_disconnected_s: float = DEFAULT_MAX_DISCONNECTED_S) -> StatusReport:
     """Read and judge a status file.
 
     Args:
         path: The file.
         now: The current wall clock (default ``time.time()``).
         max_age_s: Stale threshold; default :func:`default_max_age` of the interval in the file.
+        max_disconnected_s: A running leader whose notify stream has not been established for
+            longer than this (counted up to now, not to the write) is judged NOT_CONNECTED.
     """
     name = os.fspath(path)
     try:
@@ -345,7 +360,29 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
         error = document["status"].get("last_error") or ""
         why = f" ({error})" if state == "failed" and error else ""
         return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
+    problem = _not_taking_part(document["status"], age, max_disconnected_s)
+    if problem:
+        return StatusReport(name, ExitCode.NOT_CONNECTED, problem, document, age, limit)
     return StatusReport(name, ExitCode.OK, "", document, age, limit)
+
+
+def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: float) -> str:
+    """Why a running leader does not take part in switches ("" when it does, or is no leader)."""
+    if status.get("role") != "leader":
+        return ""
+    conflict = status.get("conflict")
+    if isinstance(conflict, dict) and status.get("pause") == "agent":
+        return f"another process-manage client fights for the job's stream: {conflict.get('detail')}"
+    if status.get("connected"):
+        return ""
+    since = _number(status.get("disconnected_s"))
+    if since is None or "connected" not in status:
+        return ""  # a file from an agent that did not say (an older version)
+    total = since + max(0.0, age)
+    if total <= max_disconnected_s:
+        return ""
+    error = status.get("last_error") or "no error seen: the stream waits for a connection or for ClusterD"
+    return f"not connected to ClusterD for {_duration(total)} (more than {_duration(max_disconnected_s)}): {error}"
 
 
 def format_summary(report: StatusReport) -> str:
@@ -364,12 +401,18 @@ def format_summary(report: StatusReport) -> str:
     if s.get("role") == "leader":
         stream = s.get("stream") or {}
         connected = "yes" if s.get("connected") else "NO"
+        since = _number(s.get("disconnected_s"))
+        if not s.get("connected") and since is not None:
+            connected += f", for {_duration(since)} before the write"
         msg_age = _number(s.get("last_message_age_s"))
         extra = "" if msg_age is None else f", last message {_duration(msg_age)} before the write"
         lines.append(f"connected   {connected} (stream {'open' if s.get('stream_open') else 'closed'}; "
                      f"subscriptions {stream.get('opens', 0)}, errors {stream.get('errors', 0)}{extra})")
         if s.get("last_error"):
             lines.append(f"last error  {s.get('last_error')}")
+        conflict = s.get("conflict")
+        if isinstance(conflict, dict):
+            lines.append(f"conflict    {conflict.get('action')}: {conflict.get('detail')}")
     if s.get("parked"):
         lines.append(f"training    PARKED at step {s.get('parked_step')}")
     elif s.get("last_step") is not None:
@@ -461,9 +504,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank whose file to read when the path has {rank} (default: $RANK, else 0)")
     parser.add_argument("--max-age", type=float, default=None, metavar="S",
                         help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
+    parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
+                        help="call a running leader not connected past this many seconds (default: "
+                             f"{DEFAULT_MAX_DISCONNECTED_S:g}; it is briefly not connected after every switch)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     if parser.epilog is None:
-        parser.epilog = "exit codes: 0 running, 1 not running, 2 usage, 3 stale file, 4 no readable file"
+        parser.epilog = ("exit codes: 0 running, 1 not running, 2 usage, 3 stale file, 4 no readable file, "
+                         "5 a leader not connected to ClusterD")
 
 
 def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
@@ -486,7 +533,8 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     if "*" in path:  # {pid}: the newest file of that name
         matches = sorted(glob.glob(path), key=_mtime, reverse=True)
         path = matches[0] if matches else path.replace("*", "{pid}")
-    report = read_status(path, max_age_s=args.max_age)
+    report = read_status(path, max_age_s=args.max_age,
+                         max_disconnected_s=getattr(args, "max_disconnected", DEFAULT_MAX_DISCONNECTED_S))
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True, default=str))
     else:
@@ -496,6 +544,7 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
 
 __all__ = [
     "DEFAULT_INTERVAL_S",
+    "DEFAULT_MAX_DISCONNECTED_S",
     "STATUS_FILE_ENV",
     "ExitCode",
     "StatusFileWriter",

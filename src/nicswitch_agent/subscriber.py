@@ -16,6 +16,13 @@ then shows up at once in ``last_error`` and the log, in plain words (a plaintext
 above all, see :func:`~nicswitch_agent.transport.explain_connect_failure`), and the stream is
 reopened at once, waiting for the connection as before.
 
+"Connected" means a stream is established: one is in flight, the channel is READY, and either a
+message came on it or it has stayed so for ``establish_s`` (ClusterD sends nothing on subscribe,
+and refuses a subscription it does not like within a round trip). It goes false as soon as the
+stream ends or the channel leaves READY, as the channel's :class:`~nicswitch_agent.transport.
+ConnectivityWatch` (one per channel, shared with the process-manage client and the replier) tells.
+``on_connection`` hears every change.
+
 Received lists are handed to ``on_list`` at once; that callback must not block (the agent only
 validates and enqueues), so the stream keeps being read and ``stop()`` stays prompt.
 """
@@ -35,7 +42,7 @@ import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.transport import RecoverStub, explain_connect_failure, settings_of
+from nicswitch_agent.transport import ConnectivityWatch, RecoverStub, explain_connect_failure, settings_of
 
 if TYPE_CHECKING:
     from nicswitch_agent.process_manage import StreamGate
@@ -77,7 +84,7 @@ def describe_rpc_error(exc: BaseException) -> str:
     return f"{code.name if code else type(exc).__name__}: {text}"
 
 
-def _connect_failed(exc: BaseException) -> bool:
+def connect_failed(exc: BaseException) -> bool:
     """The call failed before it reached the server: no connection could be made."""
     details = getattr(exc, "details", None)
     text = details() if callable(details) else ""
@@ -104,6 +111,8 @@ class SubscriberSettings:
     # More than this many clean ends within one second, with no message, look like a server
     # that ends every stream at once; back off instead of spinning.
     eof_burst: int = 5
+    # A stream in flight on a READY channel for this long, with no error, counts as established.
+    establish_s: float = 0.5
 
 
 class NotifySubscriber(StreamThread):
@@ -118,6 +127,8 @@ class NotifySubscriber(StreamThread):
         on_fatal: Callable[[BaseException], None] | None = None,
         on_health: Callable[[bool, str], None] | None = None,
         gate: StreamGate | None = None,
+        watch: ConnectivityWatch | None = None,
+        on_connection: Callable[[bool, str], None] | None = None,
     ) -> None:
         super().__init__("nicswitch-notify", settings.stop_timeout_s)
         self._stub = stub
@@ -140,22 +151,102 @@ class NotifySubscriber(StreamThread):
         # Optimistic until the first error: a stream that is open but silent looks the same as
         # a healthy idle one (ClusterD sends no headers before the first message).
         self.healthy = True
+        self._owns_watch = watch is None
+        self._watch = watch or ConnectivityWatch(stub.channel)
+        self._on_connection = on_connection
+        self._conn_lock = threading.Lock()  # guards the connection fields below and `healthy` changes
+        self._conn_call: object | None = None  # the stream in flight, as far as "connected" goes
+        self._connected = False
+        self._establish_timer: threading.Timer | None = None
+        self.connection_changed_mono = time.monotonic()  # when `connected` last changed (or creation)
+        self._watch.add_listener(self._on_channel)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start the thread; returns once it runs. A second start() is refused."""
+        self._watch.start()
         super().start()
         self._ready.wait()
 
-    def connected(self, settle_s: float = 1.0) -> bool:
-        """True when a stream is open and either healthy or open for ``settle_s`` without error
-        (ClusterD refuses a bad subscription within milliseconds, and sends nothing otherwise)."""
-        with self._lock:
-            if self._call is None:
-                return False
-            opened = self.last_open_mono
-        return self.healthy or (opened is not None and time.monotonic() - opened >= settle_s)
+    def stop(self) -> bool:
+        ended = super().stop()
+        self._track(None, "stopped")
+        if self._owns_watch:
+            self._watch.close()
+        return ended
+
+    def connected(self) -> bool:
+        """True while a stream is established (see the module docstring)."""
+        return self._connected
+
+    # -- connection state ----------------------------------------------------------------------
+
+    def _track(self, call: object | None, why: str) -> None:
+        """A stream was opened (``call``) or ended (None): (re)arm or drop "connected"."""
+        with self._conn_lock:
+            self._conn_call = call
+            self._cancel_timer_locked()
+            lost = self._set_connected_locked(False) if call is None else False
+        if lost:
+            self._tell_connection(False, why)
+        if call is not None and self._watch.ready:
+            self._arm(call)
+
+    def _arm(self, call: object) -> None:
+        """Count ``call`` as established after ``establish_s`` on a READY channel with no error."""
+        with self._conn_lock:
+            if call is not self._conn_call or self._connected or self._stop.is_set():
+                return
+            self._cancel_timer_locked()
+            timer = threading.Timer(self._settings.establish_s, self._establish, (call, "no error on the stream"))
+            timer.daemon = True
+            timer.name = "nicswitch-notify-establish"
+            self._establish_timer = timer
+        timer.start()
+
+    def _establish(self, call: object, why: str) -> None:
+        with self._conn_lock:
+            done = getattr(call, "done", None)
+            if (call is not self._conn_call or not self._watch.ready
+                    or (callable(done) and done()) or not self._set_connected_locked(True)):
+                return
+        self._tell_connection(True, why)
+        if why != "message received":  # the message path tells the health itself
+            self._set_health(True, "stream established")
+
+    def _on_channel(self, state: grpc.ChannelConnectivity) -> None:
+        """The shared watch's listener (gRPC's delivery thread)."""
+        if state is grpc.ChannelConnectivity.READY:
+            call = self._conn_call
+            if call is not None:
+                self._arm(call)
+            return
+        with self._conn_lock:
+            self._cancel_timer_locked()
+            lost = self._set_connected_locked(False)
+        if lost:
+            self._tell_connection(False, f"channel {state.name}")
+
+    def _cancel_timer_locked(self) -> None:
+        if self._establish_timer is not None:
+            self._establish_timer.cancel()
+            self._establish_timer = None
+
+    def _set_connected_locked(self, connected: bool) -> bool:
+        if connected == self._connected:
+            return False
+        self._connected = connected
+        self.connection_changed_mono = time.monotonic()
+        return True
+
+    def _tell_connection(self, connected: bool, why: str) -> None:
+        logger.debug("notify stream %s: %s", "established" if connected else "not established", why)
+        if self._on_connection is not None:
+            try:
+                self._on_connection(connected, why)
+            except Exception:
+                logger.exception("connection callback failed; ignored")
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -186,12 +277,15 @@ class NotifySubscriber(StreamThread):
             try:
                 call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=not fail_fast)
                 self._set_call(call)
+                self._track(call, "opened")
                 with self._lock:
                     self.opens += 1
                     self.last_open_mono = time.monotonic()
                     opens = self.opens
                 self._opened(opens)
                 for message in call:
+                    if not got_message:
+                        self._establish(call, "message received")
                     got_message = True
                     self._set_health(True, "message received")
                     with self._lock:
@@ -226,7 +320,7 @@ class NotifySubscriber(StreamThread):
                     if NOT_REGISTERED in text:
                         self.job_unknown += 1
                 self._set_health(False, text)
-                if fail_fast and not got_message and _connect_failed(exc):
+                if fail_fast and not got_message and connect_failed(exc):
                     # Nothing was sent: now wait for the connection (gRPC keeps dialing, with its
                     # own backoff) instead of failing again and again.
                     if failing_since != text:
@@ -256,21 +350,29 @@ class NotifySubscriber(StreamThread):
                 delay = next(delays)
             finally:
                 self._set_call(None)
+                self._track(None, "stream ended")
             if delay > 0 and self._stop.wait(delay):
                 break
 
+    def ungate(self) -> None:
+        """Open streams without waiting for the process-manage stream from now on (the agent fell
+        back to pause mode external)."""
+        self._gate = None
+
     def _wait_gate(self, gate: StreamGate, newer_than: int | None, limit: float | None) -> None:
         """Wait until the gate is open (with a generation above ``newer_than`` when given), stop()
-        is called, or ``limit`` seconds pass; in short slices so stop() stays prompt."""
+        is called, the gate is dropped (:meth:`ungate`), or ``limit`` seconds pass; in short
+        slices so stop() stays prompt."""
         deadline = None if limit is None else time.monotonic() + limit
-        while not self._stop.is_set():
+        while not self._stop.is_set() and self._gate is not None:
             ok = gate.wait_open(0.05) if newer_than is None else gate.wait(newer_than, 0.05)
             if ok or (deadline is not None and time.monotonic() >= deadline):
                 return
 
     def _set_health(self, healthy: bool, why: str) -> None:
-        changed = healthy != self.healthy
-        self.healthy = healthy
+        with self._conn_lock:
+            changed = healthy != self.healthy
+            self.healthy = healthy
         if changed and self._on_health is not None:
             try:
                 self._on_health(healthy, why)

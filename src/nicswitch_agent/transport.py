@@ -13,7 +13,9 @@ a plaintext/TLS mismatch otherwise reads as ``Socket closed`` or ``WRONG_VERSION
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +30,8 @@ from nicswitch_agent.errors import ConfigError
 _fork_safety.warn_if_unsafe()  # once: grpc was set up for forks by the package's __init__, unless too late
 
 SERVICE = "Recover"
+
+logger = logging.getLogger("nicswitch_agent.transport")
 
 
 @dataclass(frozen=True)
@@ -293,35 +297,65 @@ def connect_problem(stub: RecoverStub, client: Any, timeout_s: float = 1.0) -> s
 class ConnectivityWatch:
     """Tracks whether a channel is READY, with one subscription for the channel's lifetime.
 
-    ``grpc.channel_ready_future`` per call would spawn a polling thread each time, and one
-    spawned just before ``close()`` dies with "Channel closed!"; a single subscription made at
-    start and removed before close avoids that.
+    One per channel, shared by everything that needs to know (the notify subscriber, the
+    process-manage client, the replier, and through them ``status()``): each extra
+    ``channel.subscribe`` is one more gRPC polling thread, and ``grpc.channel_ready_future`` per
+    call spawns one each time. A polling thread that starts just before ``close()`` dies with
+    "Channel closed!", so :meth:`close` waits for the first state to arrive before it lets go.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards _state, _closed, _subscribed, _listeners
         self._state: grpc.ChannelConnectivity | None = None
         self._closed = False
-        # Subscribed on first use, not here: gRPC's polling thread, if it starts right before the
-        # channel is closed (an agent stopped just after it started), dies with "Channel closed!".
+        # Subscribed by start() or on first use, not here: a watch that nobody uses costs nothing.
         self._subscribed = False
+        self._listeners: list[Callable[[grpc.ChannelConnectivity], None]] = []
 
     def _on_change(self, state: grpc.ChannelConnectivity) -> None:
         with self._cond:
+            if self._closed:
+                return
             self._state = state
+            listeners = list(self._listeners)
             self._cond.notify_all()
+        for listener in listeners:  # outside the lock: a listener may read the watch
+            try:
+                listener(state)
+            except Exception:
+                logger.exception("connectivity listener failed; ignored")
+
+    def _subscribe_locked(self) -> None:
+        if not self._subscribed and not self._closed:
+            self._subscribed = True
+            self._channel.subscribe(self._on_change, try_to_connect=True)
+
+    def start(self) -> ConnectivityWatch:
+        """Subscribe now (and start connecting), so that listeners hear every change."""
+        with self._cond:
+            self._subscribe_locked()
+        return self
+
+    def add_listener(self, listener: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        """Call ``listener(state)`` on every change of state, on gRPC's delivery thread (it must
+        not block). Does not subscribe by itself: see :meth:`start`."""
+        with self._cond:
+            self._listeners.append(listener)
 
     @property
     def state(self) -> grpc.ChannelConnectivity | None:
         return self._state
 
+    @property
+    def ready(self) -> bool:
+        """The channel is READY now (a connection is up)."""
+        return self._state is grpc.ChannelConnectivity.READY and not self._closed
+
     def wait_ready(self, timeout: float) -> bool:
         """True once the channel is READY; False if it is not within ``timeout``."""
         with self._cond:
-            if not self._subscribed and not self._closed:
-                self._subscribed = True
-                self._channel.subscribe(self._on_change, try_to_connect=True)
+            self._subscribe_locked()
             if self._state is grpc.ChannelConnectivity.IDLE and not self._closed:
                 # Nothing else is dialing: ask for a connection (a fresh subscription does).
                 self._channel.unsubscribe(self._on_change)
@@ -330,13 +364,28 @@ class ConnectivityWatch:
                 lambda: self._closed or self._state is grpc.ChannelConnectivity.READY, timeout
             ) and not self._closed
 
-    def close(self) -> None:
+    def close(self, timeout: float = 1.0) -> None:
+        """Unsubscribe, and wait (bounded) until gRPC's polling thread has let go of the channel,
+        so that the channel can be closed next. Idempotent.
+
+        A channel closed under that thread makes it die with "Channel closed!": it reads the
+        channel once when it starts, then after each 0.2 s watch until it sees no subscriber.
+        """
         with self._cond:
+            if self._subscribed and not self._closed:
+                self._cond.wait_for(lambda: self._state is not None, timeout)
             self._closed = True
-            subscribed = self._subscribed
+            subscribed, self._subscribed = self._subscribed, False
+            self._listeners.clear()
             self._cond.notify_all()
-        if subscribed:
-            self._channel.unsubscribe(self._on_change)
+        if not subscribed:
+            return
+        self._channel.unsubscribe(self._on_change)
+        # grpcio keeps the thread's flag in a private field; without it, do not wait.
+        polling = getattr(self._channel, "_connectivity_state", None)
+        deadline = time.monotonic() + timeout
+        while getattr(polling, "polling", False) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the thread looks every 0.2 s; nothing to wait on but its flag
 
 
 class RecoverStub:

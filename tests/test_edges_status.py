@@ -1,0 +1,325 @@
+"""Status tells the truth (issue 11, "Trust at the edges", section 3).
+
+- ``connected`` means a notify stream is established: not while the stream waits for a
+  connection that is refused, and not again after ClusterD (a simulator process) is SIGKILLed;
+  ``nicswitch-agent status`` then says NOT OK.
+- Pause mode ``agent`` with nothing at the server port: the real cause ("Connection refused") at
+  once, in ``last_error`` and one WARNING, also after a wait for the connection runs out, and
+  ``stop()`` is prompt (no "did not stop within").
+- Two process-manage clients for one job (the simulator's stand-in, and an agent in pause mode
+  ``agent``): detected, one WARNING naming the cause and the fix, shown in status and by
+  ``nicswitch-agent status``; the agent stops fighting; with pause ``auto`` it falls back to
+  ``external`` and switches with the stand-in doing the pausing.
+
+Waits are bounded and wait on conditions. Where the claim is "stays false", the test watches for
+a bounded window (1.5 s past the moment the old code turned true): that is the observation, not
+synchronisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from nicswitch_agent import SwitchAgent
+from nicswitch_agent import events as ev
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.sim.soak import JOB, SubprocessBackend
+from nicswitch_agent.status_file import ExitCode, add_arguments, run
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+
+pytestmark = pytest.mark.timeout(60)
+
+NODES = {"node-0": ["0", "1"]}
+REFUSED = "Connection refused"
+NOT_CONNECTED = 5  # nicswitch-agent status: a running leader that takes no part (ExitCode.NOT_CONNECTED)
+# The old code called a stream "connected" once it had been open 1 s without error, whether or
+# not a connection existed; watching 1.5 s past that shows it no longer does.
+OLD_SETTLE_S = 1.0
+WINDOW_S = OLD_SETTLE_S + 1.5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
+    """Poll ``predicate`` (status() has nothing to wait on) until true or ``timeout``."""
+    deadline = time.monotonic() + timeout
+    stop = threading.Event()
+    while not predicate():
+        if time.monotonic() >= deadline:
+            return False
+        stop.wait(step)
+    return True
+
+
+def never_within(predicate: Callable[[], bool], window: float) -> bool:
+    """True if ``predicate`` stayed false for the whole observation ``window``."""
+    return not wait_until(predicate, window)
+
+
+def status_command(path: Path, *extra: str) -> tuple[int, str]:
+    """``nicswitch-agent status --file PATH`` through its real argument parser; (exit code, text)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = run(parser.parse_args(["--file", str(path), *extra]), env={})
+    return code, out.getvalue()
+
+
+@pytest.fixture
+def agents() -> Iterator[list[SwitchAgent]]:
+    started: list[SwitchAgent] = []
+    yield started
+    for agent in started:
+        agent.stop("test done")
+
+
+def warnings_with(caplog: pytest.LogCaptureFixture, needle: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.levelno >= logging.WARNING and needle in r.getMessage()]
+
+
+# -- connected only while a stream is established --------------------------------------------------
+
+
+def test_external_with_nothing_listening_is_never_connected(agents: list[SwitchAgent], tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    agent = SwitchAgent(server=f"127.0.0.1:{free_port()}", job_id=JOB, pause="external",
+                        switch_hook=lambda order: True, status_file=str(status_file), status_interval_s=0.2)
+    agents.append(agent.start())
+    assert wait_until(lambda: REFUSED in agent.status()["last_error"], 10), agent.status()
+    assert never_within(lambda: agent.status()["connected"], WINDOW_S), agent.status()
+    status = agent.status()
+    assert status["stream_open"]  # a stream waits for the connection: open, and not connected
+    assert status["disconnected_s"] >= OLD_SETTLE_S
+
+    assert wait_until(lambda: status_command(status_file)[0] == NOT_CONNECTED, 10), status_command(
+        status_file)
+    _code, text = status_command(status_file)
+    assert "verdict     OK" not in text and "NOT OK: not connected to ClusterD" in text, text
+    assert REFUSED in text
+
+
+def test_connected_goes_false_and_stays_false_when_clusterd_is_killed(agents: list[SwitchAgent],
+                                                                      tmp_path: Path) -> None:
+    status_file = tmp_path / "status.json"
+    sim = SubprocessBackend(free_port(), SimJob(job_id=JOB, nodes=NODES), report_timeout_s=30.0, standin=True)
+    try:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", switch_hook=lambda order: True,
+                            status_file=str(status_file), status_interval_s=0.2)
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status()["connected"], 30), (agent.status(), sim.tail())
+        assert wait_until(lambda: status_command(status_file)[0] == ExitCode.OK, 10), status_command(status_file)
+        assert "verdict     OK" in status_command(status_file)[1]
+
+        sim.kill()  # SIGKILL: the stream breaks, and nothing listens on the port any more
+        assert wait_until(lambda: not agent.status()["connected"], 10), agent.status()
+        assert never_within(lambda: agent.status()["connected"], WINDOW_S), agent.status()
+        assert wait_until(lambda: status_command(status_file)[0] == NOT_CONNECTED, 10), status_command(
+            status_file)
+        _code, text = status_command(status_file)
+        assert "verdict     OK" not in text and "connected   NO" in text, text
+    finally:
+        sim.close()
+
+
+def test_a_switch_leaves_the_verdict_ok(agents: list[SwitchAgent], tmp_path: Path) -> None:
+    """The control: ClusterD ends the notify stream after every switch; reopened at once, it is
+    established again well within the status command's grace, and the verdict stays OK."""
+    status_file = tmp_path / "status.json"
+    settings = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01,
+                           force_release_s=0.01, schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+    replied = threading.Event()
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=settings, standin=True) as sim:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", switch_hook=lambda order: True,
+                            status_file=str(status_file), status_interval_s=0.2,
+                            on_event=lambda e: e.kind == ev.REPLY_SENT and replied.set())
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status()["connected"], 10), agent.status()
+        switch(sim.address, [True, False])
+        assert replied.wait(20), agent.status()
+        assert wait_until(lambda: agent.status()["stream"]["opens"] >= 2 and agent.status()["connected"], 10)
+        code, text = status_command(status_file)
+        assert code == ExitCode.OK, text
+
+
+# -- pause mode agent, nothing at the port ---------------------------------------------------------
+
+
+def test_agent_mode_wrong_port_shows_connection_refused_at_once_and_stops_cleanly(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = SwitchAgent(server=f"127.0.0.1:{free_port()}", job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                        rpc_timeout_s=0.5)
+    agent.start()
+    try:
+        # Well before rpc_timeout_s runs out: the first Init does not wait for a connection.
+        assert wait_until(lambda: REFUSED in agent.status()["last_error"], 5), agent.status()
+        assert REFUSED in agent.status()["process_manage"]["last_error"]
+        # Two waits for the connection ran out since: the cause is still the refused port, said once.
+        assert wait_until(lambda: agent.status()["process_manage"]["errors"] >= 3, 20), agent.status()
+        assert REFUSED in agent.status()["last_error"], agent.status()
+        assert "DEADLINE_EXCEEDED" not in agent.status()["process_manage"]["last_error"]
+        assert len(warnings_with(caplog, REFUSED)) == 1, [r.getMessage() for r in caplog.records]
+    finally:
+        agent.stop()
+    assert not warnings_with(caplog, "did not stop within"), [r.getMessage() for r in caplog.records]
+    assert agent.status()["state"] == "stopped"
+
+
+# -- two process-manage clients for one job ---------------------------------------------------------
+
+
+CAUSE = "another process-manage client"
+
+
+def conflict_sim() -> Simulator:
+    settings = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01,
+                           force_release_s=0.01, schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+    return Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=settings, standin=True)
+
+
+def switch(address: str, ops: list[bool]) -> None:
+    channel = open_channel(ChannelSettings(target=address))
+    try:
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps["node-0"].dev.extend(["0", "1"])
+        request.nicOps["node-0"].op.extend(ops)
+        status = RecoverStub(channel).SwitchNicTrack(request, timeout=10, wait_for_ready=True)
+        assert status.code == 0, status
+    finally:
+        channel.close()
+
+
+def test_pause_agent_next_to_a_standin_detects_the_fight_warns_and_backs_off(
+    agents: list[SwitchAgent], tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    status_file = tmp_path / "status.json"
+    with conflict_sim() as sim:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                            status_file=str(status_file), status_interval_s=0.2)
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status().get("conflict") is not None, 20), agent.status()
+        status = agent.status()
+        assert status["pause"] == "agent"  # asked for explicitly: no fallback
+        assert CAUSE in status["conflict"]["detail"] and "backing off" in status["conflict"]["action"]
+        assert CAUSE in status["last_error"]
+        warned = warnings_with(caplog, CAUSE)
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+        for needle in ("MindIO/TaskD", "--standin", 'pause="external"', "stop the other client"):
+            assert needle in warned[0].getMessage()
+
+        code, text = status_command(status_file)
+        assert code == NOT_CONNECTED and "fights for the job's stream" in text, text
+
+        # Stopped fighting: nobody resets the job any more (each subscribe of either client did),
+        # the stand-in keeps its stream, and the agent does not subscribe again.
+        opens, resets = status["process_manage"]["opens"], sim.reset_count(JOB)
+        assert never_within(lambda: agent.status()["process_manage"]["opens"] > opens
+                            or sim.reset_count(JOB) > resets, 2.0), (agent.status(), sim.reset_count(JOB))
+        assert sim.wait_idle(JOB, 10)  # the stand-in holds the process-manage stream
+
+
+def test_pause_auto_next_to_a_standin_falls_back_to_external_and_switches(
+    agents: list[SwitchAgent], caplog: pytest.LogCaptureFixture,
+) -> None:
+    replied = threading.Event()
+    with conflict_sim() as sim:
+        standin = sim._standins[0]
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="auto", switch_hook=lambda order: True,
+                            on_event=lambda e: e.kind == ev.REPLY_SENT and replied.set())
+        assert agent.pause_mode == "agent"  # no MindIO/TaskD markers in the environment
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status()["pause"] == "external", 20), agent.status()
+        status: dict[str, Any] = agent.status()
+        assert status["process_manage"] is None
+        assert "fell back to pause mode external" in status["conflict"]["action"]
+        assert warnings_with(caplog, "falling back to pause mode external")
+        assert wait_until(lambda: agent.status()["connected"], 10), agent.status()
+
+        assert sim.wait_idle(JOB, 20)
+        signals_before = len(standin.signals)
+        switch(sim.address, [True, False])
+        assert replied.wait(20), agent.status()
+        assert sim.wait_idle(JOB, 20)
+        paused_by = [(s.signalType, list(s.actions)) for s in standin.signals[signals_before:]]
+        assert ("stopTrain", ["pause_train"]) in paused_by, paused_by  # the stand-in paused training
+        assert agent.status()["counters"]["replies_delivered"] == 1
+
+
+def test_stop_right_after_start_in_agent_mode_with_nothing_at_the_port_is_prompt(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Init waits for a connection (rpc_timeout_s, 10 s by default): stop() cancels it."""
+    agent = SwitchAgent(server=f"127.0.0.1:{free_port()}", job_id=JOB, pause="agent", switch_hook=lambda order: True)
+    agent.start()  # its process-manage thread is in Init at once
+    agent.stop()
+    assert not warnings_with(caplog, "did not stop within"), [r.getMessage() for r in caplog.records]
+
+
+# -- the verdict of nicswitch-agent status, from written files -------------------------------------
+
+
+def write_status(path: Path, **status: Any) -> Path:
+    import json
+
+    base = {"state": "running", "role": "leader", "pause": "external", "connected": True, "disconnected_s": None,
+            "last_error": "", "conflict": None}
+    base.update(status)
+    path.write_text(json.dumps({"format": "nicswitch-agent-status/1", "written_at": time.time(), "pid": 1,
+                                "host": "h", "interval_s": 10.0, "writes": 1, "status": base}))
+    return path
+
+
+@pytest.mark.parametrize(("status", "code", "needle"), [
+    ({}, ExitCode.OK, "verdict     OK"),
+    ({"connected": False, "disconnected_s": 0.4}, ExitCode.OK, "connected   NO, for 400 ms"),  # after a switch
+    ({"connected": False, "disconnected_s": 12.0, "last_error": "UNAVAILABLE: Connection refused"},
+     NOT_CONNECTED, "not connected to ClusterD for 12.0 s (more than 3.0 s): UNAVAILABLE: Connection refused"),
+    ({"connected": False, "disconnected_s": 12.0, "role": "member"}, ExitCode.OK, "verdict     OK"),
+    ({"connected": False, "disconnected_s": 12.0, "state": "stopped"}, ExitCode.NOT_RUNNING, "the agent is stopped"),
+    ({"pause": "agent", "conflict": {"detail": "another process-manage client ...", "action": "backing off"}},
+     NOT_CONNECTED, "fights for the job's stream"),
+    ({"pause": "external", "conflict": {"detail": "another process-manage client ...",
+                                        "action": "fell back to pause mode external (pause=auto)"}},
+     ExitCode.OK, "conflict    fell back to pause mode external"),
+])
+def test_status_verdict(tmp_path: Path, status: dict[str, Any], code: ExitCode, needle: str) -> None:
+    got, text = status_command(write_status(tmp_path / "s.json", **status))
+    assert got == code and needle in text, text
+
+
+def test_a_longer_grace_can_be_asked_for(tmp_path: Path) -> None:
+    path = write_status(tmp_path / "s.json", connected=False, disconnected_s=12.0)
+    assert status_command(path)[0] == NOT_CONNECTED
+    assert status_command(path, "--max-disconnected", "60")[0] == ExitCode.OK
+
+
+def test_conflict_detector_counts_quiet_ends_within_the_window() -> None:
+    from nicswitch_agent.process_manage import ConflictDetector
+
+    now = [0.0]
+    detector = ConflictDetector(3, 30.0, clock=lambda: now[0])
+    assert [detector.quiet_end() for _ in range(2)] == [False, False]
+    now[0] = 10.0
+    assert detector.quiet_end()  # 3 within 30 s
+    detector.signal()  # a real signal between them: ClusterD's own reset
+    assert not detector.quiet_end() and not detector.quiet_end()
+    now[0] = 50.0
+    assert not detector.quiet_end()  # the first two were 40 s ago
