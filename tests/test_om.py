@@ -649,16 +649,19 @@ def test_format_seconds() -> None:
 def test_cli_watch_waits_for_the_switch(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
     script = StreamScript(("abort", grpc.StatusCode.UNKNOWN, NOT_SWITCHING), ("msg", SWITCH_FINISH))
     target = serve(SubscribeSwitchNicSignal=script)
-    assert run_watch(watch_args("--server", target), env={"MINDX_TASK_ID": JOB}) == 0
+    assert run_watch(watch_args("--server", target, "--count", "1"), env={"MINDX_TASK_ID": JOB}) == 0
     out = capsys.readouterr().out
-    assert f"watching job {JOB}" in out and SWITCH_FINISH in out
+    assert f"watching job {JOB}" in out and "switch 1 finished, ran " in out and SWITCH_FINISH in out
 
 
 def test_cli_watch_json_failure(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
     target = serve(SubscribeSwitchNicSignal=StreamScript(("msg", "pause train timeout")))
-    assert run_watch(watch_args("--server", target, "--job", JOB, "--json"), env={}) == 1
-    data = json.loads(capsys.readouterr().out)
-    assert data["command"] == "watch" and data["message"] == "pause train timeout"
+    assert run_watch(watch_args("--server", target, "--job", JOB, "--json", "--count", "1"), env={}) == 1
+    result, summary = (json.loads(line) for line in capsys.readouterr().out.splitlines())
+    assert result["command"] == "watch" and result["event"] == "result" and result["seq"] == 1
+    assert result["message"] == "pause train timeout" and result["outcome"] == "failed" and result["exit_code"] == 1
+    assert result["ran_at_most_s"] is None  # it was running when the watch began: only a lower bound
+    assert summary["command"] == "watch" and summary["exit_code"] == 1 and summary["results"] == 1
 
 
 def test_cli_watch_times_out_when_nothing_switches(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,9 +9,10 @@ Subcommands:
   doctor  check that this pod is ready for link switches (exit code 0: ready)
   status  show the running agent's state from its status file (NICSWITCH_STATUS_FILE)
   launch  run a training command (e.g. torchrun) with the job's leader in this process
-  version print the version
+  version print the version (also ``--version``)
 
-The demo (and its simulator run) is imported only when it runs.
+``-v/--verbose`` (DEBUG logging) is accepted before and after the command. The demo (and its
+simulator run) is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 Runner = Callable[..., Any]
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -31,6 +33,7 @@ def _build_parser() -> argparse.ArgumentParser:
         description="Training-side client for MindCluster ClusterD's link failover and switchback.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"nicswitch-agent {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
@@ -57,8 +60,35 @@ def _build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
         if add_arguments is not None:
             add_arguments(command)
+        _accept_verbose(command)
         command.set_defaults(run=run)
+    # The launcher's log is the leader's log: its INFO lines ("registered job", "switch #N ...
+    # received", "replied true") are what docs/operations.md tells operators to look for.
+    sub.choices["launch"].set_defaults(configure_logging=launcher.configure_logging)
     return parser
+
+
+def _accept_verbose(command: argparse.ArgumentParser) -> None:
+    """``-v`` after the command too (``nicswitch-agent switch -v ...``), without clobbering one given before it.
+
+    argparse copies every default of a subparser over the main parser's values, so the command's
+    ``verbose`` must have no default at all (SUPPRESS): then only a ``-v`` given after the command
+    sets it, and the main parser's value stands otherwise. A command with its own ``-v`` (sim) keeps
+    its flag and help, with the same SUPPRESS default.
+    """
+    own = [action for action in command._actions if action.dest == "verbose"]
+    if own:
+        for action in own:
+            action.default = argparse.SUPPRESS
+        return
+    command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                         help="log at DEBUG level (also accepted before the command)")
+
+
+def _version() -> str:
+    from nicswitch_agent import __version__
+
+    return __version__
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,19 +114,21 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_version(args: argparse.Namespace) -> int:
-    from nicswitch_agent import __version__
-
-    print(f"nicswitch-agent {__version__}")
+    print(f"nicswitch-agent {_version()}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging = getattr(args, "configure_logging", None)
+    if configure_logging is not None:  # launch: the leader's INFO lines by default
+        configure_logging(verbose=bool(args.verbose), quiet=bool(getattr(args, "quiet", False)))
+    else:
+        logging.basicConfig(
+            level=logging.DEBUG if args.verbose else logging.WARNING,
+            format=LOG_FORMAT,
+        )
     try:
         return int(args.run(args))
     except KeyboardInterrupt:

@@ -318,14 +318,39 @@ def _import(module: str) -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
+def _needs_torch(env: Mapping[str, str]) -> str:
+    """Why this process needs torch, or "" when it does not.
+
+    The agent needs torch only for a Store: ranks coordinate through one when the world has more
+    than one rank, and a launcher's members reach the launcher's Store with a torch client. A
+    single process (world size 1, no launcher) coordinates in-process.
+    """
+    if env.get("NICSWITCH_STORE_ADDRESS", "").strip() or env.get("NICSWITCH_LEADER", "").strip() == "launcher":
+        return "a member of a launcher's leader reaches its Store with torch"
+    world = _env_int(env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
+    if world == 1:
+        return ""
+    if isinstance(world, int):
+        return f"{world} ranks coordinate through a torch Store"
+    return "the world size is not known (no WORLD_SIZE), so ranks may coordinate through a torch Store"
+
+
 def check_torch(inp: Inputs) -> Check:
     name = "torch"
     module, error = _import("torch")
     if module is None:
-        return Check(name, False, f"cannot import torch ({error}): pip install 'nicswitch-agent[torch]'")
+        why = _needs_torch(inp.env)
+        if not why:
+            return Check(name, None, f"skipped: not importable ({error}); not needed by a single-process job "
+                                     "(WORLD_SIZE=1: no Store to coordinate through)")
+        return Check(name, False, f"cannot import torch ({error}): {why}; pip install 'nicswitch-agent[torch]'")
     dist = getattr(module, "distributed", None)
     if dist is None or not dist.is_available():
-        return Check(name, False, f"torch {module.__version__} has no torch.distributed: ranks cannot coordinate")
+        why = _needs_torch(inp.env)
+        if not why:
+            return Check(name, None, f"torch {module.__version__} has no torch.distributed; not needed by a "
+                                     "single-process job")
+        return Check(name, False, f"torch {module.__version__} has no torch.distributed: {why}")
     return Check(name, True, f"torch {module.__version__} with torch.distributed")
 
 

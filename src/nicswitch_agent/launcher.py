@@ -526,7 +526,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "127.0.0.1 to its own children unless this is given")
     parser.add_argument("--server", metavar="HOST:PORT",
                         help="ClusterD address (default: NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE)")
-    parser.add_argument("--job-id", metavar="ID", help="ClusterD job id (default: NICSWITCH_JOB_ID, MINDX_TASK_ID)")
+    parser.add_argument("--job", dest="job_id", metavar="JOB_ID",
+                        help="ClusterD job id (default: NICSWITCH_JOB_ID, MINDX_TASK_ID)")
+    # --job as in every other command; --job-id, its first name, still works for existing scripts.
+    parser.add_argument("--job-id", dest="job_id", help=argparse.SUPPRESS)
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="log only warnings and errors (default: INFO, the leader's state changes: "
+                             "'registered job', 'switch #N ... received', 'replied true', ...)")
     parser.add_argument("--pause", choices=("auto", "agent", "external"),
                         help="pause mode of the leader (default: NICSWITCH_PAUSE, else auto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -535,7 +541,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the launcher; returns the exit code (the child's, or 2 for a usage error)."""
-    if logger.level == logging.NOTSET:
+    if logger.level == logging.NOTSET and not getattr(args, "quiet", False):
         logger.setLevel(logging.INFO)  # the role line and the child's fate are worth a line each
     environ = dict(os.environ)  # the child's base env: snapshot before anything here touches os.environ
     # Before torch is imported (reading torchrun's options imports it): no C++ Store warnings here, and
@@ -591,14 +597,26 @@ def run(args: argparse.Namespace) -> int:
             logger.info("leader stopped")
 
 
+def configure_logging(*, verbose: bool = False, quiet: bool = False) -> None:
+    """The launcher's logging: the agent's INFO lines by default, DEBUG with -v, warnings only with -q.
+
+    The leader runs in this process, and its INFO lines ("registered job ...", "switch #N ...
+    received", "switch #N: replied true ...") are what docs/operations.md tells operators to look
+    for. Other libraries (grpc, torch) stay at WARNING unless -v.
+    """
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not verbose:
+        logging.getLogger("nicswitch_agent").setLevel(logging.WARNING if quiet else logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m nicswitch_agent.launcher [options] -- <command ...>`` (same as ``nicswitch-agent launch``)."""
     parser = argparse.ArgumentParser(prog="nicswitch-agent launch")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(verbose=args.verbose, quiet=args.quiet)
     return run(args)
 
 

@@ -1,8 +1,9 @@
 """``nicswitch-agent switch`` and ``nicswitch-agent watch``: the operator's commands.
 
-``switch`` calls SwitchNicTrack, then follows SubscribeSwitchNicSignal and says what happened;
-``watch`` only follows (it may be started before the switch). Both print a few plain lines, or
-one JSON object with ``--json``.
+``switch`` calls SwitchNicTrack, then follows SubscribeSwitchNicSignal and says what happened
+(a few plain lines, or one JSON object with ``--json``). ``watch`` only follows, every switch of
+the job, printing each result as it arrives (one line, or one JSON object per line with
+``--json``) until ``--count`` results, ``--timeout`` or Ctrl-C; start it before the switches.
 
 Exit codes (also in ``--help``):
 
@@ -19,6 +20,10 @@ Exit codes (also in ``--help``):
 130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD
 ===  ==========================================================================================
 
+``watch`` exits 0 when every result it printed was "switch nic finish", else with the code of the
+first one that was not (1 or 8); 7 when ``--timeout`` passed before ``--count`` results (without
+``--count``: before any result); 6 and 130 as above.
+
 The lead wires these into ``cli.py``::
 
     p = sub.add_parser("switch", help=SWITCH_HELP); add_switch_arguments(p); ... run_switch(args)
@@ -27,11 +32,14 @@ The lead wires these into ``cli.py``::
 from __future__ import annotations
 
 import argparse
+import datetime
 import enum
 import ipaddress
 import json
 import os
+import shlex
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +48,7 @@ from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
+    DEFAULT_WATCH_POLL_S,
     NicOps,
     OmClient,
     OmRpcError,
@@ -48,6 +57,7 @@ from nicswitch_agent.om import (
     SwitchBusy,
     SwitchInvalid,
     SwitchRejected,
+    WatchedSwitch,
     describe_nic_ops,
     op_name,
     parse_nic_groups,
@@ -89,7 +99,7 @@ def exit_code_for(outcome: Outcome) -> ExitCode:
 
 
 SWITCH_HELP = "request a link switch (SwitchNicTrack) and wait for ClusterD's result"
-WATCH_HELP = "wait for the result of a job's link switch (SubscribeSwitchNicSignal)"
+WATCH_HELP = "print the result of each link switch of a job as it arrives (SubscribeSwitchNicSignal)"
 
 _EXIT_LINES = {
     ExitCode.OK: '0    the switch finished ("switch nic finish")',
@@ -119,12 +129,18 @@ SWITCH_EPILOG = (
     "exit codes:\n  " + "\n  ".join(_EXIT_LINES.values()) + "\n  with --no-wait, 0 means accepted."
 )
 WATCH_EPILOG = (
-    "watch may be started before the switch: it retries until ClusterD reports one in progress.\n"
+    "Start watch before the switches: ClusterD keeps no result, and accepts a follower only while a switch\n"
+    "runs, so watch asks every --poll seconds while none runs and holds the result stream while one does.\n"
+    "Each result is printed as it arrives, with how long the switch ran: from when watch last saw no switch\n"
+    "running (or 'at least', from when it first saw this one running, if it was running when watch began).\n"
     "ClusterD gives the result to one follower only: do not watch a job whose `switch` is waiting.\n\n"
-    "exit codes:\n  "
-    + "\n  ".join(
-        line for code, line in _EXIT_LINES.items() if code not in (ExitCode.BUSY, ExitCode.INVALID, ExitCode.REJECTED)
-    )
+    "exit codes (after --count results, --timeout or Ctrl-C):\n"
+    "  0    every result printed was \"switch nic finish\"\n"
+    "  1    the first result that was not: a failure (the job goes to recovery)\n"
+    "  6    ClusterD unreachable, or another gRPC error\n"
+    "  7    --timeout passed before --count results (without --count: before any result)\n"
+    "  8    the first result that was not a success: a switch ended without a result message\n"
+    "  2    usage error; 130 interrupted (Ctrl-C)"
 )
 
 
@@ -167,18 +183,34 @@ def _adopt_help(parser: argparse.ArgumentParser, epilog: str) -> None:
             parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
-def _add_common(parser: argparse.ArgumentParser) -> None:
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _add_common(parser: argparse.ArgumentParser, *, watch: bool = False) -> None:
     parser.add_argument("--server", metavar="HOST:PORT", help=_SERVER_HELP)
     parser.add_argument("--job", metavar="JOB_ID", help=_JOB_HELP)
-    parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=DEFAULT_FOLLOW_TIMEOUT_S,
-        metavar="S",
-        help="how long to wait for the result, seconds (default: %(default)g, "
-        "a minute past ClusterD's own 15-min waits)",
-    )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    if watch:
+        parser.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+                            help="stop watching after S seconds (default: no limit; Ctrl-C stops it)")
+        parser.add_argument("--json", action="store_true",
+                            help="print one JSON object per line: one per result, then one summary")
+    else:
+        parser.add_argument(
+            "--timeout",
+            type=_positive_float,
+            default=DEFAULT_FOLLOW_TIMEOUT_S,
+            metavar="S",
+            help="how long to wait for the result, seconds (default: %(default)g, "
+            "a minute past ClusterD's own 15-min waits)",
+        )
+        parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tls_arguments(parser)
 
 
@@ -237,7 +269,12 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent watch``."""
-    _add_common(parser)
+    _add_common(parser, watch=True)
+    parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
+                        help="stop after N results (default: no limit)")
+    parser.add_argument("--poll", type=_positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
+                        help="while no switch runs, ask ClusterD every S seconds (default: %(default)g); a "
+                             "switch shorter than this can be missed")
     _adopt_help(parser, WATCH_EPILOG)
 
 
@@ -370,6 +407,19 @@ class _Report:
         return self.done(ExitCode.USAGE, error=message)
 
 
+def watch_command(server: str, job_id: str, args: argparse.Namespace) -> str:
+    """The ``watch`` command that follows this switch, ready to paste: the same server, job and
+    ``--tls*`` flags (NICSWITCH_TLS* apply in the same shell anyway), and ``--count 1``."""
+    argv = ["nicswitch-agent", "watch", "--server", server, "--job", job_id]
+    if getattr(args, "tls", None):
+        argv.append("--tls")
+    for flag in ("tls_ca", "tls_cert", "tls_key", "tls_server_name"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            argv += ["--" + flag.replace("_", "-"), str(value)]
+    return shlex.join([*argv, "--count", "1"])
+
+
 def _request_json(nic_ops: NicOps) -> dict[str, Any]:
     return {node: {"dev": list(devs), "op": [op_name(op) for op in ops]} for node, (devs, ops) in nic_ops.items()}
 
@@ -384,7 +434,7 @@ def _outcome_json(outcome: Outcome) -> dict[str, Any]:
     }
 
 
-def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: float, *, hint: bool) -> None:
+def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: float, *, hint: str = "") -> None:
     took = format_seconds(elapsed_s)
     kind = outcome.kind
     if kind is OutcomeKind.FINISHED:
@@ -395,7 +445,7 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
     elif kind is OutcomeKind.TIMED_OUT:
         report.say(f"timed out after {took}: {outcome.detail}", error=True)
         if hint:
-            report.say(f"the switch may still be running: nicswitch-agent watch --job {job_id}", error=True)
+            report.say(f"the switch may still be running: {hint}", error=True)
     elif kind is OutcomeKind.RPC_ERROR:
         report.say(f"gRPC error after {took}: {outcome.detail}", error=True)
     elif kind is OutcomeKind.CANCELLED:
@@ -443,7 +493,7 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             if exc.maybe_delivered:
                 report.say(
                     f"no answer from ClusterD at {server} within {args.rpc_timeout:g} s; the switch may have "
-                    f"been accepted: nicswitch-agent watch --job {job_id}",
+                    f"been accepted: {watch_command(server, job_id, args)}",
                     error=True,
                 )
             else:
@@ -456,7 +506,7 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
         report.data.update(accepted=True, status={"code": 0, "info": accepted.info})
         report.say(f"accepted ({format_seconds(accepted.rpc_s)}): {accepted.info}")
         if args.no_wait:
-            report.say(f"not waiting for the result; follow it with: nicswitch-agent watch --job {job_id}")
+            report.say(f"not waiting for the result; follow it with: {watch_command(server, job_id, args)}")
             return report.done(ExitCode.OK, elapsed_s=round(accepted.rpc_s, 3))
         report.say(f"waiting for the result (up to {format_seconds(args.timeout)})...")
         try:
@@ -465,7 +515,7 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             report.say("interrupted; the switch goes on inside ClusterD", error=True)
             return report.done(ExitCode.INTERRUPTED)
     elapsed = accepted.rpc_s + outcome.elapsed_s
-    _say_outcome(report, outcome, job_id, elapsed, hint=True)
+    _say_outcome(report, outcome, job_id, elapsed, hint=watch_command(server, job_id, args))
     return report.done(exit_code_for(outcome), **{**_outcome_json(outcome), "elapsed_s": round(elapsed, 3)})
 
 
@@ -477,8 +527,39 @@ def _rejection(exc: SwitchRejected) -> tuple[ExitCode, str]:
     return ExitCode.REJECTED, "refused"
 
 
+def _duration(result: WatchedSwitch) -> str:
+    """How long the switch ran, as far as the watch can know (see WATCH_EPILOG)."""
+    least = format_seconds(result.at_least_s)
+    if result.at_most_s is None:
+        return f"at least {least} (it was running when watch began)"
+    most = format_seconds(result.at_most_s)
+    return least if most == least else f"{least} to {most}"
+
+
+def _say_result(report: _Report, result: WatchedSwitch) -> None:
+    outcome = result.outcome
+    clock = time.strftime("%H:%M:%S", time.localtime(result.wall_time))
+    ran = _duration(result)
+    if outcome.kind is OutcomeKind.FINISHED:
+        report.say(f"{clock} switch {result.seq} finished, ran {ran}: {outcome.message}")
+    elif outcome.kind is OutcomeKind.FAILED:
+        report.say(f"{clock} switch {result.seq} FAILED, ran {ran}: {outcome.message} (ClusterD now recovers or "
+                   "restarts the job)")
+    else:
+        report.say(f"{clock} switch {result.seq}: no result, ran {ran}: {outcome.detail}")
+    if report.as_json:
+        print(json.dumps({
+            "command": "watch", "event": "result", "job": report.data.get("job"), "seq": result.seq,
+            "outcome": outcome.kind.value, "message": outcome.message, "detail": outcome.detail or None,
+            "exit_code": int(exit_code_for(outcome)),
+            "at": datetime.datetime.fromtimestamp(result.wall_time).astimezone().isoformat(timespec="milliseconds"),
+            "ran_at_least_s": round(result.at_least_s, 3),
+            "ran_at_most_s": None if result.at_most_s is None else round(result.at_most_s, 3),
+        }), flush=True)
+
+
 def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
-    """``nicswitch-agent watch``: wait (retrying until a switch starts) and report its result."""
+    """``nicswitch-agent watch``: print each switch's result as it arrives; returns the exit code."""
     env = os.environ if env is None else env
     report = _Report("watch", args.json)
     try:
@@ -489,15 +570,38 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
     except ValueError as exc:  # ConfigError (a TLS setting) is a ValueError too
         return report.usage("watch", str(exc))
     report.data.update(server=server, job=job_id, tls=tls is not None)
-    report.say(f"watching job {job_id} on {server}{' (TLS)' if tls else ''} (up to {format_seconds(args.timeout)})...")
+    limits = [f"{args.count} result(s)" if args.count else "", format_seconds(args.timeout) if args.timeout else ""]
+    until = " or ".join(x for x in limits if x) or "Ctrl-C"
+    report.say(f"watching job {job_id} on {server}{' (TLS)' if tls else ''}, until {until}...")
+    results: list[WatchedSwitch] = []
+
+    def on_result(result: WatchedSwitch) -> None:
+        results.append(result)
+        _say_result(report, result)
+
+    def on_note(text: str) -> None:
+        report.say(text, error=True)
+
     with client:
         try:
-            outcome = client.follow(job_id, args.timeout, wait_for_start=True)
+            end = client.watch(job_id, on_result, count=args.count, timeout_s=args.timeout, poll_s=args.poll,
+                               on_note=on_note)
         except KeyboardInterrupt:
-            report.say("interrupted", error=True)
-            return report.done(ExitCode.INTERRUPTED)
-    _say_outcome(report, outcome, job_id, outcome.elapsed_s, hint=False)
-    return report.done(exit_code_for(outcome), **_outcome_json(outcome))
+            report.say(f"stopped after {len(results)} result(s)", error=True)
+            return report.done(ExitCode.INTERRUPTED, results=len(results))
+    failures = [exit_code_for(r.outcome) for r in results if r.outcome.kind is not OutcomeKind.FINISHED]
+    code = failures[0] if failures else ExitCode.OK
+    if end.stopped is OutcomeKind.RPC_ERROR:
+        report.say(f"gRPC error: {end.detail}", error=True)
+        return report.done(ExitCode.RPC_ERROR, results=len(results), rpc_code=end.rpc_code, detail=end.detail)
+    if end.stopped is OutcomeKind.TIMED_OUT:
+        if args.count or not results:  # fewer results than asked for
+            report.say(f"timed out: {end.detail}", error=True)
+            return report.done(ExitCode.TIMED_OUT, results=len(results), detail=end.detail)
+        report.say(f"stopped after {format_seconds(args.timeout)}: {len(results)} result(s)")
+    if end.stopped is OutcomeKind.CANCELLED:
+        return report.done(ExitCode.INTERRUPTED, results=len(results))
+    return report.done(code, results=len(results))
 
 
 __all__ = [
@@ -518,4 +622,5 @@ __all__ = [
     "run_switch",
     "run_watch",
     "tls_overrides",
+    "watch_command",
 ]
