@@ -2,7 +2,7 @@
 
 The simulator runs in this (pytest) process and the training process is a separate subprocess,
 as in a real job (an in-process gRPC server plus fork is unsafe whatever the agent does:
-field-notes.md, fork experiment). GRPC_ENABLE_FORK_SUPPORT=false is what docs/operations.md
+docs/torch-store.md#grpc-and-fork). GRPC_ENABLE_FORK_SUPPORT=false is what docs/operations.md
 recommends; the default (unset) is exercised too.
 """
 

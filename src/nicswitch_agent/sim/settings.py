@@ -16,13 +16,13 @@ class SimJob:
         job_id: the job key (``MINDX_TASK_ID``; a job UID upstream).
         nodes: node name -> that node's rank-table ``device_id``s, nodes in pod-rank order. Every
             node has the same number of devices (upstream builds ``rank_id`` as
-            ``podRank * podDevNum + index``, reference §2.2).
+            ``podRank * podDevNum + index``, docs/clusterd.md#rank-ids-and-their-order).
         running: the job's status in ClusterD's job cache; ``False`` makes SwitchNicTrack answer
-            413 ``job:%s is not running`` (reference §2.1 check 4).
+            413 ``job:%s is not running`` (docs/clusterd.md#switchnictrack-validation).
         superpod_ids: node -> SuperPoD id from the device-info cache (default 0 for every node);
             a negative id makes SwitchNicTrack answer 413 ``node:%s should operate in superPodID``.
         recover_strategies: the PodGroup annotation ``recover-strategy``; ``exit`` is always
-            allowed on top (clusterd-observed-2 summary, point 6).
+            allowed on top (docs/clusterd.md#failed-switch-and-fault-recovery).
     """
 
     job_id: str
