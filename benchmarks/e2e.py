@@ -59,7 +59,7 @@ JOB = "bench-e2e"
 SIM_SETTINGS = SimSettings(report_timeout_s=30.0, shuffle_nodes=False)  # real keep-alive and waits
 SIM_STAMPS = ("accept", "pause_sent", "stop_complete", "list_sent", "reply", "continue_sent", "status")
 
-# Upstream TaskD's fixed intervals (shared/reference/clusterd-protocol.md §3.2-§3.7), NOT measured:
+# Upstream TaskD's fixed intervals (docs/clusterd.md#timings), NOT measured:
 UPSTREAM_MANAGER_POLL_S = 0.100  # SwitchNicPlugin polled every TASKD_PROCESS_INTERVAL (default 100 ms)
 UPSTREAM_RESUBSCRIBE_S = 1.0  # manager.go listenSwitchNicSignal: sleep 1 s after io.EOF
 ALIGN_STEP_S = 0.05  # benchmark 6 steps every 50 ms

@@ -5,8 +5,9 @@
 - the README's first code block is exactly the demo command and the test command, and the
   test command is what .ci/run runs, verbatim;
 - every `nicswitch-agent ...` / `python -m nicswitch_agent ...` command in a ```bash block of
-  docs/*.md and the README names a subcommand that exists, whose `--help` exits 0 and lists every
-  `--flag` the doc uses (checked in a subprocess, one per distinct subcommand);
+  docs/*.md and the README, or in an inline code span of their prose, names a subcommand that
+  exists, whose `--help` exits 0 and lists every `--flag` the doc uses (checked in a subprocess,
+  one per distinct subcommand);
 - docs/operations.md names every event kind constant of events.py, its event table is rendered
   from events.EVENT_KINDS (checked against the events file of a real run), and it names every
   Prometheus metric.
@@ -162,13 +163,34 @@ def flags_of(words: list[str]) -> tuple[str, ...]:
     return tuple(m.group(0) for w in words if (m := LONG_FLAG.match(w)))
 
 
+INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
+LOG_LINE = re.compile(r"^nicswitch-agent (started|stopping|stopped)\b")  # the agent's log lines, quoted
+
+
+def inline_commands(path: Path) -> list[tuple[int, str]]:
+    """(line number, command) of every inline code span in the prose that runs the command line."""
+    found: list[tuple[int, str]] = []
+    inside = False
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip().startswith("```"):
+            inside = not inside
+            continue
+        if inside:
+            continue
+        for span in INLINE_CODE.findall(line):
+            if span.startswith(("nicswitch-agent ", "python -m nicswitch_agent", "python3 -m nicswitch_agent")) \
+                    and not LOG_LINE.match(span):
+                found.append((number, span))
+    return found
+
+
 def doc_commands() -> list[DocCommand]:
     found: list[DocCommand] = []
     for path in DOC_FILES:
         if not path.exists():
             continue
         relative = path.relative_to(ROOT).as_posix()
-        for number, line in shell_lines(path):
+        for number, line in [*shell_lines(path), *inline_commands(path)]:
             for words in split_commands(line):
                 parsed = parse_cli(words)
                 if parsed is None:

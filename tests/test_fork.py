@@ -1,7 +1,8 @@
 """fork() beside a live leader: DataLoader workers forked, epoch after epoch, while the agent switches.
 
 The simulator runs in this (pytest) process and the training process is a separate subprocess,
-as in a real job (an in-process gRPC server plus fork is a different, unsupported layout). The
+as in a real job (an in-process gRPC server plus fork is a different, unsupported layout:
+docs/torch-store.md#grpc-and-fork). The
 training process gets grpcio's default environment (GRPC_ENABLE_FORK_SUPPORT unset): the library
 itself must make the forks safe (docs/operations.md, Fork and DataLoader workers). Without that, a
 worker died ("DataLoader worker ... exited unexpectedly", a SIGSEGV) within a few epochs in every

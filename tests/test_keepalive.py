@@ -161,7 +161,7 @@ def test_agent_registers_again_and_switches_after_the_simulator_is_killed_and_re
 
 @pytest.mark.timeout(30)
 def test_simulator_sends_goaway_too_many_pings_to_a_client_pinging_every_second() -> None:
-    """The control for the idle test below: the policy is really enforced (observed-2 §6.2)."""
+    """The control for the idle test below: the policy is really enforced (docs/clusterd.md#keepalive-policy)."""
     with Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=SimSettings(keepalive_interval_s=3600)) as sim:
         channel = grpc.insecure_channel(sim.address, options=[
             ("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),

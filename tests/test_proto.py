@@ -1,6 +1,6 @@
 """The generated messages: fresh, exactly upstream's fields, and byte-compatible with upstream's copy.
 
-The expected table is written out from clusterd-protocol.md section 1.2 (plus
+The expected table is written out from docs/clusterd.md#messages-and-field-numbers (plus
 RecoverStrategyRequest), not read from any .proto, so an edit to the proto that drifts from
 ClusterD fails here even when the gencode was regenerated.
 """

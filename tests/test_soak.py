@@ -104,7 +104,8 @@ def test_a_member_busy_past_its_hook_timeout_still_answers_later_orders(
 def test_no_reply_reaches_a_restarted_clusterd_for_a_list_it_never_sent() -> None:
     """Pause mode agent: the list is delivered, the simulator restarts while the hook runs, the hook
     then succeeds. The process-manage stream's end told the agent that ClusterD reset the job: the
-    new ClusterD must get no reply (observed-2 §4.1: a reply while INIT is the next switch's result)."""
+    new ClusterD must get no reply (docs/clusterd.md#reply-timing-and-the-crash: a reply while INIT is the next
+    switch's result)."""
     job = SimJob(job_id="job-mid", nodes={"node-0": ["0"]}, recover_strategies=("recover",))
     settings = SimSettings(report_timeout_s=10, keepalive_interval_s=0.5, shuffle_nodes=False)
     in_hook, release = threading.Event(), threading.Event()

@@ -105,9 +105,25 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
                              "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
+    join = parser.add_argument_group("join a running ClusterD or simulator (no embedded simulator, no operator: "
+                                     "you run `nicswitch-agent switch`)")
+    join.add_argument("--server", metavar="HOST:PORT", help="run only the job (threads, pause mode agent) against this "
+                                                            "ClusterD, until --switches switches were replied to")
+    join.add_argument("--job", default="job-1", help="job id to register (default: %(default)s)")
+    join.add_argument("--switches", type=int, default=2, metavar="N",
+                      help="stop after N switches (default: %(default)s; 0: until SIGINT/SIGTERM)")
+    join.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                      help="stop after S seconds at most (default: %(default)s)")
+    join.add_argument("--background", action="store_true",
+                      help="run the job in a child process and return once it is registered (for scripts)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
+    if args.server is not None:
+        from nicswitch_agent.demo import run_job
+
+        return run_job(sys.stdout, server=str(args.server), job_id=str(args.job), ranks=int(args.ranks),
+                       switches=int(args.switches), timeout_s=float(args.timeout), background=bool(args.background))
     from nicswitch_agent.demo import run_demo
 
     return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes))

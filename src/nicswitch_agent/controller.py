@@ -2,7 +2,7 @@
 
 The controller runs signals one at a time on its own worker thread (``nicswitch-signals``), so the
 stream keeps being read while it waits for the training thread to park. Its rules, from the real
-server's behaviour (clusterd-observed.md, clusterd-observed-2.md §1-§3):
+server's behaviour (docs/clusterd.md#failed-switch-and-fault-recovery, docs/clusterd.md#when-clusterd-kills-the-job):
 
 - ``stopTrain``/``pause_train``: park training at its next ``step()``; report
   ``ReportStopComplete(0)`` once parked, or ``499`` after ``pause_timeout_s`` (and the request is

@@ -12,6 +12,10 @@ The ranks are threads by default (no torch needed; they meet at every step like 
 and coordinate through an in-process store). With ``--processes`` each rank is a real torch
 process (see :mod:`nicswitch_agent.demo_processes`): gloo on CPU, ``torch.distributed`` over a
 TCPStore, an all-reduce every step, and the agents coordinating through the job's own Store.
+
+With ``--server`` there is no embedded simulator and no operator: the thread job joins a ClusterD
+(or a ``nicswitch-agent sim``) that is already running and waits for an operator's switches
+(:func:`run_job`), so that ``switch`` and ``watch`` can be rehearsed from a shell.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import json
 import logging
 import os
 import re
+import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -282,8 +288,11 @@ class ThreadJob:
     """Every rank a thread of this process, meeting the others at every step (a Barrier stands in
     for the all-reduce); the agents coordinate through an in-process store."""
 
-    def __init__(self, world: int, timeline: Timeline, workdir: str) -> None:
+    def __init__(self, world: int, timeline: Timeline, workdir: str, job_id: str = JOB_ID,
+                 leader_listener: Callable[[AgentEvent], None] | None = None) -> None:
         self.world = world
+        self.job_id = job_id
+        self.leader_listener = leader_listener
         self.timeline = timeline
         self.workdir = workdir
         self.description = "threads, meeting every step like an all-reduce"
@@ -301,10 +310,12 @@ class ThreadJob:
             progress = self.progress if r == 0 else Progress()
             links = LinkTable(self.world)
             guard = FileCheckpoint(os.path.join(self.workdir, f"rank{r}"), progress.current)
-            agent = SwitchAgent(server=address, job_id=JOB_ID, pause="agent", rank=r, world_size=self.world,
+            agent = SwitchAgent(server=address, job_id=self.job_id, pause="agent", rank=r, world_size=self.world,
                                 store=store, switch_hook=links, checkpoint_hook=guard)
             rank = _ThreadRank(r, agent, links, guard, progress)
             agent.add_listener(functools.partial(self._on_event, rank=rank))
+            if r == 0 and self.leader_listener is not None:  # before start(): it must not miss the first events
+                agent.add_listener(self.leader_listener)
             self._ranks.append(rank)
         for rank in self._ranks:
             rank.agent.start()
@@ -503,3 +514,104 @@ def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
 
     if not sim.wait_until(both_open, timeout):
         raise DemoError("the simulator never saw both of the leader's streams open")
+
+
+# -- the job alone, joining an external ClusterD ---------------------------------------------------
+
+READY_FD_ENV = "NICSWITCH_DEMO_READY_FD"  # set by --background for the child it starts
+
+
+def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS, switches: int = 2,
+            timeout_s: float = 300.0, background: bool = False) -> int:
+    """The demo's thread job, joined to the ClusterD at ``server``, until ``switches`` switches ended.
+
+    Prints the leader's events as they happen. With ``background`` the job runs in a child process
+    and this returns once the job is registered and subscribed, so that a shell script can go on
+    to ``nicswitch-agent switch`` without racing the registration.
+
+    Returns:
+        0 after ``switches`` switches were replied to (0: until SIGINT/SIGTERM), 1 when the job
+        could not join within ``timeout_s`` or the time ran out first, 2 for a usage error.
+    """
+    problem = check_arguments(ranks, False)
+    if problem is None and switches < 0:
+        problem = f"--switches must be 0 or more, got {switches}"
+    if problem is not None:
+        print(f"nicswitch-agent demo: error: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    if background:
+        return _start_in_background(out, server=server, job_id=job_id, ranks=ranks, switches=switches,
+                                    timeout_s=timeout_s)
+    done = threading.Event()
+    replies: list[bool] = []
+    resumes: list[int] = []
+    subscribed = threading.Event()
+
+    def on_event(event: AgentEvent) -> None:
+        if event.kind == "subscribed" and event.detail.get("stream") == "notify":
+            subscribed.set()
+        text = describe_event(event)
+        if text is not None and (event.kind in _LEADER_EVENTS or event.kind in ("parked", "resumed")):
+            out.write(f"job {job_id}: {text}\n")
+            out.flush()
+        if event.kind == "reply_sent":
+            replies.append(bool(event.detail["result"]))
+        elif event.kind == "resumed":
+            resumes.append(int(event.detail["step"]))
+        if switches and len(replies) >= switches and len(resumes) >= switches:
+            done.set()  # the last switch was replied to and training goes on
+
+    previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    deadline = time.monotonic() + timeout_s
+    try:
+        with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir:
+            job = ThreadJob(ranks, Timeline(), workdir, job_id=job_id, leader_listener=on_event)
+            job.start(server)
+            try:
+                if not subscribed.wait(max(0.0, deadline - time.monotonic())):
+                    print(f"nicswitch-agent demo: job {job_id} could not register with ClusterD at {server} "
+                          f"within {timeout_s:g} s", file=sys.stderr)
+                    return EXIT_FAILED
+                until = f"{switches} switch(es)" if switches else "SIGINT/SIGTERM"
+                out.write(f"job {job_id}: {_count(ranks, 'rank')} registered with ClusterD at {server}; "
+                          f"waiting for switches (runs until {until})\n")
+                out.flush()
+                _signal_ready()
+                done.wait(max(0.0, deadline - time.monotonic()))
+            finally:
+                job.stop()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if switches and len(replies) < switches:
+        out.write(f"job {job_id}: stopped after {len(replies)} of {switches} switch(es)\n")
+        return EXIT_FAILED if time.monotonic() >= deadline else EXIT_OK
+    out.write(f"job {job_id}: done after {len(replies)} switch(es)\n")
+    return EXIT_OK
+
+
+def _signal_ready() -> None:
+    fd = os.environ.pop(READY_FD_ENV, None)
+    if fd is not None:
+        with os.fdopen(int(fd), "w") as ready:
+            ready.write("ready\n")
+
+
+def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, switches: int,
+                         timeout_s: float) -> int:
+    """Start the job as a child process; return when it reported ready (0) or ended first (its code)."""
+    read_fd, write_fd = os.pipe()
+    args = [sys.executable, "-m", "nicswitch_agent", "demo", "--server", server, "--job", job_id,
+            "--ranks", str(ranks), "--switches", str(switches), "--timeout", str(timeout_s)]
+    try:
+        child = subprocess.Popen(args, pass_fds=(write_fd,), env={**os.environ, READY_FD_ENV: str(write_fd)})
+    finally:
+        os.close(write_fd)
+    with os.fdopen(read_fd) as ready:
+        started = ready.read() == "ready\n"  # EOF when the child reported ready, or died
+    if not started:
+        return child.wait()
+    until = f"after {switches} switch(es), or" if switches else "on"
+    out.write(f"job {job_id} runs in the background as pid {child.pid}; it stops {until} `kill {child.pid}`\n")
+    out.flush()
+    return EXIT_OK

@@ -545,7 +545,8 @@ def run(args: argparse.Namespace) -> int:
         logger.setLevel(logging.INFO)  # the role line and the child's fate are worth a line each
     environ = dict(os.environ)  # the child's base env: snapshot before anything here touches os.environ
     # Before torch is imported (reading torchrun's options imports it): no C++ Store warnings here, and
-    # none of their reverse-DNS stalls (torch-store-notes.md §3). The child keeps the user's setting.
+    # none of their reverse-DNS stalls (docs/torch-store.md#waits-timeouts-and-the-reverse-dns-stall). The child keeps
+    # the user's setting.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     try:
         plan = make_plan(args, environ)

@@ -1,6 +1,7 @@
 """Operator (O&M) side: ask ClusterD for a link switch and read its result.
 
-ClusterD gives an operator two RPCs (``reference/clusterd-protocol.md`` §2.1, §2.7):
+ClusterD gives an operator two RPCs (docs/clusterd.md#switchnictrack-validation,
+docs/clusterd.md#the-operators-result-stream):
 
 * ``SwitchNicTrack(SwitchNics)`` answers a ``Status``: 0 accepted, 411 another switch or a recovery
   is running, 413 invalid request (``info`` says why).
@@ -185,7 +186,7 @@ def validate_nic_ops(nic_ops: NicOps) -> None:
     """Reject what ClusterD would accept but mishandle, before anything is sent.
 
     ClusterD does not check for an empty map (the job is paused and then stalls) nor for repeated
-    devices (duplicate rank ids reach the job), so we do (``clusterd-protocol.md`` §2.1).
+    devices (duplicate rank ids reach the job), so we do (docs/clusterd.md#switchnictrack-validation).
 
     Raises:
         ValueError: with the node and the problem.

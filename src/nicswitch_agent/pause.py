@@ -6,7 +6,7 @@ in ``agent.step()`` is one attribute comparison.
 
 Requests are numbered (epochs). Only the agent's thread writes ``request_epoch``; only the
 training thread writes ``handled_epoch``. A boolean flag cleared by the training thread would
-race with the next request and lose it (torch-store-notes.md §8: it hung 3 of 6 runs).
+race with the next request and lose it (docs/torch-store.md#the-step-aligned-pause: it hung 3 of 6 runs).
 
 While parked, the training thread runs the callables handed to :meth:`run_parked` (the
 checkpoint guard and switch hook), so a guard can use the framework as usual (it is the thread

@@ -5,7 +5,7 @@ training is paused through this one: ``pause_train`` here, ``ReportStopComplete`
 switch, ``change_strategy``/``continue`` here, ``ReportRecoverStatus`` back.
 
 Ordering matters: every new ``SubscribeProcessManageSignal`` resets ClusterD's job controller,
-which ends every other stream of the job (clusterd-observed.md §order). So this stream is opened
+which ends every other stream of the job (docs/clusterd.md#subscribe-order). So this stream is opened
 first, and the notify stream is allowed to open (``gate``) only once this one is open; after any
 end of this stream the gate closes until it is reopened.
 
@@ -51,7 +51,7 @@ from nicswitch_agent.transport import (
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
 
-# Signal types and actions, as ClusterD spells them (clusterd-protocol.md §2.3, observed-2 §1).
+# Signal types and actions, as ClusterD spells them (docs/clusterd.md#process-manage-signals).
 KEEP_ALIVE = "keep-alive"
 STOP_TRAIN = "stopTrain"
 CHANGE_STRATEGY = "changeStrategy"
@@ -69,7 +69,7 @@ STRATEGY_DUMP = "dump"
 STRATEGY_EXIT = "exit"
 EXTRA_DUMP_EXIT = "dump_exit"
 
-# Status codes the agent sends or meets (clusterd-protocol.md §4, observed-2).
+# Status codes the agent sends or meets (docs/clusterd.md#status-codes-and-strings).
 CODE_OK = 0
 CODE_PROCESS_NOT_READY = 404
 CODE_NOT_INITED = 408

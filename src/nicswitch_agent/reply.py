@@ -3,7 +3,7 @@
 Why "exactly once" is not pedantry: ClusterD pushes every reply into a one-slot channel without
 checking its state. A stray reply is taken as the result of the *next* switch, and a reply that
 finds the slot full blocks its handler until the next reset, which then panics and kills the
-server (clusterd-observed-2.md §4). So a reply is retried only when the failure proves that the
+server (docs/clusterd.md#reply-timing-and-the-crash). So a reply is retried only when the failure proves that the
 request never reached ClusterD:
 
 - the channel never became ready within the attempt (nothing was sent), or

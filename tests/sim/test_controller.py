@@ -72,10 +72,10 @@ def harness() -> Iterator[Callable[..., _Harness]]:
 
 
 def test_event_queue_overflow_resets_and_starts_the_loop(harness: Callable[..., _Harness]) -> None:
-    """addEvent's default branch: the 11th queued event resets the machine (reference §2.4)."""
+    """addEvent's default branch: the 11th queued event resets the machine (docs/clusterd.md#resets-and-stream-ends)."""
     h = harness()
     for _ in range(P.EVENT_QUEUE_LENGTH):
-        assert h.track().code == 0  # no event loop yet (observed §noagent): they just queue
+        assert h.track().code == 0  # no event loop yet (docs/clusterd.md#no-process-manage-subscriber): they just queue
     assert h.ctl.view().queued["events"] == P.EVENT_QUEUE_LENGTH
     assert h.track().code == 0
     view = h.ctl.view()
@@ -99,7 +99,7 @@ def test_signal_queue_busy_resets(harness: Callable[..., _Harness]) -> None:
 
 
 def test_unconfirmed_list_send_moves_on_and_is_recorded(harness: Callable[..., _Harness]) -> None:
-    """Observed-2 §8 race_after@2: a list handed to a stream that died before the send completed
+    """docs/clusterd.md#the-reconnect-race: a list handed to a stream that died before the send completed
     is lost, and the machine waits for a reply anyway."""
     h = harness()
     pm = h.ctl.open_stream(P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL, "agent")

@@ -1,4 +1,5 @@
-"""Failure paths (clusterd-observed.md §fail, clusterd-observed-2.md §1-§3), with millisecond waits."""
+"""Failure paths (docs/clusterd.md#failed-switch-and-fault-recovery, docs/clusterd.md#when-clusterd-kills-the-job),
+with millisecond waits."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def _job(strategies: Sequence[str]) -> list[SimJob]:
 
 
 def _fail_switch(setup: Setup) -> tuple[StreamReader, StreamReader, str, str]:
-    """Observed §fail up to stop_train: the worker replies false."""
+    """docs/clusterd.md#a-failed-switch: up to stop_train: the worker replies false."""
     agent, worker = setup.ready()
     om_stream = setup.start_switch()
     pause = agent.get()
@@ -88,7 +89,8 @@ def _assert_back_in_init(setup: Setup, agent: StreamReader, worker: StreamReader
     assert worker.wait_end() == (OK, "")
     view = setup.view()
     assert view.state == "INIT"
-    # The probe of observed-2 §1: a new agent subscribe, then SwitchNicTrack is accepted.
+    # The probe of docs/clusterd.md#failed-switch-and-fault-recovery: a new agent subscribe, then SwitchNicTrack is
+    # accepted.
     setup.register_agent()
     assert setup.om.track().code == 0
 
@@ -96,8 +98,8 @@ def _assert_back_in_init(setup: Setup, agent: StreamReader, worker: StreamReader
 @pytest.mark.parametrize(
     ("strategies", "offer"),
     [
-        (("retry", "recover", "dump"), ["exit"]),  # §1.1
-        (("recover", "dump"), ["retry"]),  # §1.3: retry not in the annotation -> exit
+        (("retry", "recover", "dump"), ["exit"]),  # offered exit only
+        (("recover", "dump"), ["retry"]),  # retry not in the annotation -> exit
     ],
 )
 def test_fail_then_exit(make_setup: Callable[..., Setup], strategies: Sequence[str], offer: list[str]) -> None:
@@ -116,7 +118,7 @@ def test_fail_then_exit(make_setup: Callable[..., Setup], strategies: Sequence[s
 
 
 def test_fail_then_dump(make_setup: Callable[..., Setup]) -> None:
-    """§1.2: dump chosen; ReportRecoverStatus(0, dump); dump_exit at once and again at the end."""
+    """dump chosen; ReportRecoverStatus(0, dump); dump_exit at once and again at the end."""
     setup = make_setup(jobs=_job(("recover", "dump")))
     agent, worker, _, uuid = _fail_switch(setup)
     _to_global_fault(setup, agent, uuid, ["dump", "exit"])
@@ -139,19 +141,19 @@ def test_fail_then_dump(make_setup: Callable[..., Setup]) -> None:
 @pytest.mark.parametrize(
     ("strategies", "offer", "pick", "wait_state_name"),
     [
-        (("recover", "dump"), ["recover", "dump", "exit"], "recover", "WaitReportProcessRecoverStatusState"),  # §1.5
+        (("recover", "dump"), ["recover", "dump", "exit"], "recover", "WaitReportProcessRecoverStatusState"),
         (
             ("retry", "recover", "dump", "exit"),
             ["retry", "recover", "dump", "exit"],
             "retry",
             "WaitReportStepRetryStatusState",
-        ),  # §1.4
+        ),
     ],
 )
 def test_fail_then_recover_or_retry(
     make_setup: Callable[..., Setup], strategies: Sequence[str], offer: list[str], pick: str, wait_state_name: str
 ) -> None:
-    """§1.4/§1.5: ReportRecoverStatus(0, name) brings the job back to INIT within ms, no 60 s tail."""
+    """ReportRecoverStatus(0, name) brings the job back to INIT within ms, no 60 s tail."""
     setup = make_setup(jobs=_job(strategies), schedule_wait_s=30.0, restart_wait_s=30.0)
     agent, worker, _, uuid = _fail_switch(setup)
     _to_global_fault(setup, agent, uuid, offer)
@@ -181,7 +183,7 @@ def test_retry_in_annotation_but_not_offered_falls_to_dump(make_setup: Callable[
 
 
 def test_empty_strategy_in_report_resets(make_setup: Callable[..., Setup]) -> None:
-    """§1.7: ReportRecoverStatus with strategy "" -> trigger error 599 -> reset at once."""
+    """ReportRecoverStatus with strategy "" -> trigger error 599 -> reset at once."""
     setup = make_setup(jobs=_job(("recover", "dump")), schedule_wait_s=30.0, restart_wait_s=30.0)
     agent, worker, _, uuid = _fail_switch(setup)
     _to_global_fault(setup, agent, uuid, ["dump", "exit"])
@@ -201,7 +203,7 @@ def test_empty_strategy_in_report_resets(make_setup: Callable[..., Setup]) -> No
 
 
 def test_report_406_during_switch(make_setup: Callable[..., Setup]) -> None:
-    """§3.2: MindIO's 406 while the worker is silent fails the switch; the reply still carries the
+    """MindIO's 406 while the worker is silent fails the switch; the reply still carries the
     pause uuid, stop_train a new one."""
     setup = make_setup()
     agent, worker = setup.ready()
@@ -227,7 +229,7 @@ def test_report_406_during_switch(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_other_status_during_switch_wedges(make_setup: Callable[..., Setup]) -> None:
-    """§3.3: any code but 406 while waiting for the switch result wedges the job (411 from then on)."""
+    """any code but 406 while waiting for the switch result wedges the job (411 from then on)."""
     setup = make_setup()
     agent, worker = setup.ready()
     setup.start_switch()
@@ -246,7 +248,7 @@ def test_other_status_during_switch_wedges(make_setup: Callable[..., Setup]) -> 
 
 
 def test_pause_499_kills(make_setup: Callable[..., Setup]) -> None:
-    """§2: ReportStopComplete(499) to pause_train -> "om failed, pause train failed", killMaster, reset."""
+    """ReportStopComplete(499) to pause_train -> "om failed, pause train failed", killMaster, reset."""
     setup = make_setup()
     agent, worker = setup.ready()
     om_stream = setup.start_switch()
@@ -272,7 +274,7 @@ def test_pause_499_kills(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_continue_499_kills(make_setup: Callable[..., Setup]) -> None:
-    """§3.1: ReportRecoverStatus(499) to continue -> killMaster (same uuid), O&M told, reset."""
+    """ReportRecoverStatus(499) to continue -> killMaster (same uuid), O&M told, reset."""
     setup = make_setup()
     agent, worker = setup.ready()
     om_stream = setup.start_switch()
@@ -296,7 +298,7 @@ def test_continue_499_kills(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_stop_train_404_kills(make_setup: Callable[..., Setup]) -> None:
-    """§1.8: ReportStopComplete(404) to stop_train -> killMaster with the stop uuid, reset."""
+    """ReportStopComplete(404) to stop_train -> killMaster with the stop uuid, reset."""
     setup = make_setup()
     agent, worker, _, uuid = _fail_switch(setup)
     status = setup.agent.stop_complete(404)
@@ -316,7 +318,7 @@ def test_stop_train_404_kills(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_switch_reply_timeout(make_setup: Callable[..., Setup]) -> None:
-    """§2.5: no reply within reportTimeoutMinutes -> "report switch nic timeout", stop_train."""
+    """no reply within reportTimeoutMinutes -> "report switch nic timeout", stop_train."""
     setup = make_setup(report_timeout_s=1.0)
     agent, worker = setup.ready()
     assert setup.om.track().code == 0
@@ -366,7 +368,7 @@ def test_continue_report_timeout_kills(make_setup: Callable[..., Setup]) -> None
 
 
 def test_result_stream_timeout_queues_its_message_unsent(make_setup: Callable[..., Setup]) -> None:
-    """§2.7: after reportTimeoutMinutes without a message the O&M stream pushes "report switch nic
+    """after reportTimeoutMinutes without a message the O&M stream pushes "report switch nic
     result timeout, please check manually" into the channel and returns WITHOUT sending it; the
     next O&M subscriber of the same switch gets it."""
     setup = make_setup(report_timeout_s=0.3)

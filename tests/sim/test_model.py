@@ -1,4 +1,4 @@
-"""Rank table, job and settings validation, and the large request of clusterd-observed-2.md §7."""
+"""Rank table, job and settings validation, and the large request (docs/clusterd.md#large-requests)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def test_event_id_format() -> None:
 
 
 def test_large_request_64_nodes_x_16(make_setup: Callable[..., Setup]) -> None:
-    """§7: 1024 distinct ranks, 16 consecutive per node in request device order, random node order."""
+    """1024 distinct ranks, 16 consecutive per node in request device order, random node order."""
     nodes = {f"node-{i}": [str(d) for d in range(16)] for i in range(64)}
     setup = make_setup(jobs=[SimJob(JOB, nodes)], shuffle_nodes=True, seed=3)
     agent, worker = setup.ready()

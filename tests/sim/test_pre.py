@@ -1,4 +1,5 @@
-"""Errors before registration and parameter validation (clusterd-observed.md §pre, reference §1.3, §2.1)."""
+"""Errors before registration and parameter validation (docs/clusterd.md#errors-before-registration,
+docs/clusterd.md#switchnictrack-validation)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ pytestmark = pytest.mark.timeout(15)
 
 
 def test_pre_transcript(make_setup: Callable[..., Setup]) -> None:
-    """The observed §pre run, call by call."""
+    """The docs/clusterd.md#errors-before-registration run, call by call."""
     setup = make_setup()
     om, worker, agent = setup.om, setup.worker, setup.agent
 
@@ -99,7 +100,8 @@ def test_job_not_running_and_superpod(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_validation_precedes_the_state_check(make_setup: Callable[..., Setup]) -> None:
-    """413 before 411 (reference §2.1): a bad request during a switch is still a parameter error."""
+    """413 before 411 (docs/clusterd.md#switchnictrack-validation): a bad request during a switch is still a parameter
+    error."""
     setup = make_setup()
     agent, _worker = setup.ready()
     setup.start_switch()
@@ -111,7 +113,7 @@ def test_validation_precedes_the_state_check(make_setup: Callable[..., Setup]) -
 
 
 def test_empty_nic_ops_stalls_after_pause(make_setup: Callable[..., Setup]) -> None:
-    """Reference §2.1 "Not validated": an empty map is accepted; the machine stalls in
+    """docs/clusterd.md#switchnictrack-validation "Not validated": an empty map is accepted; the machine stalls in
     WaitReportPauseCompleteState after the pause report, and the O&M stream is refused."""
     setup = make_setup()
     agent, worker = setup.ready()
@@ -133,7 +135,8 @@ def test_empty_nic_ops_stalls_after_pause(make_setup: Callable[..., Setup]) -> N
 
 
 def test_oversized_request_is_refused(make_setup: Callable[..., Setup]) -> None:
-    """MaxRecvMsgSize 4 MiB (reference §1.4): a bigger request never reaches the handler."""
+    """MaxRecvMsgSize 4 MiB (docs/clusterd.md#transport-address-and-server-options): a bigger request never reaches the
+    handler."""
     setup = make_setup()
     request = pb.SwitchNics(jobID=JOB)
     request.nicOps["node-0"].dev.extend(["0" * 1024] * 4200)

@@ -1,4 +1,5 @@
-"""When ReplySwitchNicResult arrives (clusterd-observed-2.md §4) and the reconnect race (§8)."""
+"""When ReplySwitchNicResult arrives (docs/clusterd.md#reply-timing-and-the-crash) and the reconnect race
+(docs/clusterd.md#the-reconnect-race)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ def _has(setup: Setup, prefix: str) -> bool:
 
 
 def test_duplicate_reply_is_buffered_then_dropped(make_setup: Callable[..., Setup]) -> None:
-    """§4.3: a second reply after the first was taken is buffered; the finish reset drops it, and
+    """a second reply after the first was taken is buffered; the finish reset drops it, and
     the next switch waits for its own reply."""
     setup = make_setup()
     agent, worker = setup.ready()
@@ -51,7 +52,7 @@ def test_duplicate_reply_is_buffered_then_dropped(make_setup: Callable[..., Setu
 
 
 def test_third_reply_blocks_and_would_crash_at_reset(make_setup: Callable[..., Setup]) -> None:
-    """§4.4: #1 consumed, #2 buffered, #3 blocks in the handler; the next reset would panic the
+    """#1 consumed, #2 buffered, #3 blocks in the handler; the next reset would panic the
     real server. By default the simulator records it and ends #3 with UNAVAILABLE instead
     (test_recorded.py: with crash_like_clusterd it goes down)."""
     setup = make_setup()
@@ -85,7 +86,7 @@ def test_third_reply_blocks_and_would_crash_at_reset(make_setup: Callable[..., S
 
 
 def test_early_reply_is_taken_by_the_next_switch(make_setup: Callable[..., Setup]) -> None:
-    """§4.1: a reply while INIT (agent subscribed) becomes the next switch's result: continue is
+    """a reply while INIT (agent subscribed) becomes the next switch's result: continue is
     sent as soon as the list is, before the worker acts."""
     setup = make_setup()
     agent, worker = setup.ready()
@@ -104,7 +105,7 @@ def test_early_reply_is_taken_by_the_next_switch(make_setup: Callable[..., Setup
 
 
 def test_early_reply_before_agent_subscribe_is_dropped(make_setup: Callable[..., Setup]) -> None:
-    """§4.2: the agent's subscribe resets the controller and drops the buffered reply."""
+    """the agent's subscribe resets the controller and drops the buffered reply."""
     setup = make_setup()
     assert setup.agent.init().code == 0 and setup.agent.register().code == 0
     assert setup.worker.reply(True).code == 0
@@ -121,7 +122,7 @@ def test_early_reply_before_agent_subscribe_is_dropped(make_setup: Callable[...,
 
 
 def test_list_waits_for_the_next_subscriber(make_setup: Callable[..., Setup]) -> None:
-    """§8 race_gap / race_tight: the worker's stream is gone when the list is enqueued; the list
+    """the worker's stream is gone when the list is enqueued; the list
     waits in its slot (no timeout) and the next subscriber gets it at once."""
     setup = make_setup()
     agent, worker = setup.ready()
@@ -146,7 +147,7 @@ def test_list_waits_for_the_next_subscriber(make_setup: Callable[..., Setup]) ->
 
 
 def test_reply_from_anyone_completes_the_switch(make_setup: Callable[..., Setup]) -> None:
-    """§8 race_frozen: the server does not check who replies (a reply from a client that never
+    """the server does not check who replies (a reply from a client that never
     saw the list still completes the switch)."""
     setup = make_setup()
     agent, worker = setup.ready()

@@ -1,4 +1,4 @@
-"""The observed switch runs (clusterd-observed.md §4: happy, order, noagent, twice, twoworkers)."""
+"""The observed switch runs (docs/clusterd.md, behaviour observed on loopback)."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def test_twice(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_order_worker_before_agent(make_setup: Callable[..., Setup]) -> None:
-    """Observed §order: the agent's subscribe resets the job and ends the worker's stream; the
+    """docs/clusterd.md#subscribe-order: the agent's subscribe resets the job and ends the worker's stream; the
     list then waits with nobody listening, and NotifySwitchNicState has no timeout."""
     setup = make_setup()
     assert setup.agent.init().code == 0 and setup.agent.register().code == 0
@@ -124,7 +124,8 @@ def test_order_worker_before_agent(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_noagent(make_setup: Callable[..., Setup]) -> None:
-    """Observed §noagent: no process-manage stream, no event loop: SwitchNicTrack answers 0 twice
+    """docs/clusterd.md#no-process-manage-subscriber: no process-manage stream, no event loop: SwitchNicTrack answers 0
+    twice
     and nothing else happens."""
     setup = make_setup()
     assert setup.agent.init().code == 0 and setup.agent.register().code == 0
@@ -140,7 +141,7 @@ def test_noagent(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_two_workers_compete(make_setup: Callable[..., Setup]) -> None:
-    """Observed §twoworkers: only one of two subscribers gets the list; both end OK at the reset."""
+    """docs/clusterd.md#competing-subscribers: only one of two subscribers gets the list; both end OK at the reset."""
     setup = make_setup()
     agent = setup.register_agent()
     first = setup.subscribe_worker()
@@ -170,7 +171,8 @@ def test_two_workers_compete(make_setup: Callable[..., Setup]) -> None:
 
 
 def test_keepalive_carries_current_uuid(make_setup: Callable[..., Setup]) -> None:
-    """Keep-alives every interval on the process-manage stream, with the current uuid (observed §fail)."""
+    """Keep-alives every interval on the process-manage stream, with the current uuid
+    (docs/clusterd.md#a-failed-switch)."""
     setup = make_setup(keepalive_interval_s=0.05)
     agent, _worker = setup.ready()
     first = agent.get(skip_keepalive=False)
@@ -188,7 +190,8 @@ def test_keepalive_carries_current_uuid(make_setup: Callable[..., Setup]) -> Non
 
 
 def test_shuffled_node_order_keeps_pairs_and_device_order(make_setup: Callable[..., Setup]) -> None:
-    """Go map order across nodes, request order within a node, rankID[i] pairs with op[i] (§2.2)."""
+    """Go map order across nodes, request order within a node, rankID[i] pairs with op[i]
+    (docs/clusterd.md#rank-ids-and-their-order)."""
     nodes = {f"node-{i}": [str(d) for d in range(4)] for i in range(6)}
     from nicswitch_agent.sim import SimJob
 

@@ -1,7 +1,7 @@
 """The few key-value operations leader and members need, over torch.distributed's Store or in-process.
 
 Coordination rides on the job's own torch Store (the TCPStore every torch job already has), not
-on a network layer of our own. Facts that shape this wrapper (torch-store-notes.md):
+on a network layer of our own. Facts that shape this wrapper (docs/torch-store.md):
 
 - one Store client is one socket and one lock: a thread blocked in ``wait`` stalls every other
   call on that client, so every thread works on its own ``clone()``;

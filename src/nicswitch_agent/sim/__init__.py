@@ -1,8 +1,7 @@
 """A ClusterD-compatible ``Recover`` server in pure Python: tests, the demo, operators' rehearsals.
 
-Same method paths, codes, strings and state machine as the real server (reference
-``clusterd-protocol.md`` §1-§2, ``clusterd-observed.md``, ``clusterd-observed-2.md``), with every
-wait configurable so failure paths run in milliseconds. Protocol misuse that would hurt the real
+Same method paths, codes, strings and state machine as the real server (``docs/clusterd.md``),
+with every wait configurable so failure paths run in milliseconds. Protocol misuse that would hurt the real
 server is recorded in :attr:`JobView.violations`.
 """
 

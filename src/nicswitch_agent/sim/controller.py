@@ -1,7 +1,7 @@
 """One job's controller in the simulated ClusterD: the state machine, its one-slot channels, resets.
 
 This mirrors upstream ``EventController`` (``recover/controller.go``, ``om_controller.go``,
-``rules.go``; reference §2) closely enough that a client cannot tell the difference on the wire:
+``rules.go``; docs/clusterd.md#the-state-machine) closely enough that a client cannot tell the difference on the wire:
 
 * Events go through a 10-slot queue read by one event-loop thread; a transition appends
   ``State(event)`` to the action path and runs the destination state's handler, which may
@@ -9,9 +9,9 @@ This mirrors upstream ``EventController`` (``recover/controller.go``, ``om_contr
 * Every channel of upstream is a slot of a :class:`_Generation`. A reset closes the generation
   (``ctx`` cancelled, channels closed) and opens a new one, so every stream, wait and blocked
   call of the old one ends; stream handlers keep the generation they started in, as upstream
-  handlers keep the context and channel they grabbed at subscribe time (reference §2.4).
+  handlers keep the context and channel they grabbed at subscribe time (docs/clusterd.md#delivery-of-the-rank-list).
 * The event loop and the keep-alive thread start at the first reset, never before
-  (``NewEventController`` does not start them; observed §noagent).
+  (``NewEventController`` does not start them; docs/clusterd.md#no-process-manage-subscriber).
 
 Nothing here imports gRPC: :mod:`nicswitch_agent.sim.server` adapts RPCs to these methods.
 
@@ -339,10 +339,10 @@ class JobController:
         with self._cond:
             return self._registered
 
-    # ------------------------------------------------------------------ registration (§1.3)
+    # --------------------------------------------------- registration (docs/clusterd.md#registration-init-and-register)
 
     def init(self) -> pb.Status:
-        """``Init``: idempotent (fault_recover_service.go ``Init``; observed §pre).
+        """``Init``: idempotent (fault_recover_service.go ``Init``; docs/clusterd.md#errors-before-registration).
 
         403 when the PodGroup has ``process-recover-enable`` off: ``getJobBaseInfo`` refuses and
         nothing is recorded, so a later ``Register`` answers 408.
@@ -356,7 +356,8 @@ class JobController:
         return pb.Status(code=P.OK, info=P.INIT_SUCCESS.format(job=self.job_id))
 
     def register(self) -> pb.Status:
-        """``Register``: 408 before Init, idempotent after; creates the controller (observed §pre)."""
+        """``Register``: 408 before Init, idempotent after; creates the controller
+        (docs/clusterd.md#errors-before-registration)."""
         with self._cond:
             if self._registered:
                 return pb.Status(code=P.OK, info=P.REGISTER_SUCCESS)
@@ -367,7 +368,7 @@ class JobController:
         logger.debug("jobId=%s register success", self.job_id)
         return pb.Status(code=P.OK, info=P.REGISTER_SUCCESS)
 
-    # ------------------------------------------------------------------ O&M: SwitchNicTrack (§2.1)
+    # ------------------------------------------------- O&M: SwitchNicTrack (docs/clusterd.md#switchnictrack-validation)
 
     def switch_nic_track(self, request: pb.SwitchNics) -> pb.Status:
         """Validate in upstream order, map devices to global ranks, queue ``startSwitchNic``."""
@@ -406,8 +407,8 @@ class JobController:
             gen = self._gen
             gen.switch_ranks, gen.switch_ops = ranks, ops
             if not ranks:
-                # Reference §2.1 "Not validated": accepted, nothing is stored, and the flow stalls
-                # in WaitReportPauseCompleteState with training paused.
+                # docs/clusterd.md#switchnictrack-validation "Not validated": accepted, nothing is stored,
+                # and the flow stalls in WaitReportPauseCompleteState with training paused.
                 self._violation(
                     "SwitchNicTrack with an empty nicOps map: accepted with 0, but real ClusterD stores "
                     "no ranks and stalls in WaitReportPauseCompleteState after the pause (training stays "
@@ -431,13 +432,13 @@ class JobController:
     def _shuffle_rng(self) -> random.Random | None:
         return self._rng if self.settings.shuffle_nodes else None
 
-    # ------------------------------------------------------------------ worker: reply (§2.5, §2.8)
+    # -------------- worker: reply (docs/clusterd.md#waiting-for-the-reply, docs/clusterd.md#reply-timing-and-the-crash)
 
     def reply_switch_nic_result(self, request: pb.SwitchResult) -> pb.Status:
         """``ReplySwitchNicResult``: into the one-slot result channel, with no state check.
 
         Upstream's send blocks when the slot is full and panics the whole server when a reset
-        closes the channel under it; the simulator blocks the same way, then reports the crash
+        closes the channel under it (docs/clusterd.md#reply-timing-and-the-crash); the simulator blocks the same way, then reports the crash
         (:meth:`_fatal`: recorded, logged as an ERROR, and with ``crash_like_clusterd`` the whole
         simulator goes down) and ends that call with UNAVAILABLE.
         """
@@ -490,7 +491,7 @@ class JobController:
     ) -> pb.Status:
         """Report* handlers (fault_recover_service.go): reply built first, then a blocking send.
 
-        The reply embeds the uuid current *before* the machine moves on (observed-2 §3.2). A send
+        The reply embeds the uuid current *before* the machine moves on (docs/clusterd.md#waiting-for-the-reply). A send
         into a full slot blocks until a wait takes the earlier report; a reset under it is caught
         upstream (``catchAndSetExceptionInfo``) and answers 599 ``..., chan closed``.
         """
@@ -530,26 +531,27 @@ class JobController:
                     self._violation(
                         f"ReportRecoverStatus strategy={request.strategy!r} does not echo changeStrategy "
                         f"{gen.ordered_strategy!r}: real ClusterD processes the report's name (empty or "
-                        "unknown is a 599 trigger error and a reset; observed-2 §1.7)"
+                        "unknown is a 599 trigger error and a reset; docs/clusterd.md#failed-switch-and-fault-recovery)"
                     )
                 gen.ordered_strategy = ""
             return
         switching = self._state in (P.NOTIFY_SWITCH_NIC, P.WAIT_SWITCH_NIC_FINISHED)
         if method == P.REPORT_RECOVER_STATUS and switching:
             if code == P.UN_RECOVERABLE_RETRY_ERROR:
-                return  # MindIO's pause-wait timeout: the switch fails (reference §2.5).
+                return  # MindIO's pause-wait timeout: the switch fails (docs/clusterd.md#waiting-for-the-reply).
             self._violation(
                 f"ReportRecoverStatus(code={code}) during {self._state}: real ClusterD acts only on 406 "
                 "here; any other code wedges the job in WaitSwitchNicFinishedState with no timeout "
-                "(observed-2 §3.3)"
+                "(docs/clusterd.md#waiting-for-the-reply)"
             )
             return
         self._violation(f"{method} while nothing waits for it (buffered; the next wait takes it)")
 
-    # ------------------------------------------------------------------ streams (§2.4, §2.7)
+    # --------------- streams (docs/clusterd.md#delivery-of-the-rank-list, docs/clusterd.md#the-operators-result-stream)
 
     def open_stream(self, method: str, peer: str) -> StreamToken:
-        """Register a server stream. A process-manage subscribe resets the job first (§1.3)."""
+        """Register a server stream. A process-manage subscribe resets the job first
+        (docs/clusterd.md#registration-init-and-register)."""
         with self._cond:
             if method == P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL:
                 if self._state != P.INIT:
@@ -564,7 +566,7 @@ class JobController:
                     self._violation(
                         "SubscribeNotifySwitch opened before SubscribeProcessManageSignal was reset: the "
                         "process-manage subscribe from the same client ended it (open the process-manage "
-                        "stream first; observed §order)"
+                        "stream first; docs/clusterd.md#subscribe-order)"
                     )
                 self._reset("SubscribeProcessManageSignal opened")
             token = StreamToken(method, self._gen, peer)
@@ -585,7 +587,7 @@ class JobController:
         """The RPC of ``token`` ended, for any reason (gRPC termination callback).
 
         When the client ends the process-manage stream of the current generation, upstream's
-        ``selectSendChannel`` resets the job (observed §order).
+        ``selectSendChannel`` resets the job (docs/clusterd.md#subscribe-order).
         """
         with self._cond:
             if token.dead:
@@ -647,7 +649,8 @@ class JobController:
         A list waits in its slot until a live subscriber takes it; a subscriber that went away
         leaves it for the next one. Subscribers are served first come, first served, as a Go
         channel serves its receivers: the one that has waited longest gets the list, even when
-        it is a stale stream whose client is gone but whose connection still looks alive.
+        it is a stale stream whose client is gone but whose connection still looks alive
+        (docs/clusterd.md#the-reconnect-race).
         """
         with self._cond:
             gen = token.gen
@@ -670,7 +673,7 @@ class JobController:
                     if competing > 1:
                         self._violation(
                             f"rank list taken by one of {competing} competing SubscribeNotifySwitch streams: "
-                            "ClusterD gives each list to only one subscriber (observed §twoworkers)"
+                            "ClusterD gives each list to only one subscriber (docs/clusterd.md#competing-subscribers)"
                         )
                     self._changed()
                     return rank_list
@@ -687,7 +690,7 @@ class JobController:
 
     def rank_list_not_sent(self, token: StreamToken, rank_list: pb.SwitchRankList) -> None:
         """Put a list taken by ``next_rank_list`` back, unsent (fault injection: the stream goes
-        away first). It waits in its slot for the next subscriber (observed-2 §8 race_gap)."""
+        away first). It waits in its slot for the next subscriber (docs/clusterd.md#the-reconnect-race)."""
         with self._cond:
             token.in_flight = False
             gen = token.gen
@@ -700,7 +703,7 @@ class JobController:
     def rank_list_unconfirmed(self, token: StreamToken) -> None:
         """The stream ended with a list handed to it and its send not confirmed.
 
-        The real server's Send into a dying stream "succeeded" (observed-2 §8 race_after@2):
+        The real server's Send into a dying stream "succeeded" (docs/clusterd.md#the-reconnect-race):
         the machine moved on and waited for a reply nobody would send. Same here.
         """
         with self._cond:
@@ -711,7 +714,7 @@ class JobController:
             self._violation(
                 "rank list handed to a SubscribeNotifySwitch stream that ended before the send completed: "
                 "the subscriber may never see it, and ClusterD waits for a reply until its report timeout "
-                "(observed-2 §8 race_after@2)"
+                "(docs/clusterd.md#the-reconnect-race)"
             )
         self._add_event(token.gen, P.NOTIFY_SUCCESS)
 
@@ -719,7 +722,8 @@ class JobController:
         """At most one O&M message, then the stream ends (``selectSendSwitchNicResponseChan``).
 
         Upstream's select may pick "context done" over a message queued just before a reset, so
-        a listener can miss "switch nic finish" (reference §2.7 race). The simulator prefers the
+        a listener can miss "switch nic finish" (docs/clusterd.md#the-operators-result-stream). The simulator prefers
+        the
         message, so tests see a deterministic outcome.
         """
         with self._cond:
@@ -798,7 +802,8 @@ class JobController:
     def _reset(self, reason: str) -> None:
         """``reset(false)``: close the generation (ends every stream and wait), back to INIT.
 
-        Also starts the event loop and keep-alive the first time (reference §2.4; observed §noagent).
+        Also starts the event loop and keep-alive the first time (docs/clusterd.md#resets-and-stream-ends,
+        docs/clusterd.md#no-process-manage-subscriber).
         """
         with self._cond:
             path = self._current_path()
@@ -991,7 +996,7 @@ class JobController:
             extraParams=extra_params,
         )
 
-    # ------------------------------------------------------------------ handlers: the switch (§2.3)
+    # -------------------------------------------------------- handlers: the switch (docs/clusterd.md#the-state-machine)
 
     def _h_notify_pause_train(self, gen: _Generation) -> str | None:
         """``handleNotifyPauseTrain``: new uuid, ``stopTrain``/``pause_train``."""
@@ -1018,7 +1023,8 @@ class JobController:
     def _h_notify_switch_nic(self, gen: _Generation) -> str | None:
         """``notifySwitchNic``: the list into the one-slot channel (1 s, else 504 and a reset).
 
-        No timeout after that: the state waits for a subscriber's successful send (§2.4).
+        No timeout after that: the state waits for a subscriber's successful send
+        (docs/clusterd.md#delivery-of-the-rank-list).
         """
         if self.settings.list_delay_s > 0:
             self._sleep(gen, self.settings.list_delay_s)
@@ -1031,7 +1037,8 @@ class JobController:
         return None
 
     def _h_wait_switch_nic_finish(self, gen: _Generation) -> str | None:
-        """``handleWaitSwitchNicFinish`` (§2.5): reply, a 406 report, or the report timeout."""
+        """``handleWaitSwitchNicFinish`` (docs/clusterd.md#waiting-for-the-reply): reply, a 406 report, or the report
+        timeout."""
         with self._cond:
             try:
                 got = self._wait(
@@ -1056,7 +1063,7 @@ class JobController:
                 if report.status.code == P.UN_RECOVERABLE_RETRY_ERROR:
                     self._reply_om(gen, P.OM_REPORT_ERROR)
                     return P.WAIT_SWITCH_NIC_RECV_FAULT
-                # Any other code falls through with no event: the job wedges (observed-2 §3.3).
+                # Any other code falls through with no event: the job wedges (docs/clusterd.md#waiting-for-the-reply).
                 logger.warning(
                     "jobId=%s: ReportRecoverStatus code=%d while waiting for the switch: wedged",
                     self.job_id,
@@ -1112,7 +1119,7 @@ class JobController:
     # ------------------------------------------------------------------ handlers: fault recovery
 
     def _h_notify_stop_train(self, gen: _Generation) -> str | None:
-        """``handleNotifyStopTrain``: a NEW uuid, ``stopTrain``/``stop_train`` (observed §fail)."""
+        """``handleNotifyStopTrain``: a NEW uuid, ``stopTrain``/``stop_train`` (docs/clusterd.md#a-failed-switch)."""
         with self._cond:
             gen.uuid = new_event_id()
             self._enqueue_or_fail(gen, self._signal(gen, P.STOP_TRAIN, [P.STOP_TRAIN_ACTION]))
@@ -1159,7 +1166,8 @@ class JobController:
         Upstream ``firstChooseStrategy`` picks ``retry`` whenever the annotation lists it; if the
         agent did not offer retry, ``chooseStrategy`` falls back to ``chooseForRecoverFail``
         (dump, else exit) and skips recover. Otherwise recover > dump > exit, each only if the
-        annotation allows it and the agent offered it (controller.go; observed-2 §1).
+        annotation allows it and the agent offered it (controller.go;
+        docs/clusterd.md#failed-switch-and-fault-recovery).
         """
         allowed = self.job.allowed_strategies()
         offered = set(gen.agent_strategies)
@@ -1227,7 +1235,8 @@ class JobController:
         return P.CHECK_FINISH
 
     def _h_check_result(self, gen: _Generation) -> str | None:
-        """``handleCheckRecoverResult``: acts on the strategy named in the REPORT (observed-2 §1.7)."""
+        """``handleCheckRecoverResult``: acts on the strategy named in the REPORT
+        (docs/clusterd.md#failed-switch-and-fault-recovery)."""
         with self._cond:
             if not gen.latest_strategy:
                 raise _TriggerError(

@@ -8,7 +8,7 @@ Kinds (the strings are the soak report's names):
 
 - ``notify_drop_before_send``: the next rank list is put back into its slot and its
   SubscribeNotifySwitch stream ends with UNAVAILABLE before the send; the list waits for the next
-  subscriber, as on the real server when a subscriber goes away first (observed-2 §8 race_gap).
+  subscriber, as on the real server when a subscriber goes away first (docs/clusterd.md#the-reconnect-race).
 - ``notify_drop_after_send``: the stream ends with UNAVAILABLE right after a list was sent.
 - ``reply_unavailable_lost``: the next ReplySwitchNicResult fails with UNAVAILABLE before
   ClusterD sees it (the client cannot tell it from the next kind, so it must not resend).

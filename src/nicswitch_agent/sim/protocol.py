@@ -1,7 +1,6 @@
 """ClusterD's codes, names and message strings, spelled exactly as the real server spells them.
 
-Everything here is quoted from the reference (``shared/reference/clusterd-protocol.md``,
-``clusterd-observed.md``, ``clusterd-observed-2.md``) or from upstream
+Everything here is quoted from the reference (``docs/clusterd.md``) or from upstream
 ``component/clusterd/pkg/domain/common/{code.go,event.go,state.go}`` that those pages cite.
 Typos are upstream's ("registed", "swtiching", "HeathCheck") and must stay.
 """
@@ -10,7 +9,7 @@ from __future__ import annotations
 
 from typing import Final
 
-# --- Status codes (reference §2.9, upstream domain/common/code.go) -------------------------
+# --- Status codes (docs/clusterd.md#status-codes-and-strings, upstream domain/common/code.go) -------------------------
 OK: Final = 0
 UN_REGISTRY: Final = 400
 JOB_NOT_EXIST: Final = 402
@@ -28,11 +27,13 @@ CONTROLLER_EVENT_CANCEL: Final = 506
 WAIT_REPORT_TIMEOUT: Final = 507
 SERVER_INNER_ERROR: Final = 599
 
-# --- Unary replies (observed §pre, §happy; clusterd-observed-2 §1) ----------------------------
+# --- Unary replies (docs/clusterd.md#errors-before-registration, docs/clusterd.md#the-happy-path,
+# docs/clusterd.md#failed-switch-and-fault-recovery) ----------------------------
 INIT_SUCCESS: Final = "job(uid={job}) init success"
 # Init for a job ClusterD cannot find a PodGroup for: upstream getJobBaseInfo's first check
 # (fault_recover_service.go) answers 502 OperatePodGroupError with this text. Not observed on
-# the wire (the harness always had the PodGroup); reference §1.3 documents "502 on PodGroup errors".
+# the wire (the harness always had the PodGroup); docs/clusterd.md#registration-init-and-register documents "502 on
+# PodGroup errors".
 INIT_NO_POD_GROUP: Final = "job(uid={job}) one of jobName, pgName, ns is empty"
 # Init for a job whose PodGroup has process-recover-enable off (and no sub-healthy hot switch):
 # getJobBaseInfo answers 403 ProcessRecoverEnableOff, formatting a nil error as "<nil>". Read from
@@ -50,7 +51,8 @@ CHAN_CLOSED: Final = "jobId={job}, uuid={uuid}, chan closed"
 DISTRIBUTED: Final = "switching operation was successfully distributed"
 OM_RUNNING: Final = "jobId={job} nic is swtiching, or job recovering"
 
-# SwitchNicTrack parameter checks, in upstream order (reference §2.1, om_service.go checkNicsParam).
+# SwitchNicTrack parameter checks, in upstream order (docs/clusterd.md#switchnictrack-validation, om_service.go
+# checkNicsParam).
 JOB_NOT_EXIST_MSG: Final = "job:{job} not exist"
 JOB_NOT_REGISTERED_MSG: Final = "job:{job} is not registered"
 JOB_NOT_RUNNING_MSG: Final = "job:{job} is not running"
@@ -62,7 +64,8 @@ SUPER_POD_MSG: Final = "node:{node} should operate in superPodID"
 
 SIGNAL_TIMEOUT_MSG: Final = "add signal time-out for jobId={job}, program may running in chaos"
 
-# --- SwitchNicResponse messages (reference §2.7) -----------------------------------------------
+# --- SwitchNicResponse messages (docs/clusterd.md#the-operators-result-stream)
+# -----------------------------------------------
 OM_FINISH: Final = "switch nic finish"
 OM_SWITCH_FAILED: Final = "switch nic failed, switch nic failed"
 OM_REPORT_ERROR: Final = "switch nic failed, report error when switching nic"
@@ -74,7 +77,7 @@ OM_CONTINUE_TIMEOUT: Final = "switch nic failed, continue train timeout"
 OM_SEND_FAILED: Final = "send switch nic signal failed, please check manually"
 OM_RESULT_TIMEOUT: Final = "report switch nic result timeout, please check manually"
 
-# --- ProcessManageSignal vocabulary (reference §2.3, clusterd-observed-2 summary) --------------
+# --- ProcessManageSignal vocabulary (docs/clusterd.md#process-manage-signals) --------------
 STOP_TRAIN: Final = "stopTrain"
 CHANGE_STRATEGY: Final = "changeStrategy"
 KEEP_ALIVE: Final = "keep-alive"
@@ -179,7 +182,8 @@ REPORT_STOP_COMPLETE: Final = "ReportStopComplete"
 REPORT_RECOVER_STRATEGY: Final = "ReportRecoverStrategy"
 REPORT_RECOVER_STATUS: Final = "ReportRecoverStatus"
 
-# --- Sizes and limits (reference §1.4, upstream main.go initGrpcServer, controller.go) ----------
+# --- Sizes and limits (docs/clusterd.md#transport-address-and-server-options, upstream main.go initGrpcServer,
+# controller.go) ----------
 MAX_RECEIVE_BYTES: Final = 4 * 1024 * 1024
 MAX_SEND_BYTES: Final = 8 * 1024 * 1024
 MAX_CONCURRENT_STREAMS: Final = 64

@@ -1,6 +1,6 @@
 """The job rank table ClusterD derives from the pods: node -> device_id -> global rank id.
 
-Reference §2.2: ``rank_id = podRank * podDevNum + index`` (upstream ``pod_util.go``
+docs/clusterd.md#rank-ids-and-their-order: ``rank_id = podRank * podDevNum + index`` (upstream ``pod_util.go``
 ``getServerInfo``), a decimal string, and SwitchNicTrack maps every ``(node, dev)`` of the
 request through it, nodes in Go map order, devices in the request's order.
 """
@@ -70,7 +70,8 @@ class RankTable:
 
 
 def go_map_order(keys: Iterable[str], rng: random.Random | None) -> list[str]:
-    """Keys in Go's map iteration order: random on every range (reference §2.2, observed-2 §7).
+    """Keys in Go's map iteration order: random on every range (docs/clusterd.md#rank-ids-and-their-order,
+    docs/clusterd.md#large-requests).
 
     ``rng=None`` keeps the given order (for deterministic tests).
     """

@@ -4,7 +4,8 @@
 per job. Handlers here only adapt RPCs (contexts, aborts, termination callbacks) to the
 controllers; protocol behaviour lives in the controller.
 
-How ClusterD answers, and therefore how this server answers (observed §pre, §4):
+How ClusterD answers, and therefore how this server answers (docs/clusterd.md#errors-before-registration,
+docs/clusterd.md#messages-and-field-numbers):
 unary methods always end with gRPC OK and put the outcome in ``Status{code, info}``; stream
 methods report errors as gRPC UNKNOWN with the message as details, and end with OK when the
 server returns normally.
@@ -97,7 +98,8 @@ class _Notifier:
 
 
 def _server_options() -> list[tuple[str, int]]:
-    """ClusterD's server options (reference §1.4, upstream ``main.go`` ``initGrpcServer``)."""
+    """ClusterD's server options (docs/clusterd.md#transport-address-and-server-options, upstream ``main.go``
+    ``initGrpcServer``)."""
     return [
         ("grpc.max_receive_message_length", P.MAX_RECEIVE_BYTES),
         ("grpc.max_send_message_length", P.MAX_SEND_BYTES),
@@ -106,7 +108,7 @@ def _server_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_time_ms", 60_000),
         ("grpc.keepalive_timeout_ms", 5_000),
         # EnforcementPolicy{MinTime: 3s, PermitWithoutStream: true}: a client pinging more often
-        # gets GOAWAY too_many_pings. gRPC core's default is 5 min, far stricter.
+        # gets GOAWAY too_many_pings (docs/clusterd.md#keepalive-policy). gRPC core's default is 5 min, far stricter.
         # The key is GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS, whose string lacks
         # "recv": a misspelt key is silently ignored, and the 5 min default then cut off any
         # client that pinged 3 times without hearing data (tests/test_keepalive.py).
@@ -416,7 +418,7 @@ class Simulator:
         controller = self._controllers.get(request.jobId)
         if controller is None:
             # No PodGroup for this job: getJobBaseInfo's first failure, 502 OperatePodGroupError
-            # (reference §1.3 "502 / other codes on PodGroup errors").
+            # (docs/clusterd.md#registration-init-and-register: "502 / other codes on PodGroup errors").
             return pb.Status(code=P.OPERATE_POD_GROUP_ERROR, info=P.INIT_NO_POD_GROUP.format(job=request.jobId))
         return controller.init()
 
@@ -500,7 +502,8 @@ class Simulator:
             controller.stream_terminated(token)
 
     def _subscribe_process_manage(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.ProcessManageSignal]:
-        """``SubscribeProcessManageSignal``: reset the job, then forward signals (§1.3, §2.4)."""
+        """``SubscribeProcessManageSignal``: reset the job, then forward signals
+        (docs/clusterd.md#registration-init-and-register, docs/clusterd.md#resets-and-stream-ends)."""
         controller = self._registered(request.jobId)
         if controller is None:
             context.abort(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED.format(job=request.jobId))
@@ -547,7 +550,8 @@ class Simulator:
     def _subscribe_switch_nic_signal(
         self, request: pb.SwitchNicRequest, context: Any
     ) -> Iterator[pb.SwitchNicResponse]:
-        """``SubscribeSwitchNicSignal``: only while switching; at most one message (§2.7)."""
+        """``SubscribeSwitchNicSignal``: only while switching; at most one message
+        (docs/clusterd.md#the-operators-result-stream)."""
         controller = self._registered(request.jobID)
         if controller is None:
             context.abort(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED.format(job=request.jobID))

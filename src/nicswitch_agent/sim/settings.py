@@ -18,13 +18,14 @@ class SimJob:
         job_id: the job key (``MINDX_TASK_ID``; a job UID upstream).
         nodes: node name -> that node's rank-table ``device_id``s, nodes in pod-rank order. Every
             node has the same number of devices (upstream builds ``rank_id`` as
-            ``podRank * podDevNum + index``, reference §2.2).
+            ``podRank * podDevNum + index``, docs/clusterd.md#rank-ids-and-their-order).
         running: the job's status in ClusterD's job cache; ``False`` makes SwitchNicTrack answer
-            413 ``job:%s is not running`` (reference §2.1 check 4).
+            413 ``job:%s is not running`` (docs/clusterd.md#switchnictrack-validation).
         superpod_ids: node -> SuperPoD id from the device-info cache (default 0 for every node);
             a negative id makes SwitchNicTrack answer 413 ``node:%s should operate in superPodID``.
         recover_strategies: the PodGroup annotation ``recover-strategy`` (names from ``retry``,
-            ``recover``, ``dump``, ``exit``); ``exit`` is always allowed on top.
+            ``recover``, ``dump``, ``exit``); ``exit`` is always allowed on top
+            (docs/clusterd.md#failed-switch-and-fault-recovery).
         framework: the PodGroup label ``framework``, ``pytorch`` or ``mindspore``. For a MindSpore
             job ClusterD turns a ``dump`` decision into ``exit`` while a NIC switch is in progress
             (``handleDecidedStrategyAfterChoose``), so a failed switch never dumps.

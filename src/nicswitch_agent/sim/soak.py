@@ -782,7 +782,7 @@ class _ModeRun:
         """The list is sent, the hooks are held, the simulator restarts; then the hooks finish.
 
         The new ClusterD never sent that list: a reply to it would be taken as the result of its
-        next switch (observed-2 §4.1), so it must receive none.
+        next switch (docs/clusterd.md#reply-timing-and-the-crash), so it must receive none.
         """
         fault, job, old = SIM_RESTART_MID_SWITCH, self.job, self.backend
         self.plan.begin(index)

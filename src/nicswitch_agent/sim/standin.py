@@ -2,7 +2,7 @@
 does not own in "pause mode external".
 
 It is a real gRPC client in its own thread and does exactly what an external MindIO does
-(reference §3.1, §3.5; clusterd-observed-2 summary): Init, Register,
+(docs/clusterd.md#upstreams-job-side-taskd-and-mindio, docs/clusterd.md#process-manage-signals): Init, Register,
 SubscribeProcessManageSignal (reopened after every clean end, as the upstream client does),
 and answers
 
@@ -49,7 +49,7 @@ class MindIOStandIn:
         fail_pause: acknowledge ``pause_train`` with 499 (ClusterD then kills the job).
         role: ``ClientInfo.role`` (only logged by ClusterD).
         register_delay_s: wait before the first Init/Register. TaskD notices a restarted ClusterD by
-            its 1 s health check and sleeps 10 s before registering again (clusterd-protocol.md);
+            its 1 s health check and sleeps 10 s before registering again (docs/clusterd.md#timings);
             a stand-in started with a restarted simulator models that with this delay.
 
     ``ready`` is set once the first process-manage stream is open (the simulator sends headers
@@ -220,7 +220,7 @@ class MindIOStandIn:
                 if self._stop.wait(self.continue_delay_s):
                     return
             elif signal.changeStrategy not in (P.RETRY, P.RECOVER, P.DUMP):
-                return  # exit: nothing is reported (observed-2 §1.1)
+                return  # exit: nothing is reported (docs/clusterd.md#failed-switch-and-fault-recovery)
             self._call_unary(
                 stub.ReportRecoverStatus,
                 pb.RecoverStatusRequest(jobId=self.job_id, status=pb.Status(code=P.OK), strategy=signal.changeStrategy),
