@@ -247,6 +247,12 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
         agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True)
         agent.start()
     time.sleep(settle)
+    if agent is not None and mode != "member":
+        # "connected" means a stream established (in flight on a READY channel for 0.5 s, since
+        # ClusterD sends nothing on subscribe): wait for it, bounded, before measuring idle.
+        deadline = time.monotonic() + 10.0
+        while not agent.status().get("connected") and time.monotonic() < deadline:
+            time.sleep(0.05)
     status = agent.status() if agent is not None else {}
     report: dict[str, Any] = {"mode": mode, "rss": _rss_kb()}
     if seconds > 0:

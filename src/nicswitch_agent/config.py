@@ -123,6 +123,16 @@ class AgentConfig:
     store_address: str | None = None
     """``host:port`` of a TCPStore to coordinate through instead of the job's default store (the
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
+    conflict_resets: int = 3
+    """Pause mode agent: this many clean ends of the process-manage stream with no signal between
+    them, within ``conflict_window_s``, mean another process-manage client (MindIO/TaskD, ``sim
+    --standin``) is fighting for the job: ClusterD resets the job on every subscription."""
+    conflict_window_s: float = 30.0
+    """The window of ``conflict_resets``; a stream that then holds this long ends the conflict."""
+    conflict_backoff_s: float = 30.0
+    """Once a conflict is seen, wait this long before subscribing again (doubling, jittered)."""
+    conflict_backoff_max_s: float = 300.0
+    """Cap of that wait."""
     max_parked_s: float = 1800.0
     """A member parked this long without a word from the leader lets training go on."""
     max_ranks: int = 1 << 18
@@ -264,13 +274,21 @@ class AgentConfig:
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
-                    "exit_timeout_s")
+                    "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")
         if self.reconnect_initial_s > self.reconnect_max_s:
             raise ConfigError(
                 f"reconnect_initial_s={self.reconnect_initial_s!r} exceeds reconnect_max_s={self.reconnect_max_s!r}"
+            )
+        if isinstance(self.conflict_resets, bool) or not isinstance(self.conflict_resets, int) \
+                or self.conflict_resets < 2:
+            raise ConfigError(f"conflict_resets={self.conflict_resets!r} must be an integer of at least 2")
+        if self.conflict_backoff_s > self.conflict_backoff_max_s:
+            raise ConfigError(
+                f"conflict_backoff_s={self.conflict_backoff_s!r} exceeds "
+                f"conflict_backoff_max_s={self.conflict_backoff_max_s!r}"
             )
         if self.resubscribe_after_eof_s > 60:
             raise ConfigError(f"resubscribe_after_eof_s={self.resubscribe_after_eof_s!r} must be at most 60 s")
@@ -515,23 +533,32 @@ _warned_env: set[str] = set()  # unknown variables already warned about in this 
 _warned_lock = threading.Lock()  # guards _warned_env
 
 
+def unknown_env_names(env: Mapping[str, str]) -> list[tuple[str, str]]:
+    """Each ``NICSWITCH_*`` variable in ``env`` that is no setting, with a hint: the closest
+    known name (``did you mean ...?``), or where the settings are listed."""
+    known = known_env_names()
+    found = []
+    for name in sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k not in known):
+        # Compared without the prefix every name shares, which would make anything look close.
+        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], [k[len(ENV_PREFIX):] for k in sorted(known)],
+                                          n=1, cutoff=0.6)
+        found.append((name, f"did you mean {ENV_PREFIX}{close[0]}?" if close
+                      else "docs/configuration.md lists the settings"))
+    return found
+
+
 def warn_unknown_env(env: Mapping[str, str]) -> list[str]:
     """Log one WARNING per ``NICSWITCH_*`` variable in ``env`` that is no setting (a typo is
     otherwise silently ignored), naming the closest known one. Each name is warned about once per
     process, however often a config is loaded. Returns the unknown names."""
-    known = known_env_names()
-    unknown = sorted(k for k in env if k.upper().startswith(ENV_PREFIX) and k not in known)
-    for name in unknown:
+    unknown = unknown_env_names(env)
+    for name, hint in unknown:
         with _warned_lock:
             if name in _warned_env:
                 continue
             _warned_env.add(name)
-        # Compared without the prefix every name shares, which would make anything look close.
-        close = difflib.get_close_matches(name.upper()[len(ENV_PREFIX):], [k[len(ENV_PREFIX):] for k in sorted(known)],
-                                          n=1, cutoff=0.6)
-        hint = f"did you mean {ENV_PREFIX}{close[0]}?" if close else "docs/configuration.md lists the settings"
         logger.warning("%s is not a nicswitch-agent setting and is ignored: %s", name, hint)
-    return unknown
+    return [name for name, _ in unknown]
 
 
 def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:

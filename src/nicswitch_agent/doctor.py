@@ -46,6 +46,7 @@ from nicswitch_agent.config import (
     AgentConfig,
     resolve_pause_mode,
     tls_from_env,
+    unknown_env_names,
 )
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
@@ -224,6 +225,10 @@ def check_settings(inp: Inputs) -> Check:
     judged_elsewhere = _SERVER_ENV + _JOB_ENV + _KEEPALIVE_ENV + _TOPOLOGY_ENV + _TLS_ENV
     given = sorted(k for k in inp.env if k.startswith("NICSWITCH_") and inp.env[k].strip()
                    and k not in judged_elsewhere)
+    unknown = unknown_env_names(inp.env)
+    if unknown:  # a typo is otherwise silently ignored: the setting it meant keeps its default
+        typos = "; ".join(f"{var} is not a setting and is ignored ({hint})" for var, hint in unknown)
+        return Check(name, None, typos)
     listed = ", ".join(given) if given else "none"
     return Check(name, True, f"timeouts and modes valid (other NICSWITCH_* set: {listed})")
 

@@ -533,7 +533,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="log only warnings and errors (default: INFO, the leader's state changes: "
                              "'registered job', 'switch #N ... received', 'replied true', ...)")
-    parser.add_argument("--pause", choices=("auto", "agent", "external"),
+    parser.add_argument("--pause", choices=("auto", "agent", "external"), type=str.lower,
                         help="pause mode of the leader (default: NICSWITCH_PAUSE, else auto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
                         help="the training command and its arguments")

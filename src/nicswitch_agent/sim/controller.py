@@ -438,9 +438,10 @@ class JobController:
         """``ReplySwitchNicResult``: into the one-slot result channel, with no state check.
 
         Upstream's send blocks when the slot is full and panics the whole server when a reset
-        closes the channel under it (docs/clusterd.md#reply-timing-and-the-crash); the simulator blocks the same way, then reports the crash
-        (:meth:`_fatal`: recorded, logged as an ERROR, and with ``crash_like_clusterd`` the whole
-        simulator goes down) and ends that call with UNAVAILABLE.
+        closes the channel under it (docs/clusterd.md#reply-timing-and-the-crash); the simulator
+        blocks the same way, then reports the crash (:meth:`_fatal`: recorded, logged as an ERROR,
+        and with ``crash_like_clusterd`` the whole simulator goes down) and ends that call with
+        UNAVAILABLE.
         """
         with self._cond:
             if not self._registered:
