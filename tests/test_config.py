@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Any
 
 import pytest
@@ -39,7 +40,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
         "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
-        "status_interval_s",
+        "status_interval_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
     ])
 
 
@@ -199,7 +200,8 @@ def test_bad_dry_run_from_env(raw: str) -> None:
 @pytest.mark.parametrize("name", FLOAT_FIELDS)
 def test_every_float_field_from_env(name: str) -> None:
     value = {"keepalive_time_s": "7.5", "reconnect_initial_s": "0.5", "reconnect_max_s": "7.5",
-             "reply_attempt_timeout_s": "7.5", "reply_timeout_s": "12.5"}.get(name, "2.5")
+             "reply_attempt_timeout_s": "7.5", "reply_timeout_s": "12.5",
+             "conflict_backoff_max_s": "42.5"}.get(name, "2.5")
     cfg = from_env({f"NICSWITCH_{name.upper()}": value}, **BASE)
     assert getattr(cfg, name) == float(value)
     assert isinstance(getattr(cfg, name), float)
@@ -548,3 +550,21 @@ def test_rank_from_env_and_inside_world() -> None:
 def test_handle_signals_must_be_a_bool() -> None:
     with pytest.raises(ConfigError, match="handle_signals='yes' must be a bool"):
         AgentConfig(server="h:1", job_id="j", handle_signals="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NICSWITCH_CONFLICT_RESETS": "1"}, "conflict_resets=1 must be an integer of at least 2"),
+        ({"NICSWITCH_CONFLICT_BACKOFF_S": "400"}, "conflict_backoff_s=400.0 exceeds conflict_backoff_max_s=300.0"),
+        ({"NICSWITCH_CONFLICT_WINDOW_S": "0"}, "conflict_window_s=0.0 must be positive"),
+    ],
+)
+def test_conflict_settings_are_checked(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        from_env(env, **BASE)
+
+
+def test_conflict_settings_from_env() -> None:
+    cfg = from_env({"NICSWITCH_CONFLICT_RESETS": "5", "NICSWITCH_CONFLICT_BACKOFF_MAX_S": "60"}, **BASE)
+    assert (cfg.conflict_resets, cfg.conflict_backoff_max_s) == (5, 60.0)

@@ -518,7 +518,8 @@ def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
 
 # -- the job alone, joining an external ClusterD ---------------------------------------------------
 
-READY_FD_ENV = "NICSWITCH_DEMO_READY_FD"  # set by --background for the child it starts
+# Set by --background for the child it starts; not NICSWITCH_-prefixed, as it is no setting.
+READY_FD_ENV = "_NICSWITCH_DEMO_READY_FD"
 
 
 def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS, switches: int = 2,
