@@ -1,4 +1,4 @@
-"""The notify stream is reopened at once after a clean end, but never in a tight loop.
+"""Streams are reopened at once after a clean end, but never in a tight loop.
 
 ClusterD ends the SubscribeNotifySwitch stream cleanly after every switch, so the agent reopens
 at once (docs/protocol.md). A server that ends *every* stream at once (a proxy in the way, a
@@ -10,21 +10,35 @@ The bound is a count during a fixed wait, so load can only make the test pass mo
 the throttle at most ~15 opens fit in a second (10 waits of >= 0.1 s, plus the few opens a
 stalled box lets through at once); without it the agent reopens hundreds of times a second
 (about 880/s measured on the loaded 2-core test box), two orders of magnitude above the bound.
+
+The process-manage stream has a throttle of its own (process_manage.py): a stream that ends
+within 0.5 s with no signal is reopened after a growing backoff. By default the conflict
+detector (3 such ends within 30 s: another client holds the stream) takes over after the third
+end, so that test sets ``conflict_resets`` out of reach to see the throttle alone.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
 
+import grpc
 import pytest
 from scripted import End, Hold, ScriptedClusterD, Send, rank_list
 
-from nicswitch_agent import SwitchAgent
+from nicswitch_agent import SwitchAgent, transport
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(60)
 
 WINDOW_S = 1.0
 MOST_OPENS_PER_WINDOW = 40  # throttled: <= ~15; unthrottled: hundreds
+PM_WINDOW_S = 2.0
+PM_MOST_OPENS = 12  # throttled: <= 4; unthrottled: ~180
 
 
 def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: ScriptedClusterD) -> None:
@@ -48,3 +62,51 @@ def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: Scrip
         assert replies[0].result is True
     finally:
         agent.stop()
+
+
+class EndsEveryProcessManageStream:
+    """Init and Register succeed; every SubscribeProcessManageSignal ends at once, cleanly."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.opens = 0
+        self.server = grpc.server(futures.ThreadPoolExecutor(8, thread_name_prefix="ends-at-once"))
+        self.server.add_generic_rpc_handlers((transport.generic_handler({
+            "Init": lambda request, context: pb.Status(code=0, info="init"),
+            "Register": lambda request, context: pb.Status(code=0, info="register"),
+            "SubscribeProcessManageSignal": self._subscribe,
+        }),))
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def _subscribe(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.ProcessManageSignal]:
+        with self._cond:
+            self.opens += 1
+            self._cond.notify_all()
+        yield from ()
+
+    def wait_opens(self, count: int, timeout: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.opens >= count, timeout)
+
+
+def test_a_process_manage_stream_that_ends_at_once_is_not_reopened_in_a_loop() -> None:
+    server = EndsEveryProcessManageStream()
+    channel = open_channel(ChannelSettings(target=server.address))
+    client = ProcessManageClient(RecoverStub(channel), ProcessManageSettings(
+        job_id="j", role="r", conflict_resets=1_000_000), lambda signal: None)
+    try:
+        client.start()
+        assert server.wait_opens(2, 10), f"only {server.opens} opens"
+        before = server.opens
+        threading.Event().wait(PM_WINDOW_S)  # a measuring window, not a synchronisation
+        opened = server.opens - before
+        # Throttled, the waits after the second open are >= 0.2, 0.4, 0.8, 1.6 s: at most 4 opens
+        # in the window. Without the throttle only the gate's 10 ms settle paces it: ~90 a second.
+        assert opened <= PM_MOST_OPENS, (
+            f"{opened} opens in {PM_WINDOW_S} s of a stream that ends at once: the reopen is not throttled")
+        assert client.running and not client.conflict
+    finally:
+        client.stop()
+        channel.close()
+        server.server.stop(0).wait()
