@@ -56,11 +56,34 @@ class Server:
         self.server.stop(0).wait()
 
 
-def make_client(server: Server, on_signal: Any, on_fatal: Any = None) -> tuple[ProcessManageClient, Any]:
+class EndingServer(Server):
+    """Each subscribe takes the next script: "end" (a clean end at once), "keep-alive" (one, then a
+    clean end), or a gRPC failure (code, details); with none left the stream is held open."""
+
+    def __init__(self, scripts: list[Any]) -> None:
+        super().__init__([], [])
+        self.scripts = list(scripts)
+        self.subscribes = threading.Semaphore(0)
+
+    def _subscribe(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.ProcessManageSignal]:
+        self.calls.append("Subscribe")
+        self.subscribes.release()
+        script = self.scripts.pop(0) if self.scripts else None
+        if script == "keep-alive":
+            yield pb.ProcessManageSignal(uuid="u", jobId="j", signalType="keep-alive")
+        elif isinstance(script, tuple):
+            context.abort(*script)
+        elif script is None:
+            while context.is_active() and not self.done.wait(0.05):
+                pass
+
+
+def make_client(server: Server, on_signal: Any, on_fatal: Any = None,
+                reconnect_initial_s: float = 0.01) -> tuple[ProcessManageClient, Any]:
     channel = open_channel(ChannelSettings(target=server.address))
-    client = ProcessManageClient(RecoverStub(channel), ProcessManageSettings(job_id="j", role="r",
-                                                                            reconnect_initial_s=0.01),
-                                 on_signal, on_fatal=on_fatal)
+    settings = ProcessManageSettings(job_id="j", role="r", reconnect_initial_s=reconnect_initial_s,
+                                     reconnect_max_s=max(5.0, reconnect_initial_s))
+    client = ProcessManageClient(RecoverStub(channel), settings, on_signal, on_fatal=on_fatal)
     return client, channel
 
 
@@ -73,6 +96,24 @@ def test_408_is_answered_by_init_again() -> None:
         assert server.calls[:5] == ["Init", "Register", "Init", "Register", "Subscribe"]
         assert client.registered
         assert client.gate.wait_open(5)
+    finally:
+        client.stop()
+        channel.close()
+        server.stop()
+
+
+def test_register_gives_up_after_three_rounds_of_408() -> None:
+    server = Server(init_codes=[0, 0, 0], register_codes=[408, 408, 408])
+    fatal: list[BaseException] = []
+    got = threading.Event()
+    client, channel = make_client(server, lambda s: None, on_fatal=lambda e: (fatal.append(e), got.set()))
+    try:
+        client.start()
+        assert got.wait(10)
+        assert server.calls == ["Init", "Register"] * 3
+        assert isinstance(fatal[0], RegistrationRefused) and fatal[0].code == 408
+        assert "still not inited after Init" in str(fatal[0])
+        assert not client.registered
     finally:
         client.stop()
         channel.close()
@@ -116,6 +157,55 @@ def test_signals_for_this_job_reach_the_handler_keepalives_and_foreign_jobs_do_n
         assert got.wait(10)
         assert [(s.jobId, s.signalType) for s in seen] == [("j", "stopTrain")]
         assert client.last_keepalive_mono is not None
+    finally:
+        client.stop()
+        channel.close()
+        server.stop()
+
+
+def test_a_stream_that_ends_at_once_is_not_reopened_at_once() -> None:
+    server = EndingServer(["end"] * 20)
+    client, channel = make_client(server, lambda s: None, reconnect_initial_s=60.0)
+    try:
+        client.start()
+        assert server.subscribes.acquire(timeout=10)
+        # Ended at once with no signal: the next subscribe waits 30-60 s (a server that ends every
+        # stream at once is not hammered). Without the rule it would come within milliseconds.
+        assert not server.subscribes.acquire(timeout=1.5), server.calls
+    finally:
+        assert client.stop()  # prompt in the middle of the wait
+        channel.close()
+        server.stop()
+
+
+def test_a_stream_that_brought_a_signal_is_reopened_at_once() -> None:
+    server = EndingServer(["keep-alive"])
+    client, channel = make_client(server, lambda s: None, reconnect_initial_s=60.0)
+    try:
+        client.start()
+        assert server.subscribes.acquire(timeout=10)
+        assert server.subscribes.acquire(timeout=10), server.calls
+    finally:
+        client.stop()
+        channel.close()
+        server.stop()
+
+
+@pytest.mark.parametrize(("failure", "again"), [
+    ((grpc.StatusCode.UNKNOWN, "jobId=j not registed"), True),  # ClusterD restarted and forgot us
+    ((grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),  # it may have: it went away
+    ((grpc.StatusCode.INTERNAL, "RST_STREAM"), False),  # a proxy cut the stream: still registered
+    ((grpc.StatusCode.UNKNOWN, "qps exceeded"), False),
+])
+def test_registers_again_only_when_clusterd_forgot_the_job(failure: tuple[grpc.StatusCode, str], again: bool) -> None:
+    server = EndingServer([failure])
+    client, channel = make_client(server, lambda s: None)
+    try:
+        client.start()
+        assert server.subscribes.acquire(timeout=10) and server.subscribes.acquire(timeout=10)
+        twice = ["Init", "Register"] if again else []
+        assert server.calls == ["Init", "Register", "Subscribe", *twice, "Subscribe"]
+        assert client.errors == 1 and client.last_error == f"{failure[0].name}: {failure[1]}"
     finally:
         client.stop()
         channel.close()

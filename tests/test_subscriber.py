@@ -1,54 +1,100 @@
-"""Error classification and pacing of the notify stream (the loop itself is in test_agent.py)."""
+"""Pacing of the notify stream against a real (scripted) server; the rules themselves are
+table-tested in test_rpc_policy.py, the loop with an agent in test_agent.py."""
 
 from __future__ import annotations
 
-import itertools
-import random
+import threading
 
 import grpc
 import pytest
+from scripted import End, Fail, ScriptedClusterD, Send, rank_list
 
-from nicswitch_agent.subscriber import backoff_delays, should_recover, should_terminate
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
+from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
+pytestmark = pytest.mark.timeout(30)
 
-class _Err(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode) -> None:
-        self._code = code
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return "d"
+# So long that a test sees at most one backoff start, never its end.
+LONG_BACKOFF_S = 60.0
 
 
-@pytest.mark.parametrize(
-    ("code", "terminal"),
-    [
-        (grpc.StatusCode.UNAVAILABLE, False),
-        (grpc.StatusCode.UNKNOWN, False),  # "not registed, please wait agent register", "qps exceeded"
-        (grpc.StatusCode.INTERNAL, False),  # a message we could not decode
-        (grpc.StatusCode.RESOURCE_EXHAUSTED, False),  # an oversized message
-        (grpc.StatusCode.DEADLINE_EXCEEDED, False),
-        (grpc.StatusCode.CANCELLED, False),
-        (grpc.StatusCode.UNIMPLEMENTED, True),  # not ClusterD (or a packaged path)
-        (grpc.StatusCode.UNAUTHENTICATED, True),
-        (grpc.StatusCode.PERMISSION_DENIED, True),
-    ],
-)
-def test_recover_and_terminate_are_complementary(code: grpc.StatusCode, terminal: bool) -> None:
-    exc = _Err(code)
-    assert should_terminate(exc) is terminal
-    assert should_recover(exc) is (not terminal)
+def run_subscriber(clusterd: ScriptedClusterD, reconnect_initial_s: float) -> tuple[NotifySubscriber, list[str]]:
+    channel = open_channel(ChannelSettings(target=clusterd.address))
+    lists: list[str] = []
+    settings = SubscriberSettings(job_id="job-1", role="r", reconnect_initial_s=reconnect_initial_s,
+                                  reconnect_max_s=max(reconnect_initial_s, 5.0))
+
+    def on_list(message: pb.SwitchRankList) -> None:
+        lists.append(",".join(message.rankID))
+
+    subscriber = NotifySubscriber(RecoverStub(channel), settings, on_list)
+    subscriber.start()
+    return subscriber, lists
 
 
-def test_non_grpc_errors_are_neither() -> None:
-    assert not should_recover(ValueError()) and not should_terminate(ValueError())
+def stop(subscriber: NotifySubscriber) -> None:
+    assert subscriber.stop()  # prompt even in the middle of a backoff
+    subscriber._stub.channel.close()
 
 
-def test_backoff_is_capped_jittered_and_growing() -> None:
-    delays = list(itertools.islice(backoff_delays(0.2, 5.0, random.Random(1)), 12))
-    assert 0.1 <= delays[0] <= 0.2
-    assert all(0 < d <= 5.0 for d in delays)
-    assert max(delays[-4:]) > 2.5  # reached the cap region
-    assert delays[1] <= 0.4 and delays[2] <= 0.8
+def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: ScriptedClusterD) -> None:
+    for _ in range(100):
+        clusterd.script(End())
+    subscriber, _ = run_subscriber(clusterd, LONG_BACKOFF_S)
+    try:
+        burst = SubscriberSettings("j", "r").eof_burst
+        assert clusterd.wait_for(lambda s: s.opens >= burst)
+        # Five empty ends within a second: the subscriber now waits 30-60 s. Without the rule it
+        # would reopen at once, a hundred times in well under the two seconds watched here.
+        assert not clusterd.wait_for(lambda s: s.opens > burst + 2, timeout=2.0), clusterd.opens
+    finally:
+        stop(subscriber)
+
+
+def test_streams_that_bring_lists_are_reopened_at_once(clusterd: ScriptedClusterD) -> None:
+    # ClusterD ends the stream after every switch: that is no reason to slow down.
+    for n in range(12):
+        clusterd.script(Send(rank_list([str(n)], [True])), End())
+    subscriber, lists = run_subscriber(clusterd, LONG_BACKOFF_S)
+    try:
+        assert clusterd.wait_for(lambda s: s.opens >= 13), clusterd.opens
+        assert lists == [str(n) for n in range(12)]
+        assert subscriber.clean_ends == 12 and subscriber.errors == 0
+    finally:
+        stop(subscriber)
+
+
+@pytest.mark.parametrize(("failure", "unknown"), [
+    (Fail(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED_WAIT_AGENT.format(job="job-1")), 1),
+    (Fail(grpc.StatusCode.UNKNOWN, P.NOT_REGISTED.format(job="job-1")), 1),
+    (Fail(grpc.StatusCode.UNAVAILABLE, "Socket closed"), 0),
+    (Fail(grpc.StatusCode.UNKNOWN, "qps exceeded, method=/Recover/SubscribeNotifySwitch"), 0),
+])
+def test_not_registed_counts_as_clusterd_not_knowing_the_job(clusterd: ScriptedClusterD, failure: Fail,
+                                                           unknown: int) -> None:
+    clusterd.script(failure)
+    subscriber, _ = run_subscriber(clusterd, 0.01)
+    try:
+        assert clusterd.wait_for(lambda s: s.opens >= 2)  # failed, then reopened (and held)
+        assert subscriber.errors == 1 and subscriber.job_unknown == unknown
+        assert subscriber.last_error == f"{failure.code.name}: {failure.details}"
+    finally:
+        stop(subscriber)
+
+
+def test_a_server_that_is_not_clusterd_ends_the_subscription(clusterd: ScriptedClusterD) -> None:
+    clusterd.script(Fail(grpc.StatusCode.UNIMPLEMENTED, "Method not found"))
+    fatal: list[BaseException] = []
+    told = threading.Event()
+    channel = open_channel(ChannelSettings(target=clusterd.address))
+    subscriber = NotifySubscriber(RecoverStub(channel), SubscriberSettings("job-1", "r", reconnect_initial_s=0.01),
+                                  lambda m: None, on_fatal=lambda e: (fatal.append(e), told.set()))
+    subscriber.start()
+    try:
+        assert told.wait(10)
+        assert subscriber.stop() and clusterd.opens == 1
+    finally:
+        subscriber.stop()
+        channel.close()

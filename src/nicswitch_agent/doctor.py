@@ -53,6 +53,7 @@ from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
 from nicswitch_agent.om_cli import add_tls_arguments, tls_overrides
+from nicswitch_agent.rpc_policy import Kind, RpcFailure, classify
 from nicswitch_agent.transport import (
     ChannelSettings,
     RecoverStub,
@@ -278,7 +279,7 @@ def check_clusterd(inp: Inputs) -> Check:
         plain = explain_connect_failure(exc, settings)
         if plain:
             return Check(name, False, f"cannot reach ClusterD at {inp.server}: {plain}")
-        return Check(name, False, _rpc_problem(inp.server, inp.timeout_s, exc.code(), exc.details()))
+        return Check(name, False, _rpc_problem(inp.server, inp.timeout_s, classify(exc)))
     finally:
         channel.close()
     took = (time.monotonic() - started) * 1000
@@ -287,17 +288,17 @@ def check_clusterd(inp: Inputs) -> Check:
     return Check(name, True, f"{inp.server} answered HealthCheck{over} in {took:.0f} ms")
 
 
-def _rpc_problem(server: str, timeout_s: float, code: Any, details: str | None) -> str:
-    text = details or ""
-    if code is grpc.StatusCode.UNAVAILABLE:
+def _rpc_problem(server: str, timeout_s: float, failure: RpcFailure) -> str:
+    text = failure.details
+    if failure.code is grpc.StatusCode.UNAVAILABLE:
         return (f"cannot reach ClusterD at {server}: {text} (is ClusterD running, and is its port open "
                 "from this pod?)")
-    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+    if failure.kind is Kind.DEADLINE:
         return (f"no answer from {server} within {timeout_s:g} s (a wrong address, or a firewall "
                 "dropping packets)")
-    if code is grpc.StatusCode.UNIMPLEMENTED:
+    if failure.code is grpc.StatusCode.UNIMPLEMENTED:
         return f"{server} speaks gRPC but has no /Recover/HealthCheck: it is not ClusterD ({text})"
-    return f"HealthCheck to {server} failed: {getattr(code, 'name', code)}: {text}"
+    return f"HealthCheck to {server} failed: {failure.code_name}: {text}"
 
 
 def check_pause_mode(inp: Inputs) -> Check:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -36,6 +35,8 @@ import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.errors import NicSwitchError
+from nicswitch_agent.rpc_policy import Kind, RetryAfter, bounded, classify, wait_as_asked
+from nicswitch_agent.rpc_policy import backoff_delays as _backoff_delays
 from nicswitch_agent.transport import (
     ChannelSettings,
     RecoverStub,
@@ -83,10 +84,6 @@ FAILURE_MESSAGES: frozenset[str] = frozenset(
         "report switch nic result timeout, please check manually",
     }
 )
-
-# Substrings of the plain Go errors ClusterD's stream handler returns (gRPC UNKNOWN).
-_NOT_SWITCHING_TEXT = "is not swtiching nic"
-_NOT_REGISTERED_TEXT = "not registed"
 
 _STANDBY_WORDS = frozenset({"standby", "backup", "true"})
 _PRIMARY_WORDS = frozenset({"primary", "false"})
@@ -277,7 +274,7 @@ class OmRpcError(OmError):
     @classmethod
     def from_rpc_error(cls, method: str, exc: grpc.RpcError, settings: ChannelSettings | None = None) -> OmRpcError:
         """``details`` in plain words when no connection could be made (a TLS mismatch, say)."""
-        code, details = _rpc_code_and_details(exc)
+        code, details = _code_and_details(exc)
         return cls(method, code, explain_connect_failure(exc, settings) or details)
 
     @property
@@ -390,40 +387,41 @@ class StreamError(enum.Enum):
     FATAL = "fatal"
 
 
-# UNAVAILABLE: connection lost or server restarting. INTERNAL: what a proxy's RST_STREAM looks like
-# (nginx's grpc_read_timeout cuts idle streams; the O&M stream is idle for the whole switch).
-_TRANSIENT_CODES = frozenset({"UNAVAILABLE", "INTERNAL"})
+# What each kind of failure means for a follower. UNAVAILABLE: connection lost or server
+# restarting. INTERNAL: what a proxy's RST_STREAM looks like (nginx's grpc_read_timeout cuts idle
+# streams; the O&M stream is idle for the whole switch).
+_STREAM_ERRORS: Mapping[Kind, StreamError] = {
+    Kind.NOT_SWITCHING: StreamError.NOT_SWITCHING,
+    Kind.NOT_REGISTERED: StreamError.NOT_REGISTERED,
+    Kind.DEADLINE: StreamError.DEADLINE,
+    Kind.CONNECT_FAILED: StreamError.TRANSIENT,
+    Kind.HANDSHAKE_FAILED: StreamError.TRANSIENT,
+    Kind.UNAVAILABLE: StreamError.TRANSIENT,
+    Kind.INTERNAL: StreamError.TRANSIENT,
+}
+
+# Retries of the result stream: 0.1 s doubling to 1 s, jittered (ClusterD answers in milliseconds).
+_RETRY_INITIAL_S = 0.1
+_RETRY_MAX_S = 1.0
 
 
-def _rpc_code_and_details(exc: grpc.RpcError) -> tuple[str, str]:
-    code_fn = getattr(exc, "code", None)
-    details_fn = getattr(exc, "details", None)
-    code = code_fn() if callable(code_fn) else None
-    details = details_fn() if callable(details_fn) else None
-    name = getattr(code, "name", None) or "UNKNOWN"
-    return str(name), str(details or exc)
+def _code_and_details(exc: BaseException) -> tuple[str, str]:
+    """The code's name and ClusterD's words (the whole error when it has none)."""
+    failure = classify(exc)
+    return failure.code_name, failure.details or str(exc)
 
 
 def classify_stream_error(exc: grpc.RpcError) -> StreamError:
-    """The one place that reads ClusterD's stream errors (table-tested)."""
-    code, details = _rpc_code_and_details(exc)
-    if code == "UNKNOWN" and _NOT_SWITCHING_TEXT in details:
-        return StreamError.NOT_SWITCHING
-    if code == "UNKNOWN" and _NOT_REGISTERED_TEXT in details:
-        return StreamError.NOT_REGISTERED
-    if code == "DEADLINE_EXCEEDED":
-        return StreamError.DEADLINE
-    if code in _TRANSIENT_CODES:
-        return StreamError.TRANSIENT
-    return StreamError.FATAL
+    """What an error ending SubscribeSwitchNicSignal means for the follower (table-tested)."""
+    return _STREAM_ERRORS.get(classify(exc).kind, StreamError.FATAL)
 
 
-def backoff_delays(initial_s: float = 0.1, maximum_s: float = 1.0, multiplier: float = 2.0) -> Iterator[float]:
-    """Capped, jittered exponential delays; the caller bounds them by its deadline."""
-    delay = initial_s
-    while True:
-        yield random.uniform(delay / 2, delay)
-        delay = min(delay * multiplier, maximum_s)
+def backoff_delays(
+    initial_s: float = _RETRY_INITIAL_S, maximum_s: float = _RETRY_MAX_S, multiplier: float = 2.0
+) -> Iterator[float]:
+    """Capped, jittered exponential delays (:func:`nicswitch_agent.rpc_policy.backoff_delays`);
+    the caller bounds them by its deadline."""
+    return _backoff_delays(initial_s, maximum_s, multiplier=multiplier)
 
 
 # --------------------------------------------------------------------------------------------
@@ -556,9 +554,14 @@ class OmClient:
         def outcome(kind: OutcomeKind, **kw: Any) -> Outcome:
             return Outcome(kind, job_id, elapsed_s=time.monotonic() - started, attempts=attempts, **kw)
 
-        while True:
+        def cancelled() -> Outcome:
+            return outcome(OutcomeKind.CANCELLED, detail="stopped waiting (client closed)")
+
+        def attempt() -> Outcome:
+            """One stream: the outcome, or RetryAfter (the wait before asking again)."""
+            nonlocal reached, ended_empty, attempts, last_problem
             if self._closed.is_set():
-                return outcome(OutcomeKind.CANCELLED, detail="stopped waiting (client closed)")
+                return cancelled()
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return outcome(OutcomeKind.TIMED_OUT, detail=_timeout_detail(timeout_s, last_problem))
@@ -567,8 +570,8 @@ class OmClient:
                 message = self._one_stream(job_id, remaining)
             except grpc.RpcError as exc:
                 if self._closed.is_set():
-                    continue
-                code, details = _rpc_code_and_details(exc)
+                    raise RetryAfter(0.0) from exc
+                code, details = _code_and_details(exc)
                 kind = classify_stream_error(exc)
                 _LOG.debug("[%s] SubscribeSwitchNicSignal #%d: %s %s", job_id, attempts, code, details)
                 if kind is StreamError.DEADLINE:  # the deadline we gave the call: ours
@@ -584,8 +587,7 @@ class OmClient:
                         )
                     if wait_for_start:
                         last_problem = details
-                        self._pause(next(delays), deadline)
-                        continue
+                        raise RetryAfter(next(delays)) from exc
                     not_switching = kind is StreamError.NOT_SWITCHING
                     return outcome(
                         OutcomeKind.NOT_SWITCHING if not_switching else OutcomeKind.NOT_REGISTERED,
@@ -594,24 +596,32 @@ class OmClient:
                     )
                 if kind is StreamError.TRANSIENT and reached:
                     last_problem = f"{code}: {details}"
-                    self._pause(next(delays), deadline)
-                    continue
+                    raise RetryAfter(next(delays)) from exc
                 plain = explain_connect_failure(exc, settings_of(self._channel))
                 return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
             reached = True
             if message is None:
                 if self._closed.is_set():
-                    continue
+                    raise RetryAfter(0.0)
                 # Clean EOF: a controller reset, or ClusterD's own O&M timeout. Ask again (paced).
                 ended_empty += 1
                 last_problem = "the result stream ended without a message"
                 _LOG.info("[%s] SubscribeSwitchNicSignal ended without a message; resubscribing", job_id)
-                self._pause(0.05 * min(ended_empty, 20), deadline)
-                continue
+                raise RetryAfter(0.05 * min(ended_empty, 20))
             kind_done = classify_message(message)
             if kind_done is OutcomeKind.FAILED and message not in FAILURE_MESSAGES:
                 _LOG.warning("[%s] undocumented O&M message %r, treated as a failure", job_id, message)
             return outcome(kind_done, message=message)
+
+        # Each attempt checks the deadline itself (after the wait, which the deadline cuts short),
+        # so that a follow runs out with TIMED_OUT, not with a wait cut off early.
+        retrying = bounded(lambda exc: isinstance(exc, RetryAfter), stop_event=self._closed,
+                           wait=wait_as_asked, sleep=lambda seconds: self._pause(seconds, deadline))
+        try:
+            result: Outcome = retrying(attempt)
+        except RetryAfter:  # close() during the follow
+            return cancelled()
+        return result
 
     def watch(
         self,
@@ -700,7 +710,7 @@ class OmClient:
             except grpc.RpcError as exc:
                 if self._closed.is_set():
                     continue
-                code, details = _rpc_code_and_details(exc)
+                code, details = _code_and_details(exc)
                 kind = classify_stream_error(exc)
                 if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
                     if trouble:

@@ -39,8 +39,18 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.rpc_policy import (
+    EndsAtOnce,
+    Kind,
+    backoff_delays,
+    bounded,
+    classify,
+    describe,
+    is_terminal,
+    must_register_again,
+    nothing_sent,
+)
 from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.subscriber import backoff_delays, connect_failed, describe_rpc_error, should_terminate
 from nicswitch_agent.transport import (
     ConnectivityWatch,
     RecoverStub,
@@ -77,6 +87,11 @@ CODE_CLIENT_ERROR = 499
 
 # Pause between opening the process-manage stream and letting the notify stream open.
 GATE_SETTLE_S = 0.01
+# Init/Register rounds while Register answers 408 (not inited).
+REGISTER_ROUNDS = 3
+# A stream that ends cleanly with no signal within this long: a server that ends every stream at
+# once; the next subscribe backs off (rpc_policy.EndsAtOnce with a burst of one).
+QUICK_END_S = 0.5
 
 
 class StreamGate:
@@ -320,7 +335,7 @@ class ProcessManageClient(StreamThread):
                     request, timeout=self._settings.rpc_timeout_s, wait_for_ready=True
                 )
             except grpc.RpcError as exc:
-                logger.error("%s failed: %s", method, describe_rpc_error(exc))
+                logger.error("%s failed: %s", method, describe(exc))
                 return None
         level = logging.INFO if status.code == CODE_OK else logging.ERROR
         logger.log(level, "%s -> %d %r (%.1f ms)", method, status.code, status.info,
@@ -344,29 +359,33 @@ class ProcessManageClient(StreamThread):
             self._set_call(None)
 
     def _register(self, *, wait_for_ready: bool = True) -> None:
-        """Init then Register. 408 (not inited) is answered by Init again; other codes are fatal.
+        """Init then Register. 408 (not inited) is answered by Init again, up to REGISTER_ROUNDS
+        rounds; other codes are fatal.
 
         ``wait_for_ready=False``: fail at once if no connection can be made (and say why)."""
         info = pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role)
-        for _ in range(3):
-            status = self._cancellable("Init", info, wait_for_ready=wait_for_ready)
-            if status.code != CODE_OK:
-                raise RegistrationRefused("Init", status.code, status.info)
-            status = self._cancellable("Register", info, wait_for_ready=True)
-            if status.code == CODE_OK:
-                if not self.registered:
-                    logger.info("registered job %s with ClusterD", self._settings.job_id)
-                self.registered = True
-                return
-            if status.code != CODE_NOT_INITED:
-                raise RegistrationRefused("Register", status.code, status.info)
-        raise RegistrationRefused("Register", CODE_NOT_INITED, "still not inited after Init")
+        rounds = bounded(_not_inited, attempts=REGISTER_ROUNDS)
+        rounds(self._init_and_register, info, wait_for_ready)
+
+    def _init_and_register(self, info: pb.ClientInfo, wait_for_ready: bool) -> None:
+        status = self._cancellable("Init", info, wait_for_ready=wait_for_ready)
+        if status.code != CODE_OK:
+            raise RegistrationRefused("Init", status.code, status.info)
+        status = self._cancellable("Register", info, wait_for_ready=True)
+        if status.code == CODE_NOT_INITED:
+            raise RegistrationRefused("Register", CODE_NOT_INITED, "still not inited after Init")
+        if status.code != CODE_OK:
+            raise RegistrationRefused("Register", status.code, status.info)
+        if not self.registered:
+            logger.info("registered job %s with ClusterD", self._settings.job_id)
+        self.registered = True
 
     def _run(self) -> None:
         settings = self._settings
         request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
         delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
         conflict_delays = backoff_delays(settings.conflict_backoff_s, settings.conflict_backoff_max_s)
+        ends_at_once = EndsAtOnce(1, QUICK_END_S)
         failing: str | None = None
         self._watch.start()
         fail_fast = True  # the next Init fails at once if no connection can be made (and says why)
@@ -412,7 +431,8 @@ class ProcessManageClient(StreamThread):
                     delay = next(conflict_delays)  # stop fighting: leave the stream to the other client
                     logger.info("process-manage stream: subscribing again in %.0f s (another client holds it)",
                                 delay)
-                if not delay and self.signals == signals_before and time.monotonic() - opened_at < 0.5:
+                quick = ends_at_once.ended(opened_at, time.monotonic(), self.signals != signals_before)
+                if not delay and quick:
                     delay = next(delays)  # a server that ends every stream at once: do not spin
             except RegistrationRefused as exc:
                 logger.error("%s; the agent takes no part in switches (training goes on undisturbed)", exc)
@@ -428,10 +448,10 @@ class ProcessManageClient(StreamThread):
                 if self._stop.is_set():
                     break
                 waited = not fail_fast
-                if not opened and fail_fast and connect_failed(exc):
+                if not opened and fail_fast and nothing_sent(exc):
                     # Nothing reached ClusterD: say why at once, then wait for the connection (gRPC
                     # keeps dialing with its own backoff) in a call that stop() can cancel.
-                    text = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe_rpc_error(exc)
+                    text = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe(exc)
                     self._record_error(text)
                     if failing != text:
                         logger.warning("cannot connect to ClusterD, waiting for it: %s", text)
@@ -439,16 +459,16 @@ class ProcessManageClient(StreamThread):
                     fail_fast = False
                     continue
                 fail_fast = True
-                if waited and not opened and exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and not self._watch.ready:
+                if waited and not opened and classify(exc).kind is Kind.DEADLINE and not self._watch.ready:
                     continue  # the wait for a connection ran out: fail fast again, which says why
                 text = self._describe(exc)
                 self._record_error(text)
-                if should_terminate(exc):
+                if is_terminal(exc):
                     logger.error("process-manage stream failed for good: %s", text)
                     if self._on_fatal is not None:
                         self._on_fatal(exc)
                     break
-                if "not registed" in text or "UNAVAILABLE" in text:
+                if must_register_again(exc):
                     self.registered = False  # a restarted ClusterD forgot us: Init/Register again
                 if failing != text:
                     logger.warning("process-manage stream error, will retry: %s", text)
@@ -503,13 +523,12 @@ class ProcessManageClient(StreamThread):
     def _describe(self, exc: grpc.RpcError) -> str:
         """The error in words. Our calls wait for a connection, so one that cannot be made (a
         plaintext/TLS mismatch, say) ends as a bare deadline: ask the channel why."""
-        code = getattr(exc, "code", None)
-        if callable(code) and code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+        if classify(exc).kind is Kind.DEADLINE:
             client = pb.ClientInfo(jobId=self._settings.job_id, role=self._settings.role)
             problem = connect_problem(self._stub, client, min(1.0, self._settings.rpc_timeout_s))
             if problem:
                 return problem
-        return describe_rpc_error(exc)
+        return describe(exc)
 
     def _dispatch(self, signal: pb.ProcessManageSignal) -> None:
         with self._lock:
@@ -526,3 +545,8 @@ class ProcessManageClient(StreamThread):
             self._on_signal(signal)
         except Exception:
             logger.exception("signal handler failed on %s; ignored", describe_signal(signal))
+
+
+def _not_inited(exc: BaseException) -> bool:
+    """Register answered 408: Init again (another round of :meth:`ProcessManageClient._register`)."""
+    return isinstance(exc, RegistrationRefused) and exc.method == "Register" and exc.code == CODE_NOT_INITED

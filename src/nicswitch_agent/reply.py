@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-import grpc
-from tenacity import RetryCallState, Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
-from tenacity.stop import stop_base
+from tenacity import wait_random_exponential
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.rpc_policy import bounded, describe, refused_unhandled
 from nicswitch_agent.transport import ConnectivityWatch, RecoverStub
 
 logger = logging.getLogger("nicswitch_agent.reply")
@@ -71,21 +70,7 @@ class NotConnected(Exception):
 
 def is_undelivered(exc: BaseException) -> bool:
     """True only for failures that prove ClusterD never received the request."""
-    if isinstance(exc, NotConnected):
-        return True
-    if isinstance(exc, grpc.RpcError):
-        code = exc.code() if hasattr(exc, "code") else None
-        details = (exc.details() if hasattr(exc, "details") else "") or ""
-        return bool(code == grpc.StatusCode.UNKNOWN and "qps exceeded" in details)
-    return False
-
-
-class _StopWhenSet(stop_base):
-    def __init__(self, event: threading.Event) -> None:
-        self.event = event
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        return self.event.is_set()
+    return isinstance(exc, NotConnected) or refused_unhandled(exc)
 
 
 class Replier:
@@ -125,26 +110,23 @@ class Replier:
         def pause(seconds: float) -> None:
             abort.wait(max(0.0, min(seconds, deadline - time.monotonic())))
 
-        retrying = Retrying(
-            retry=retry_if_exception(is_undelivered),
-            stop=stop_after_delay(total) | _StopWhenSet(abort),
+        # Full jitter (a random wait below a bound that doubles): replies from many jobs refused
+        # together by ClusterD's rate limiter spread out.
+        retrying = bounded(
+            is_undelivered,
+            within_s=total,
+            stop_event=abort,
             wait=wait_random_exponential(multiplier=policy.initial_backoff_s, max=policy.max_backoff_s),
             sleep=pause,
-            reraise=True,
         )
         try:
             status = retrying(attempt)
         except BaseException as exc:  # every failure becomes a report
             outcome = ReplyOutcome.NOT_DELIVERED if is_undelivered(exc) else ReplyOutcome.UNCERTAIN
             return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started,
-                               error=_describe(exc))
+                               error=describe(exc))
         code = int(status.code)
         outcome = ReplyOutcome.DELIVERED if code == 0 else ReplyOutcome.REJECTED
         return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started, code=code,
                            info=status.info)
 
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, grpc.RpcError) and hasattr(exc, "code"):
-        return f"{exc.code().name}: {exc.details()}"
-    return f"{type(exc).__name__}: {exc}"

@@ -5,10 +5,12 @@ gRPC ``UNKNOWN`` "not registed, please wait agent register" until the job's proc
 client has registered, and restarts lose everything. So the stream is reopened:
 
 - at once after a clean end (the upstream client sleeps 1 s here), throttled only if the server
-  keeps ending it immediately;
-- after a capped, jittered exponential backoff after errors (``should_recover``);
-- never after errors that retrying cannot fix (``should_terminate``: not ClusterD, or refused
-  credentials); the owner is told through ``on_fatal`` and the thread ends.
+  keeps ending it immediately (:class:`~nicswitch_agent.rpc_policy.EndsAtOnce`);
+- after a capped, jittered exponential backoff after any other error;
+- never after errors that retrying cannot fix (:func:`~nicswitch_agent.rpc_policy.is_terminal`:
+  not ClusterD, or refused credentials); the owner is told through ``on_fatal`` and the thread ends.
+
+How an error is read and how long to wait are :mod:`nicswitch_agent.rpc_policy`'s.
 
 A stream opened with ``wait_for_ready`` waits silently while no connection can be made, so the
 first open (and each one after an error) fails fast instead: a connection that cannot be made
@@ -30,17 +32,16 @@ validates and enqueues), so the stream keeps being read and ``stop()`` stays pro
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.rpc_policy import EndsAtOnce, backoff_delays, describe, is_terminal, job_unknown, nothing_sent
 from nicswitch_agent.stream_thread import StreamThread
 from nicswitch_agent.transport import ConnectivityWatch, RecoverStub, explain_connect_failure, settings_of
 
@@ -52,53 +53,8 @@ logger = logging.getLogger("nicswitch_agent.subscriber")
 # After a clean end, how long to wait for the process-manage stream to be reopened (pause mode
 # agent) before opening anyway: a notify-only end (no reset) must not block the subscription.
 GATE_REOPEN_WAIT_S = 1.0
-
-_TERMINATING = frozenset(
-    {grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}
-)
-
-
-NOT_REGISTERED = "not registed"  # sic: ClusterD's words for a job it does not know
-
-def should_terminate(exc: BaseException) -> bool:
-    """Errors that no reconnect can fix: wrong server (UNIMPLEMENTED), refused credentials."""
-    return isinstance(exc, grpc.RpcError) and _code(exc) in _TERMINATING
-
-
-def should_recover(exc: BaseException) -> bool:
-    """Everything else from gRPC is retried: UNAVAILABLE (restart, outage), UNKNOWN ("not
-    registed", "qps exceeded"), INTERNAL (a message we could not decode), RESOURCE_EXHAUSTED
-    (an oversized message), DEADLINE_EXCEEDED, CANCELLED by the server side."""
-    return isinstance(exc, grpc.RpcError) and not should_terminate(exc)
-
-
-def _code(exc: BaseException) -> grpc.StatusCode | None:
-    code = getattr(exc, "code", None)
-    return code() if callable(code) else None
-
-
-def describe_rpc_error(exc: BaseException) -> str:
-    code = _code(exc)
-    details = getattr(exc, "details", None)
-    text = details() if callable(details) else str(exc)
-    return f"{code.name if code else type(exc).__name__}: {text}"
-
-
-def connect_failed(exc: BaseException) -> bool:
-    """The call failed before it reached the server: no connection could be made."""
-    details = getattr(exc, "details", None)
-    text = details() if callable(details) else ""
-    return _code(exc) is grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in (text or "")
-
-
-def backoff_delays(initial: float, maximum: float, rng: random.Random | None = None) -> Iterator[float]:
-    """Capped exponential delays with jitter in [d/2, d]: 0.2, 0.4, 0.8 ... 5 s (by default)."""
-    rng = rng or random.Random()
-    delay = initial
-    while True:
-        yield delay * (0.5 + rng.random() / 2)
-        delay = min(maximum, delay * 2)
-
+# The window of SubscriberSettings.eof_burst (see rpc_policy.EndsAtOnce).
+EOF_BURST_WINDOW_S = 1.0
 
 @dataclass(frozen=True)
 class SubscriberSettings:
@@ -108,8 +64,8 @@ class SubscriberSettings:
     reconnect_max_s: float = 5.0
     resubscribe_after_eof_s: float = 0.0
     stop_timeout_s: float = 1.0
-    # More than this many clean ends within one second, with no message, look like a server
-    # that ends every stream at once; back off instead of spinning.
+    # This many clean ends in a row with no message, within EOF_BURST_WINDOW_S, look like a
+    # server that ends every stream at once; back off instead of spinning.
     eof_burst: int = 5
     # A stream in flight on a READY channel for this long, with no error, counts as established.
     establish_s: float = 0.5
@@ -254,7 +210,7 @@ class NotifySubscriber(StreamThread):
         settings = self._settings
         request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
         delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
-        recent_eofs: deque[float] = deque(maxlen=settings.eof_burst)
+        ends_at_once = EndsAtOnce(settings.eof_burst, EOF_BURST_WINDOW_S)
         failing_since: str | None = None
         self._ready.set()
         used_generation = 0
@@ -280,7 +236,7 @@ class NotifySubscriber(StreamThread):
                 self._track(call, "opened")
                 with self._lock:
                     self.opens += 1
-                    self.last_open_mono = time.monotonic()
+                    self.last_open_mono = opened_at = time.monotonic()
                     opens = self.opens
                 self._opened(opens)
                 for message in call:
@@ -302,25 +258,21 @@ class NotifySubscriber(StreamThread):
                     logger.info("notify stream restored after: %s", failing_since)
                     failing_since = None
                 delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
-                now = time.monotonic()
-                if got_message:
-                    recent_eofs.clear()
-                recent_eofs.append(now)
                 delay = settings.resubscribe_after_eof_s
-                if len(recent_eofs) == recent_eofs.maxlen and now - recent_eofs[0] < 1.0:
+                if ends_at_once.ended(opened_at, time.monotonic(), got_message):
                     delay = max(delay, next(delays))
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
                 unreachable = explain_connect_failure(exc, settings_of(self._stub.channel))
-                text = unreachable or describe_rpc_error(exc)
+                text = unreachable or describe(exc)
                 with self._lock:
                     self.errors += 1
                     self.last_error = text
-                    if NOT_REGISTERED in text:
+                    if job_unknown(exc):
                         self.job_unknown += 1
                 self._set_health(False, text)
-                if fail_fast and not got_message and connect_failed(exc):
+                if fail_fast and not got_message and nothing_sent(exc):
                     # Nothing was sent: now wait for the connection (gRPC keeps dialing, with its
                     # own backoff) instead of failing again and again.
                     if failing_since != text:
@@ -330,7 +282,7 @@ class NotifySubscriber(StreamThread):
                     fail_fast = False
                     continue
                 fail_fast = True
-                if should_terminate(exc):
+                if is_terminal(exc):
                     logger.error("notify stream failed for good (%s); the agent cannot take part in "
                                  "switches until restarted with a correct server", text)
                     if self._on_fatal is not None:

@@ -26,6 +26,7 @@ import grpc
 from nicswitch_agent import _fork_safety
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.errors import ConfigError
+from nicswitch_agent.rpc_policy import HANDSHAKE_WORDS, Kind, classify
 
 _fork_safety.warn_if_unsafe()  # once: grpc was set up for forks by the package's __init__, unless too late
 
@@ -210,9 +211,7 @@ def settings_of(channel: Any) -> ChannelSettings | None:
         return None
 
 
-# gRPC's words for "no connection could be made" (the call itself never left the client).
-_CONNECT_FAILED = "failed to connect to all addresses"
-_HANDSHAKE = ("handshake failed", "ssl_error", "tsi_")
+# gRPC's words for what went wrong while connecting (rpc_policy tells that no connection was made).
 _PLAINTEXT_PEER = ("wrong_version_number", "http_request", "packet_length_too_long", "record_too_large")
 _UNTRUSTED = ("certificate_verify_failed", "certificate verify failed")
 _WRONG_NAME = ("hostname verification", "no match found for server name", "name mismatch")
@@ -229,15 +228,12 @@ def explain_connect_failure(exc: BaseException, settings: ChannelSettings | None
         exc: The error of a call.
         settings: What the channel was opened with (see :func:`settings_of`); None: unknown.
     """
-    code = getattr(exc, "code", None)
-    details_fn = getattr(exc, "details", None)
-    if not callable(code) or code() is not grpc.StatusCode.UNAVAILABLE or not callable(details_fn):
-        return None
-    details = str(details_fn() or "")
-    text = details.lower()
-    handshake = any(word in text for word in _HANDSHAKE)
-    if _CONNECT_FAILED not in text and not handshake:
+    failure = classify(exc)
+    if failure.kind not in (Kind.CONNECT_FAILED, Kind.HANDSHAKE_FAILED):
         return None  # e.g. "Socket closed" on a stream that was open: the server went away
+    details = failure.details
+    text = details.lower()
+    handshake = any(word in text for word in HANDSHAKE_WORDS)
     target = settings.target if settings is not None else "the server"
     tls = settings.tls if settings is not None else None
     known = settings is not None

@@ -6,10 +6,10 @@ from collections.abc import Callable
 
 import pytest
 
-from nicswitch_agent.sim import MindIOStandIn, SimJob, Simulator
+from nicswitch_agent.sim import MindIOStandIn, SimJob, SimSettings, Simulator
 from nicswitch_agent.sim import protocol as P
 
-from .conftest import JOB, NODES, OK, WAIT, Client, wait_streams
+from .conftest import FAST, JOB, NODES, OK, WAIT, Client, wait_streams
 from .test_switch import HAPPY_PATH
 
 pytestmark = pytest.mark.timeout(20)
@@ -112,3 +112,17 @@ def test_simulator_lifecycle() -> None:
     sim.stop()  # idempotent
     with pytest.raises(ValueError):
         Simulator(jobs=[SimJob(JOB, NODES), SimJob(JOB, NODES)])
+
+
+def test_standin_registers_again_with_a_restarted_simulator(make_sim: Callable[..., Simulator]) -> None:
+    """A restarted ClusterD knows no job: the stand-in's next subscribe is answered "not registed",
+    and it must Init/Register again (as MindIO does) instead of subscribing in vain forever."""
+    first = make_sim()
+    port = int(first.address.rpartition(":")[2])
+    with MindIOStandIn(first.address, JOB) as standin:
+        assert standin.ready.wait(WAIT)
+        first.stop()
+        with Simulator(jobs=[SimJob(JOB, NODES)], settings=SimSettings(**FAST), port=port) as second:
+            assert second.wait_until(
+                lambda sim: sim.job_view(JOB).open_streams[P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL] == 1, WAIT
+            ), second.job_view(JOB)

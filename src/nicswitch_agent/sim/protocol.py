@@ -44,6 +44,7 @@ NOT_INITED: Final = "jobId={job} not inited"
 HEALTH_CHECK: Final = "jobId={job}, receive HeathCheck"
 NOT_REGISTED: Final = "jobId={job} not registed"
 NOT_REGISTED_WAIT_AGENT: Final = "jobId={job} not registed, please wait agent register"
+NOT_REGISTED_WORDS: Final = "not registed"  # in both texts above: how a client tells them
 NOT_SWITCHING: Final = "jobId={job} is not swtiching nic"
 REPLY_SUCCESS: Final = "reply success"
 RECEIVED: Final = "jobId={job}, uuid={uuid}, receive {method}"

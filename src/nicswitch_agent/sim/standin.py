@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
 
@@ -36,6 +37,15 @@ __all__ = ["MindIOStandIn"]
 _CALL_TIMEOUT_S = 5.0
 _BACKOFF_INITIAL_S = 0.05
 _BACKOFF_MAX_S = 1.0
+
+
+def _backoff() -> Iterator[float]:
+    """0.05 s doubling to 1 s, without jitter: one client against a test server, and the
+    simulator shares no logic with the client it tests (so not nicswitch_agent.rpc_policy's)."""
+    delay = _BACKOFF_INITIAL_S
+    while True:
+        yield delay
+        delay = min(delay * 2, _BACKOFF_MAX_S)
 
 
 class MindIOStandIn:
@@ -141,7 +151,7 @@ class MindIOStandIn:
         stub = RecoverStub(self._channel)
         info = pb.ClientInfo(jobId=self.job_id, role=self.role)
         registered = False
-        backoff = _BACKOFF_INITIAL_S
+        delays = _backoff()
         if self.register_delay_s > 0 and self._stop.wait(self.register_delay_s):
             return
         while not self._stop.is_set():
@@ -149,8 +159,7 @@ class MindIOStandIn:
                 if not registered:
                     registered = self._register(stub, info)
                     if not registered:
-                        self._stop.wait(backoff)
-                        backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                        self._stop.wait(next(delays))
                         continue
                 call = stub.SubscribeProcessManageSignal(info, wait_for_ready=True)
                 with self._lock:
@@ -168,20 +177,18 @@ class MindIOStandIn:
                     if self._stop.is_set():
                         break
                 # A clean end (every reset ends the stream): resubscribe at once.
-                backoff = _BACKOFF_INITIAL_S
+                delays = _backoff()
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
                 details = exc.details() or ""
-                if "not registed" in details:
+                if P.NOT_REGISTED_WORDS in details:
                     registered = False
                 logger.debug("MindIO stand-in %s: stream error %s %s", self.job_id, exc.code(), details)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                self._stop.wait(next(delays))
             except Exception:  # keep the stand-in alive whatever a test server does
                 logger.exception("MindIO stand-in %s failed; retrying", self.job_id)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, _BACKOFF_MAX_S)
+                self._stop.wait(next(delays))
             finally:
                 with self._lock:
                     self._call = None
