@@ -1,5 +1,6 @@
-"""Helpers the tests share: a free port, polling with a bound, an event collector, a training loop,
-the simulator predicates that say an agent is connected, and an operator's switch request.
+"""Helpers the tests share: a free port, polling with a bound, JSON lines, an event collector, a
+training loop, the simulator predicates that say an agent is connected, a watch on its open
+streams, and an operator's switch request.
 
 Imported as ``support`` (tests/conftest.py puts tests/ on sys.path, as for ``scripted``). It imports
 neither grpc nor torch when imported, so any test may use it.
@@ -189,3 +190,32 @@ def operator_switch(address: str, job: str, devs: list[str], ops: list[bool], *,
         return "(no message)"
     finally:
         channel.close()
+
+
+class StreamWatch:
+    """The most streams of each kind the simulator ever had open at once for ``job``: sampled on
+    every state change of the simulator, from a thread of its own until :meth:`stop`."""
+
+    def __init__(self, sim: Simulator, job: str) -> None:
+        self.sim, self.job = sim, job
+        self.max_open: dict[str, int] = {}
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stream-watch", daemon=True)
+        self._thread.start()
+
+    def _sample(self, sim: Simulator) -> bool:
+        self.samples += 1
+        for method, count in sim.job_view(self.job).open_streams.items():
+            self.max_open[method] = max(self.max_open.get(method, 0), count)
+        return self._stop.is_set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.sim.wait_until(self._sample, 1.0)  # re-evaluated on every state change of the simulator
+
+    def stop(self) -> dict[str, int]:
+        """Stop sampling; the maxima seen."""
+        self._stop.set()
+        self._thread.join(5)
+        return dict(self.max_open)
