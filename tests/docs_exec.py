@@ -33,11 +33,12 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from support import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SHELL_FENCES = {"bash", "sh", "shell", "console"}
@@ -165,12 +166,6 @@ def doc_pages() -> list[Path]:
 
 
 # -- running ------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def group_members(pgid: int) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 import grpc
 import pytest
 from scripted import Answer, End, Fail, Hold, ScriptedClusterD, Send, WaitFor, rank_list
+from support import Events
 
 from nicswitch_agent import AgentStateError, ConfigError, SwitchAgent, SwitchOrder
 from nicswitch_agent import events as ev
@@ -29,28 +30,6 @@ class Recorder:
         self.orders.append(order)
         self.called.set()
         return self.result
-
-
-class Events:
-    """Collects an agent's events and lets a test wait for them (no sleeps)."""
-
-    def __init__(self) -> None:
-        self.events: list[ev.AgentEvent] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, event: ev.AgentEvent) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def wait(self, kind: str, count: int = 1, timeout: float = 10.0) -> list[ev.AgentEvent]:
-        with self._cond:
-            ok = self._cond.wait_for(lambda: len(self.of(kind)) >= count, timeout)
-            assert ok, f"waited for {count} {kind}; saw {[e.kind for e in self.events]}"
-            return self.of(kind)
-
-    def of(self, kind: str) -> list[ev.AgentEvent]:
-        return [e for e in self.events if e.kind == kind]
 
 
 @pytest.fixture
@@ -78,10 +57,7 @@ def make_agent(clusterd: ScriptedClusterD) -> Iterator[Any]:
 def replies_of(clusterd: ScriptedClusterD, agent: SwitchAgent, count: int) -> list[Any]:
     """Wait until the agent has settled ``count`` replies, then return what the server got."""
     seen: Events = agent.seen  # type: ignore[attr-defined]
-    with seen._cond:
-        assert seen._cond.wait_for(
-            lambda: len(seen.of(ev.REPLY_SENT)) + len(seen.of(ev.REPLY_FAILED)) >= count, 10
-        ), [e.kind for e in seen.events]
+    assert seen.wait_for(lambda: len(seen.of(ev.REPLY_SENT)) + len(seen.of(ev.REPLY_FAILED)) >= count, 10), seen.kinds
     return clusterd.wait_replies(count)
 
 

@@ -7,12 +7,15 @@ walks ClusterD's recovery path (stop_train, globalFault, strategy) truthfully.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import support
+from support import Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -26,46 +29,6 @@ JOB = "job-am"
 NODES = {"node-0": ["0", "1"], "node-1": ["0", "1"]}
 FAST = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
                    schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
-
-
-class Trainer:
-    """A training loop on its own thread: a 2 ms "step", then ``agent.step(step)``."""
-
-    def __init__(self, agent: SwitchAgent, *, stall: threading.Event | None = None) -> None:
-        self.agent = agent
-        self.step = 0
-        self.stall = stall  # while set, the step never ends (a long step / a hang)
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self.done = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-        self._cond = threading.Condition()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(0.002):
-                while self.stall is not None and self.stall.is_set() and not self._stop.is_set():
-                    self._stop.wait(0.01)
-                with self._cond:
-                    self.step += 1
-                    self._cond.notify_all()
-                self.agent.step(self.step)
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def wait_step(self, step: int, timeout: float = 10.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.step >= step, timeout)
-
-    def start(self) -> Trainer:
-        self.thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(10)
 
 
 class Operator:
@@ -89,11 +52,7 @@ class Operator:
         self.channel.close()
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
-    )
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -71,6 +72,16 @@ def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
 def test_version() -> None:
     result = run("version")
     assert result.returncode == 0 and result.stdout.strip() == f"nicswitch-agent {__version__}"
+
+
+def test_the_version_is_written_in_one_place() -> None:
+    """The package's version is ``nicswitch_agent.__version__``: pyproject.toml reads it from there
+    (``--version`` and ``version`` print the same attribute), so a release changes one line."""
+    pyproject = pytest.importorskip("setuptools.config.pyprojecttoml")
+    path = Path(__file__).resolve().parents[1] / "pyproject.toml"
+    written = pyproject.read_configuration(path, expand=False)["project"]
+    assert "version" not in written and "version" in written["dynamic"]
+    assert pyproject.read_configuration(path, expand=True)["project"]["version"] == __version__
 
 
 def test_help_lists_every_command() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+import typing
+from typing import Any, Optional
 
 import pytest
 
 from nicswitch_agent import AgentConfig, ConfigError
+from nicswitch_agent import config as config_module
 from nicswitch_agent.config import CLUSTERD_PORT, LOCAL_PROXY_ADDRESS
 
 BASE = {"server": "10.0.0.1:8899", "job_id": "job-1"}
@@ -462,6 +464,12 @@ def test_keyword_construction_and_equality() -> None:
     assert hash(make()) == hash(make())
 
 
+def test_positional_construction_is_refused() -> None:
+    # Forty-odd fields of like types: a positional slip would silently set the wrong one.
+    with pytest.raises(TypeError, match="positional"):
+        AgentConfig("10.0.0.1:8899", "job-1")  # type: ignore[misc]
+
+
 def test_replace_returns_a_validated_copy() -> None:
     cfg = make()
     changed = cfg.replace(switch_timeout_s=30.0, dry_run=True)
@@ -498,6 +506,45 @@ def test_replace_with_unknown_setting_is_a_config_error() -> None:
 def test_underscores_in_numbers_from_env_are_refused() -> None:
     with pytest.raises(ConfigError, match="NICSWITCH_GUARD_TIMEOUT_S='1_0'"):
         from_env({"NICSWITCH_SERVER": "h:1", "MINDX_TASK_ID": "j", "NICSWITCH_GUARD_TIMEOUT_S": "1_0"})
+
+
+# One value of each field's type, as an environment variable spells it, and what it must become.
+SAMPLES: dict[Any, tuple[str, Any]] = {bool: ("yes", True), int: ("7", 7), float: ("2.5", 2.5), str: ("a_b", "a_b")}
+
+
+def test_every_field_from_env_gets_a_value_of_its_type() -> None:
+    # Parsed by the field's type itself, not by how its annotation is spelled.
+    hints = typing.get_type_hints(AgentConfig)
+    for f in dataclasses.fields(AgentConfig):
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)
+        raw, expected = SAMPLES[base]
+        assert config_module._parse(f.name, kind, raw, "X") == expected, (f.name, kind)
+
+
+@pytest.mark.parametrize(("kind", "raw", "expected"), [
+    (Optional[float], "2.5", 2.5),  # noqa: UP045 - the spelling is the point
+    (float | None, "2.5", 2.5),
+    (typing.Union[None, int], "3", 3),  # noqa: UP007
+    (Optional[bool], "off", False),  # noqa: UP045
+    (float, "1e3", 1000.0),
+    (int | None, "-4", -4),
+    (str | None, "3", "3"),
+])
+def test_env_values_are_parsed_by_type_however_it_is_spelled(kind: Any, raw: str, expected: Any) -> None:
+    value = config_module._parse("field", kind, raw, "EXAMPLE_VARIABLE")
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize(("kind", "raw"), [(Optional[int], "1.5"), (float, "1_0"), (bool, "maybe")])  # noqa: UP045
+def test_env_values_of_the_wrong_type_name_the_variable(kind: Any, raw: str) -> None:
+    with pytest.raises(ConfigError, match=f"EXAMPLE_VARIABLE={raw!r} is not valid for field"):
+        config_module._parse("field", kind, raw, "EXAMPLE_VARIABLE")
+
+
+def test_a_field_type_without_a_parser_is_a_programming_error() -> None:
+    with pytest.raises(TypeError, match="no parser"):
+        config_module._parse("field", list[str], "x", "EXAMPLE_VARIABLE")
 
 
 @pytest.mark.parametrize(

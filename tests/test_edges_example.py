@@ -12,7 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_launcher import FAST, FINISH, JOB, ROOT, STARTUP_S, Launch, Operator, base_env, poll
+from support import poll
+from test_launcher import FAST, FINISH, JOB, ROOT, STARTUP_S, Launch, Operator, base_env
 
 from nicswitch_agent.sim import SimJob, Simulator
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import grpc
 import pytest
+import support
 
 from nicswitch_agent import SwitchAgent, SwitchOrder, __version__, cli
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -43,7 +45,6 @@ NOT_SWITCHING = f"jobId={JOB} is not swtiching nic"
 FAST = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
                    schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
 OM = "SubscribeSwitchNicSignal"
-PM, NOTIFY = "SubscribeProcessManageSignal", "SubscribeNotifySwitch"
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -103,13 +104,8 @@ class Lines:
 # --------------------------------------------------------------------------------------------
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get(PM, 0) == 1 and view.open_streams.get(NOTIFY, 0) == 1
-
-
-def idle(sim: Simulator) -> bool:
-    return sim.job_view(JOB).state == "INIT" and streams_ready(sim)
+streams_ready = functools.partial(support.streams_ready, job=JOB)
+idle = functools.partial(support.idle, job=JOB)
 
 
 def om_stream_open(sim: Simulator) -> bool:

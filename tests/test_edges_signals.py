@@ -11,6 +11,7 @@ the others run ranks as threads against the simulator.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import threading
@@ -18,11 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import support
+from support import Events
 from test_signals import JOB, Child, fast, request_switch, streams_ready
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
-from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.execute import HookRunner, HookStatus, InlineRunner, execute_order
 from nicswitch_agent.pause import TrainingStopped
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
@@ -127,24 +129,6 @@ class Trainer:
             return self._cond.wait_for(lambda: self.step >= step, timeout)
 
 
-class Events:
-    """An event listener that can be waited on."""
-
-    def __init__(self) -> None:
-        self.events: list[AgentEvent] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, event: AgentEvent) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def wait(self, kind: str, timeout: float = 20) -> list[AgentEvent]:
-        with self._cond:
-            self._cond.wait_for(lambda: any(e.kind == kind for e in self.events), timeout)
-            return [e for e in self.events if e.kind == kind]
-
-
 class Interrupting:
     """A switch hook that raises KeyboardInterrupt (what Ctrl-C does in a hook on the main thread)."""
 
@@ -173,10 +157,7 @@ def sim() -> Iterator[Simulator]:
     simulator.stop()
 
 
-def mr_streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(MR_JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1)
+mr_streams_ready = functools.partial(support.streams_ready, job=MR_JOB)
 
 
 def test_a_rank_interrupted_in_its_hook_gets_a_prompt_false_and_no_rank_resumes(sim: Simulator, caplog: Any) -> None:
@@ -215,7 +196,7 @@ def test_a_rank_interrupted_in_its_hook_gets_a_prompt_false_and_no_rank_resumes(
         assert "interrupted" in str(trainers[0].error)
         assert trainers[0].steps_after_hook == 0 and trainers[1].steps_after_hook == 0  # nobody resumed
         assert sim.job_view(MR_JOB).replies == [False]
-        sent = events.wait("reply_sent")
+        sent = events.wait("reply_sent", timeout=20)
         assert len(sent) == 1 and "interrupted by KeyboardInterrupt" in sent[0].detail["reason"]
         assert "did not answer within the budget" not in caplog.text
         assert len(stops) == 1 and "rank 1" in stops[0]

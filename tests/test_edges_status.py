@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import io
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import free_port, wait_until
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent import events as ev
@@ -48,24 +48,6 @@ NOT_CONNECTED = 5  # nicswitch-agent status: a running leader that takes no part
 # not a connection existed; watching 1.5 s past that shows it no longer does.
 OLD_SETTLE_S = 1.0
 WINDOW_S = OLD_SETTLE_S + 1.5
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
-    """Poll ``predicate`` (status() has nothing to wait on) until true or ``timeout``."""
-    deadline = time.monotonic() + timeout
-    stop = threading.Event()
-    while not predicate():
-        if time.monotonic() >= deadline:
-            return False
-        stop.wait(step)
-    return True
 
 
 def never_within(predicate: Callable[[], bool], window: float) -> bool:

@@ -15,6 +15,7 @@ by measuring a duration against a tight limit.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -23,8 +24,10 @@ from typing import Any
 
 import grpc
 import pytest
+import support
 from scripted import ScriptedClusterD, Send, rank_list
-from test_edges_signals import Events, LogLine, Trainer
+from support import Events
+from test_edges_signals import LogLine, Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent import transport as tr
@@ -54,10 +57,7 @@ def sim() -> Iterator[Simulator]:
     simulator.stop()
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1)
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 def switch(sim: Simulator) -> None:
@@ -136,7 +136,7 @@ def test_a_switch_hook_that_never_returns_is_answered_false_within_its_own_timeo
         assert hook.entered.wait(10)
         assert sim.wait_until(lambda s: len(s.job_view(JOB).replies) >= 1, GENEROUS_S), "no reply"
         assert sim.job_view(JOB).replies == [False]
-        reason = events.wait("reply_sent")[0].detail["reason"]
+        reason = events.wait("reply_sent", timeout=20)[0].detail["reason"]
         assert "switch hook of order #1 did not finish within 3 s" in reason, reason
         stuck = agent.status()["stuck_hook"]
         assert stuck is not None and "switch hook of order #1" in stuck and "parked" in stuck
@@ -162,10 +162,10 @@ def test_a_guard_that_overruns_is_answered_false_within_its_timeout_and_the_swit
     switch(sim)
     assert guard.entered.wait(10)
     assert sim.wait_until(lambda s: len(s.job_view(JOB).replies) >= 1, GENEROUS_S), "no reply"
-    reason = events.wait("reply_sent")[0].detail["reason"]
+    reason = events.wait("reply_sent", timeout=20)[0].detail["reason"]
     assert "checkpoint hook of order #1 did not finish within 2 s" in reason, reason
     guard.release.set()  # the guard returns late ...
-    assert events.wait("guard_done"), "the order's work never ended on the training thread"
+    assert events.wait("guard_done", timeout=20), "the order's work never ended on the training thread"
     assert switch_hook.calls == 0  # ... and the switch it guarded does not run after the false reply
 
 
@@ -182,7 +182,7 @@ def test_the_leader_waits_for_a_silent_rank_only_the_budget_of_the_hooks_that_ex
     try:
         replies = clusterd.wait_replies(1, timeout=GENEROUS_S)
         assert [r.result for r in replies] == [False]
-        assert "1 rank(s) did not answer within the budget" in events.wait("reply_sent")[0].detail["reason"]
+        assert "1 rank(s) did not answer within the budget" in events.wait("reply_sent", timeout=20)[0].detail["reason"]
     finally:
         agent.stop()
 
@@ -224,7 +224,7 @@ def test_init_refused_403_fails_the_leader_with_one_error_naming_the_fix_and_tra
     try:
         agent.start()
         trainer.thread.start()
-        assert failed.wait("agent_failed")
+        assert failed.wait("agent_failed", timeout=20)
         ours = [t for t in threading.enumerate() if t not in before and t.name in AGENT_THREADS]
         for thread in ours:
             thread.join(GENEROUS_S)
@@ -267,7 +267,7 @@ def test_a_dry_run_reply_says_nothing_was_switched_in_mode_agent(sim: Simulator,
     agent, trainer = job(dry_run=True, on_event=events)
     assert trainer.wait_step(2)
     switch(sim)
-    sent = events.wait("reply_sent")
+    sent = events.wait("reply_sent", timeout=20)
     assert sent and sent[0].detail == {**sent[0].detail, "result": True, "reason": "dry run: nothing switched"}
     assert "replied true (dry run: nothing switched)" in caplog.text
     assert agent.status()["last_switch"]["reason"] == "dry run: nothing switched"
@@ -282,6 +282,6 @@ def test_a_dry_run_reply_says_nothing_was_switched_in_mode_external(clusterd: Sc
     agent.add_listener(events)
     try:
         assert [r.result for r in clusterd.wait_replies(1, timeout=GENEROUS_S)] == [True]
-        assert events.wait("reply_sent")[0].detail["reason"] == "dry run: nothing switched"
+        assert events.wait("reply_sent", timeout=20)[0].detail["reason"] == "dry run: nothing switched"
     finally:
         agent.stop()

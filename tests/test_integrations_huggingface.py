@@ -10,12 +10,14 @@ tests/test_torch_multiprocess.py and the DDP example (2 ranks) do not cover.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers", reason="needs transformers: the [hf] extra")
@@ -107,10 +109,7 @@ class Operator(threading.Thread):
             self.finish.set()  # training ends either way
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1)
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 class SwitchRecorder:

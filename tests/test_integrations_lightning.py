@@ -10,11 +10,13 @@ here that tests/test_torch_multiprocess.py and the DDP example (2 ranks) do not 
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
 
 torch = pytest.importorskip("torch")
 try:
@@ -111,10 +113,7 @@ class Operator(threading.Thread):
             self.finish.set()  # training ends either way
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1)
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 class SwitchRecorder:

@@ -15,12 +15,12 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support import poll, streams_ready
 
 from nicswitch_agent import TrainingStopped
 from nicswitch_agent.integrations import enumerate_steps
@@ -76,15 +76,6 @@ def test_importing_the_integrations_imports_no_framework() -> None:
 # -- the DDP example under torchrun ------------------------------------------------------------
 
 
-def poll(condition: Callable[[], Any], timeout: float, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() >= deadline:
-            return value
-        time.sleep(interval)
-
-
 @pytest.fixture
 def torchrun(tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen[bytes]]]:
     procs: list[subprocess.Popen[bytes]] = []
@@ -128,12 +119,7 @@ def test_ddp_example_two_ranks_switch_mid_run_and_exit_0(torchrun: Any, tmp_path
         proc = torchrun(sim.address, "--wait-for-switch", "--steps", "20", "--checkpoint-dir", str(tmp_path / "ckpt"))
         output = tmp_path / "torchrun.out"
 
-        def streams_ready(s: Simulator) -> bool:
-            view = s.job_view(JOB)
-            return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-                view.open_streams.get("SubscribeNotifySwitch", 0) == 1)
-
-        assert poll(lambda: streams_ready(sim) or proc.poll() is not None, 60) and proc.poll() is None, (
+        assert poll(lambda: streams_ready(sim, JOB) or proc.poll() is not None, 60) and proc.poll() is None, (
             "the example did not start")
         channel = open_channel(ChannelSettings(target=sim.address))
         try:

@@ -14,13 +14,13 @@ observation window.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
+from support import Events, Trainer, free_port
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent import events as ev
@@ -31,47 +31,6 @@ from nicswitch_agent.sim.soak import JOB, SubprocessBackend, idle_check
 from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 NODES = {"node-0": ["0", "1"]}
-
-
-class Trainer:
-    """A training loop on its own thread: a 2 ms step, then ``agent.step()``."""
-
-    def __init__(self, agent: SwitchAgent) -> None:
-        self.agent = agent
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        step = 0
-        try:
-            while not self._stop.wait(0.002):
-                step += 1
-                self.agent.step(step)
-        except BaseException as exc:
-            self.error = exc
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(10)
-
-
-class Events:
-    """An agent's events, waited on with a condition."""
-
-    def __init__(self) -> None:
-        self.kinds: list[str] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, event: ev.AgentEvent) -> None:
-        with self._cond:
-            self.kinds.append(event.kind)
-            self._cond.notify_all()
-
-    def wait(self, kind: str, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: kind in self.kinds, timeout)
 
 
 @pytest.fixture
@@ -100,7 +59,7 @@ def start_agent(address: str, cleanup: list[Any], **settings: Any) -> tuple[Swit
     agent = SwitchAgent(server=address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
                         on_event=seen, **settings)
     cleanup.append(agent.start())
-    cleanup.append(Trainer(agent))
+    cleanup.append(Trainer(agent).start())
     return agent, seen
 
 
@@ -118,15 +77,6 @@ def switch(backend: SubprocessBackend, ops: list[bool]) -> str:
         channel.close()
     assert backend.wait(lambda s: len(s.flows) > before, 30), backend.tail()
     return backend.snapshot().flows[-1]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 @pytest.mark.timeout(90)
@@ -203,7 +153,7 @@ def test_half_open_connection_is_detected_by_keepalive_and_recovered(cleanup: li
 
     sim.stop_process()  # SIGSTOP: the TCP connection stays up, nothing answers
     frozen = time.monotonic()
-    assert seen.wait(ev.STREAM_LOST, 30), seen.kinds
+    seen.wait(ev.STREAM_LOST, timeout=30)
     detected = time.monotonic()
     status = agent.status()  # STREAM_LOST comes after the notify stream counted its error
     assert status["stream"]["errors"] >= 1, status

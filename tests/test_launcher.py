@@ -14,19 +14,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
+from support import StreamWatch, free_port, poll, read_jsonl
 
 pytest.importorskip("torch")
 
@@ -38,30 +39,11 @@ from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "launcher_job" / "train.py"
 JOB = "job-launch"
-PM, NOTIFY = "SubscribeProcessManageSignal", "SubscribeNotifySwitch"
+PM, NOTIFY = support.PROCESS_MANAGE, support.NOTIFY
 FAST = SimSettings(report_timeout_s=30.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
                    schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
 FINISH = "switch nic finish"
 STARTUP_S = 120.0  # three Python processes importing torch on a small, possibly busy, CI machine
-
-
-def poll(condition: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
-    """``condition()``'s first truthy value, or None once ``timeout`` has passed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value or time.monotonic() >= deadline:
-            return value or None
-        time.sleep(interval)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete lines only (a writer may be half way through the last one)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 def descendants(root: int) -> list[int]:
@@ -78,12 +60,6 @@ def descendants(root: int) -> list[int]:
             found.append(child)
             todo.append(child)
     return found
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def base_env(sim: Simulator) -> dict[str, str]:
@@ -183,37 +159,8 @@ class Operator:
         self.channel.close()
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get(PM, 0) == 1 and view.open_streams.get(NOTIFY, 0) == 1
-
-
-def idle(sim: Simulator) -> bool:
-    return sim.job_view(JOB).state == "INIT" and streams_ready(sim)
-
-
-class StreamWatch:
-    """The most streams of each kind the simulator ever had open at once for the job."""
-
-    def __init__(self, sim: Simulator) -> None:
-        self.max_open: dict[str, int] = {}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(sim,), name="stream-watch", daemon=True)
-        self._thread.start()
-
-    def _sample(self, sim: Simulator) -> bool:
-        for method, count in sim.job_view(JOB).open_streams.items():
-            self.max_open[method] = max(self.max_open.get(method, 0), count)
-        return self._stop.is_set()
-
-    def _run(self, sim: Simulator) -> None:
-        while not self._stop.is_set():
-            sim.wait_until(self._sample, 1.0)  # re-evaluated on every state change of the simulator
-
-    def stop(self) -> dict[str, int]:
-        self._stop.set()
-        self._thread.join(5)
-        return dict(self.max_open)
+streams_ready = functools.partial(support.streams_ready, job=JOB)
+idle = functools.partial(support.idle, job=JOB)
 
 
 @pytest.fixture
@@ -241,7 +188,7 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
                                                                      launches: list[Launch]) -> None:
     """One launcher, one ClusterD client, through a failover, a training restart, a switchback and SIGTERM."""
     out = tmp_path / "job"
-    watch = StreamWatch(sim)
+    watch = StreamWatch(sim, JOB)
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the launcher sets it (with torchrun's shared store, a
     # restarted gloo group read the dead attempt's addresses and failed in 7 of 9 plain torchrun runs).
     env = base_env(sim)

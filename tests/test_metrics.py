@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import logging
+import socket
 import sys
 import threading
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
+from support import Events, Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
-from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -28,59 +31,6 @@ JOB = "job-metrics"
 NODES = {"node-0": ["0", "1"]}
 FAST = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
                    schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
-
-
-class Kinds:
-    """Records event kinds; ``wait(*kinds)`` blocks until each was seen."""
-
-    def __init__(self) -> None:
-        self.seen: list[str] = []
-        self._cond = threading.Condition()
-
-    def __call__(self, event: AgentEvent) -> None:
-        with self._cond:
-            self.seen.append(event.kind)
-            self._cond.notify_all()
-
-    def wait(self, *kinds: str, timeout: float = 10.0) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: all(k in self.seen for k in kinds), timeout)
-
-
-class Trainer:
-    def __init__(self, agent: SwitchAgent) -> None:
-        self.agent = agent
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-
-    def _run(self) -> None:
-        step = 0
-        while not self._stop.wait(0.002):
-            step += 1
-            self.agent.step(step)
-
-    def __enter__(self) -> Trainer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.thread.join(10)
-
-
-def operator_switch(address: str, devs: list[str], ops: list[bool]) -> str:
-    channel = open_channel(ChannelSettings(target=address))
-    try:
-        stub = RecoverStub(channel)
-        request = pb.SwitchNics(jobID=JOB)
-        request.nicOps["node-0"].dev.extend(devs)
-        request.nicOps["node-0"].op.extend(ops)
-        assert stub.SwitchNicTrack(request, timeout=5).code == 0
-        for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB), timeout=20):
-            return str(response.msg)
-        return "(no message)"
-    finally:
-        channel.close()
 
 
 @pytest.fixture
@@ -93,9 +43,13 @@ def sim() -> Iterator[Simulator]:
         simulator.stop()
 
 
-def run_one_switch(sim: Simulator, *listeners: Any) -> Kinds:
+def switch_streams_open(sim: Simulator) -> bool:
+    return sim.job_view(JOB).open_streams.get(support.NOTIFY, 0) == 1
+
+
+def run_one_switch(sim: Simulator, *listeners: Any) -> Events:
     """A real agent (pause mode agent) and one failover of rank 1, with ``listeners`` attached."""
-    kinds = Kinds()
+    kinds = Events()
 
     def hook(order: SwitchOrder) -> bool:
         return True
@@ -107,9 +61,9 @@ def run_one_switch(sim: Simulator, *listeners: Any) -> Kinds:
     agent.start()
     try:
         with Trainer(agent):
-            assert sim.wait_until(lambda s: s.job_view(JOB).open_streams.get("SubscribeNotifySwitch", 0) == 1, 10)
-            assert operator_switch(sim.address, ["1"], [True]) == "switch nic finish"
-            assert kinds.wait("reply_sent", "resumed")
+            assert sim.wait_until(switch_streams_open, 10)
+            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert kinds.wait_all("reply_sent", "resumed")
     finally:
         agent.stop()
     return kinds
@@ -130,7 +84,7 @@ def test_jsonl_stats_and_prometheus_after_a_real_switch(sim: Simulator, tmp_path
     # JSON lines: one per event, in emit order, with job, rank, sequence and timings.
     lines = (tmp_path / "events-0.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [r["kind"] for r in records] == kinds.seen
+    assert [r["kind"] for r in records] == kinds.kinds
     assert sink.lines == len(records) and sink.errors == 0
     assert all(r["job_id"] == JOB and r["rank"] == 0 and r["time"].endswith("Z") for r in records)
     by_kind = {r["kind"]: r for r in records}
@@ -173,12 +127,32 @@ def test_metrics_endpoint_serves_the_registry_and_closes() -> None:
     try:
         with pytest.raises(RuntimeError, match="already running"):
             metrics.start_http_server(0, "127.0.0.1")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            body = response.read().decode()
-        assert f'nicswitch_lists_received_total{{job="{JOB}"}} 1.0' in body
+        assert f'nicswitch_lists_received_total{{job="{JOB}"}} 1.0' in scrape(port)
     finally:
         metrics.close()
+    with pytest.raises(urllib.error.URLError):  # closed: nobody listens on the port any more
+        scrape(port)
     metrics.close()
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        return str(response.read().decode())
+
+
+def test_a_prometheus_client_whose_server_cannot_be_stopped_is_refused_before_binding(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("prometheus_client")
+    metrics = PrometheusMetrics()
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.19.1")
+    port = support.free_port()
+    try:
+        with pytest.raises(ConfigError, match=r"prometheus_client>=0.20 \(installed: 0.19.1\)"):
+            metrics.start_http_server(port, "127.0.0.1")
+        with socket.socket() as probe:
+            assert probe.connect_ex(("127.0.0.1", port)) != 0  # nothing was bound
+    finally:
+        metrics.close()
 
 
 def test_two_instances_do_not_clash_by_default() -> None:
@@ -274,22 +248,22 @@ def test_event_stats_pair_replies_with_their_lists() -> None:
 # -- once the agent is wired -------------------------------------------------------------------------------
 
 def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator, tmp_path: Path) -> None:
-    kinds = Kinds()
+    kinds = Events()
     agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
                         on_event=kinds, events_file=str(tmp_path / "{job}-{rank}.jsonl"),
                         reconnect_initial_s=0.02, reconnect_max_s=0.1)
     agent.start()
     try:
         with Trainer(agent):
-            assert sim.wait_until(lambda s: s.job_view(JOB).open_streams.get("SubscribeNotifySwitch", 0) == 1, 10)
-            assert operator_switch(sim.address, ["1"], [True]) == "switch nic finish"
-            assert kinds.wait("reply_sent", "resumed")
+            assert sim.wait_until(switch_streams_open, 10)
+            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert kinds.wait_all("reply_sent", "resumed")
         timings = agent.status()["timings"]
         assert timings["switch_s"]["count"] == 1 and timings["reply_latency_s"]["count"] == 1
     finally:
         agent.stop()
     records = [json.loads(line) for line in (tmp_path / f"{JOB}-0.jsonl").read_text().splitlines()]
-    assert [r["kind"] for r in records] == kinds.seen
+    assert [r["kind"] for r in records] == kinds.kinds
     assert records[-1]["kind"] == "agent_stopped"
 
 
@@ -308,3 +282,39 @@ def test_metrics_port_without_prometheus_client_refuses_to_start_the_leader_only
         assert member.status()["role"] == "member"
     finally:
         member.stop()
+
+
+def test_the_leader_serves_metrics_on_its_port_until_it_stops(sim: Simulator) -> None:
+    pytest.importorskip("prometheus_client")
+    port = support.free_port()
+    agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", dry_run=True, metrics_port=port,
+                        reconnect_initial_s=0.02, reconnect_max_s=0.1)
+    before = set(threading.enumerate())
+    agent.start()
+    try:
+        body = scrape(port)  # serving once start() returns
+        assert "# TYPE nicswitch_switches_total counter" in body
+        assert "nicswitch-metrics-http" in {t.name for t in set(threading.enumerate()) - before}
+    finally:
+        agent.stop()
+    with pytest.raises(urllib.error.URLError):
+        scrape(port)
+    assert "nicswitch-metrics-http" not in {t.name for t in set(threading.enumerate()) - before}
+
+
+def test_a_metrics_port_in_use_is_logged_and_the_leader_runs_on(sim: Simulator,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("prometheus_client")
+    caplog.set_level(logging.ERROR, logger="nicswitch_agent.agent")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", dry_run=True, metrics_port=port,
+                            reconnect_initial_s=0.02, reconnect_max_s=0.1)
+        agent.start()
+        try:
+            assert agent.status()["state"] == "running"
+            assert f"Prometheus metrics not served on port {port}" in caplog.text
+        finally:
+            agent.stop()

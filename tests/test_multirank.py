@@ -7,11 +7,13 @@ ran past the pause step while another parked would deadlock the test instead of 
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import support
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -128,11 +130,7 @@ class Job:
             rank.thread.join(10)
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
-    )
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 def switch(sim: Simulator, node: str, devs: list[str], ops: list[bool], *, wait: bool = True) -> str:

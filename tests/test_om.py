@@ -716,11 +716,10 @@ class Worker:
 
 @pytest.fixture
 def simulator() -> Iterator[Any]:
-    sim_mod = pytest.importorskip("nicswitch_agent.sim")
-    if not hasattr(sim_mod, "Simulator"):
-        pytest.skip("nicswitch_agent.sim does not export Simulator yet")
-    sim = sim_mod.Simulator(
-        jobs=[sim_mod.SimJob(job_id=JOB, nodes={"node-0": ["0", "1"], "node-1": ["0", "1"]})],
+    from nicswitch_agent.sim import SimJob, Simulator
+
+    sim = Simulator(
+        jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"], "node-1": ["0", "1"]})],
         host="127.0.0.1",
         port=0,
         standin=True,

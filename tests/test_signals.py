@@ -7,6 +7,7 @@ and checks what ClusterD saw and how the child ended.
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import support
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
@@ -81,11 +83,7 @@ class Child:
             self.proc.wait()
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
-    )
+streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
 def request_switch(sim: Simulator) -> None:

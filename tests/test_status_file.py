@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
-import io
 import json
 import logging
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
+from support import Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
-from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.config import AgentConfig
 from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.metrics import EventStats
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
@@ -31,7 +27,6 @@ from nicswitch_agent.status_file import (
     read_status,
     run,
 )
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -39,52 +34,6 @@ JOB = "job-status"
 NODES = {"node-0": ["0", "1"]}
 FAST = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01, force_release_s=0.01,
                    schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
-
-
-class Trainer:
-    """A training loop on its own thread: ``agent.step(step)`` every 2 ms."""
-
-    def __init__(self, agent: SwitchAgent) -> None:
-        self.agent = agent
-        self.step = 0
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.002):
-            self.step += 1
-            self.agent.step(self.step)
-
-    def __enter__(self) -> Trainer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self.thread.join(10)
-
-
-def operator_switch(address: str, devs: list[str], ops: list[bool]) -> str:
-    """SwitchNicTrack, then the first SubscribeSwitchNicSignal message (like `nicswitch-agent switch`)."""
-    channel = open_channel(ChannelSettings(target=address))
-    try:
-        stub = RecoverStub(channel)
-        request = pb.SwitchNics(jobID=JOB)
-        request.nicOps["node-0"].dev.extend(devs)
-        request.nicOps["node-0"].op.extend(ops)
-        assert stub.SwitchNicTrack(request, timeout=5).code == 0
-        for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB), timeout=20):
-            return str(response.msg)
-        return "(no message)"
-    finally:
-        channel.close()
-
-
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
-    )
 
 
 @pytest.fixture
@@ -140,9 +89,9 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
     try:
         agent.start()
         with Trainer(agent) as trainer:
-            assert sim.wait_until(streams_ready, 10)
+            assert sim.wait_until(lambda s: support.streams_ready(s, JOB), 10)
             assert writer.wait_written(lambda d: d["status"]["state"] == "running", 10)
-            assert operator_switch(sim.address, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
             assert writer.wait_written(lambda d: counters(d)["replies_delivered"] == 1
                                        and "pause_s" in d["status"]["timings"], 10), writer.last_document
             assert len(switched) == 1 and switched[0].ranks == (1,)
@@ -294,24 +243,8 @@ def test_interval_must_be_positive(tmp_path: Path) -> None:
         StatusFileWriter(tmp_path / "s.json", dict, interval_s=0)
 
 
-# -- once the agent and the command line are wired ------------------------------------------------------
+# -- the agent and the command line ---------------------------------------------------------------------
 
-WIRED = "status_file" in {f.name for f in dataclasses.fields(AgentConfig)}
-
-
-def cli_has(command: str) -> bool:
-    """True when ``nicswitch-agent COMMAND --help`` exists (exit 0, not the usage error 2)."""
-    from nicswitch_agent import cli
-
-    try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            cli._build_parser().parse_args([command, "--help"])
-    except SystemExit as exc:
-        return exc.code == 0
-    return False
-
-
-@pytest.mark.skipif(not WIRED, reason="AgentConfig.status_file is not wired into the agent yet")
 def test_agent_keeps_its_status_file_when_configured(sim: Simulator, tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     template = str(tmp_path / "{job}.json")
@@ -323,8 +256,8 @@ def test_agent_keeps_its_status_file_when_configured(sim: Simulator, tmp_path: P
     try:
         assert read_status(path).exit_code is ExitCode.OK  # written before start() returns
         with Trainer(agent):
-            assert sim.wait_until(streams_ready, 10)
-            assert operator_switch(sim.address, ["0"], [True]) == "switch nic finish"
+            assert sim.wait_until(lambda s: support.streams_ready(s, JOB), 10)
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
     finally:
         agent.stop()
     doc = json.loads(path.read_text())
@@ -335,7 +268,6 @@ def test_agent_keeps_its_status_file_when_configured(sim: Simulator, tmp_path: P
     assert "switches 1 ok" in capsys.readouterr().out
 
 
-@pytest.mark.skipif(not WIRED, reason="AgentConfig.status_file is not wired into the agent yet")
 def test_a_member_writes_only_a_per_rank_file(tmp_path: Path) -> None:
     from nicswitch_agent.coordination import InProcessStore
 
@@ -347,7 +279,6 @@ def test_a_member_writes_only_a_per_rank_file(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []  # one file per job: the leader's
 
 
-@pytest.mark.skipif(not cli_has("status"), reason="`nicswitch-agent status` is not wired into cli.py yet")
 def test_status_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from nicswitch_agent import cli
 

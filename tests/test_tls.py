@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import shutil
-import socket
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
@@ -21,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import Events, Trainer, free_port, streams_ready
 
 from nicswitch_agent import AgentConfig, ConfigError, SwitchAgent, SwitchOrder, doctor
 from nicswitch_agent import events as ev
 from nicswitch_agent.config import tls_from_env
-from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.om import OmClient, OutcomeKind
 from nicswitch_agent.om_cli import ExitCode, add_switch_arguments, add_watch_arguments, run_switch, run_watch
 from nicswitch_agent.sim import ServerTls, SimJob, SimSettings, Simulator
@@ -106,29 +105,6 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
 # -- harness -----------------------------------------------------------------------------------------
 
 
-class Seen:
-    """The agent's events, waited on with a condition."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.events: list[AgentEvent] = []
-
-    def __call__(self, event: AgentEvent) -> None:
-        with self._cond:
-            self.events.append(event)
-            self._cond.notify_all()
-
-    def first(self, kind: str, timeout: float = 10.0) -> AgentEvent:
-        def found() -> AgentEvent | None:
-            return next((e for e in self.events if e.kind == kind), None)
-
-        with self._cond:
-            assert self._cond.wait_for(lambda: found() is not None, timeout), f"no {kind} event"
-            event = found()
-        assert event is not None
-        return event
-
-
 class LogWaiter(logging.Handler):
     """Sets ``found`` when a record of ``logger`` contains ``needle``."""
 
@@ -153,26 +129,6 @@ class LogWaiter(logging.Handler):
         self._logger.removeHandler(self)
 
 
-class Trainer:
-    """Pause mode agent needs a training loop reaching step boundaries: ``agent.step()`` in a thread."""
-
-    def __init__(self, agent: SwitchAgent) -> None:
-        self.agent = agent
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="trainer", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        step = 0
-        while not self.stop.wait(0.002):  # a 2 ms "training step"
-            step += 1
-            self.agent.step(step)
-
-    def close(self) -> None:
-        self.stop.set()
-        self.thread.join(10)
-
-
 @pytest.fixture
 def harness() -> Iterator[Any]:
     sims: list[Simulator] = []
@@ -187,8 +143,8 @@ def harness() -> Iterator[Any]:
             sim.start()
             return sim
 
-        def agent(self, sim: Simulator, *, pause: str = "external", **settings: Any) -> tuple[SwitchAgent, Seen]:
-            seen = Seen()
+        def agent(self, sim: Simulator, *, pause: str = "external", **settings: Any) -> tuple[SwitchAgent, Events]:
+            seen = Events()
             settings.setdefault("switch_hook", lambda order: True)
             agent = SwitchAgent(server=sim.address, job_id=JOB, pause=pause, on_event=seen,
                                 reconnect_initial_s=0.02, reconnect_max_s=0.2, **settings)
@@ -200,8 +156,8 @@ def harness() -> Iterator[Any]:
             agents.append(agent)
 
         def trainer(self, agent: SwitchAgent) -> Trainer:
-            trainer = Trainer(agent)
-            closers.append(trainer.close)
+            trainer = Trainer(agent).start()
+            closers.append(trainer.stop)
             return trainer
 
     yield H()
@@ -215,11 +171,6 @@ def harness() -> Iterator[Any]:
 
 def notify_open(sim: Simulator) -> bool:
     return bool(sim.job_view(JOB).open_streams.get("SubscribeNotifySwitch", 0) >= 1)
-
-
-def agent_mode_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return bool(view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and notify_open(sim))
 
 
 NIC_OPS = {"node-1": (["0", "1"], [True, False])}
@@ -254,7 +205,7 @@ def test_mutual_tls_in_pause_mode_agent(harness: Any, pki: Pki, caplog: pytest.L
     sim = harness.sim(pki.server(mutual=True), standin=False)
     agent, _ = harness.agent(sim, pause="agent", **pki.client())
     harness.trainer(agent)
-    assert sim.wait_until(agent_mode_ready, 10)
+    assert sim.wait_until(lambda s: streams_ready(s, JOB), 10)
     with OmClient(sim.address, tls=TlsSettings(**_tls_args(pki.client()))) as operator:
         outcome = operator.switch_and_wait(JOB, NIC_OPS, timeout_s=20)
     assert outcome.kind is OutcomeKind.FINISHED, outcome
@@ -317,10 +268,8 @@ def test_plaintext_agent_against_a_tls_server(harness: Any, pki: Pki) -> None:
 
 
 def test_an_agent_started_before_its_tls_server_connects_once_it_is_up(harness: Any, pki: Pki) -> None:
-    with socket.socket() as probe:  # a port nobody listens on, yet
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    seen = Seen()
+    port = free_port()  # nobody listens on it, yet
+    seen = Events()
     waiting = LogWaiter("nicswitch_agent.subscriber", "cannot connect to ClusterD, waiting for it: ")
     with waiting:
         agent = SwitchAgent(server=f"127.0.0.1:{port}", job_id=JOB, pause="external", on_event=seen,

@@ -20,20 +20,21 @@ at teardown (pytest shows them for failed tests).
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import support
+from support import StreamWatch, free_port, poll, read_jsonl
 
 pytest.importorskip("torch")
 
@@ -53,33 +54,6 @@ EXIT_DONE, EXIT_STOPPED = 0, 3  # worker exit codes (4: an error, 5: could not s
 SCRUB_PREFIXES = ("NICSWITCH_", "NSW_", "PYTEST_", "TORCHELASTIC_", "MINDX_", "FAKE_TORCH_NPU_", "HCCL_")
 SCRUB_NAMES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
                "MASTER_PORT", "TTP_PORT", "TASKD_PROCESS_ENABLE", "LOCAL_PROXY_ENABLE")
-
-
-def poll(condition: Callable[[], Any], timeout: float, interval: float = 0.02) -> Any:
-    """Poll ``condition`` until it returns something truthy (returned) or ``timeout`` passes (None)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(interval)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Complete lines only (a worker may be writing the last one)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return []
-    return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
 
 class Job:
@@ -201,11 +175,8 @@ class Job:
                     print("\n".join(text.splitlines()[-60:]))
 
 
-def streams_ready(sim: Simulator) -> bool:
-    view = sim.job_view(JOB)
-    return view.open_streams.get("SubscribeProcessManageSignal", 0) == 1 and (
-        view.open_streams.get("SubscribeNotifySwitch", 0) == 1
-    )
+streams_ready = functools.partial(support.streams_ready, job=JOB)
+idle = functools.partial(support.idle, job=JOB)
 
 
 class Operator:
@@ -237,37 +208,6 @@ class Operator:
 
     def close(self) -> None:
         self.channel.close()
-
-
-def idle(sim: Simulator) -> bool:
-    return sim.job_view(JOB).state == "INIT" and streams_ready(sim)
-
-
-class StreamWatch:
-    """Records the most streams of each kind the simulator ever had open at once for the job."""
-
-    def __init__(self, sim: Simulator) -> None:
-        self.sim = sim
-        self.max_open: dict[str, int] = {}
-        self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="stream-watch", daemon=True)
-        self._thread.start()
-
-    def _sample(self, sim: Simulator) -> bool:
-        self.samples += 1
-        for method, count in sim.job_view(JOB).open_streams.items():
-            self.max_open[method] = max(self.max_open.get(method, 0), count)
-        return self._stop.is_set()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.sim.wait_until(self._sample, 1.0)  # re-evaluated on every state change of the simulator
-
-    def stop(self) -> dict[str, int]:
-        self._stop.set()
-        self._thread.join(5)
-        return dict(self.max_open)
 
 
 class Cluster:
@@ -465,7 +405,7 @@ def test_process_group_checkpoint_guard_saves_collectively_on_the_parked_trainin
 def test_twenty_switches_in_a_row_one_reply_each_and_only_rank0_talks_to_clusterd(cluster: Cluster) -> None:
     job = cluster.job(2)
     sim, operator = cluster.sim, cluster.op
-    watch = StreamWatch(sim)
+    watch = StreamWatch(sim, JOB)
     job.wait_ready()
     durations = []
     for i in range(20):
@@ -510,7 +450,7 @@ def test_default_switch_hook_calls_torch_npu_with_identical_arguments_on_every_r
         "NSW_HOOK": "default", "HCCL_OP_RETRY_ENABLE": "L0:0, L1:1, L2:1",
     }, per_rank_env={r: {"FAKE_TORCH_NPU_LOG": f"{{out}}/rank{r}.npu.jsonl"} for r in range(4)})
     sim, operator = cluster.sim, cluster.op
-    watch = StreamWatch(sim)
+    watch = StreamWatch(sim, JOB)
     job.wait_ready()
     assert operator.switch("node-1", ["1", "0"], [True, False])[0] == FINISH
     assert operator.switch("node-0", ["0"], [True])[0] == FINISH

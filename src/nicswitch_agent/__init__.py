@@ -25,7 +25,7 @@ from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher, Tor
 from nicswitch_agent.orders import SwitchOrder
 from nicswitch_agent.pause import TrainingStopped
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the only place: pyproject.toml reads it (dynamic version)
 
 __all__ = [
     "AgentConfig",

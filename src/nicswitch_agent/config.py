@@ -20,6 +20,8 @@ import math
 import os
 import re
 import threading
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,7 +55,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class AgentConfig:
     """Validated settings of one agent. Construct with keywords; invalid values raise ConfigError.
 
@@ -186,26 +188,26 @@ class AgentConfig:
         Keywords whose value is ``None`` count as not given.
         """
         env = os.environ if env is None else env
-        names = {f.name: f for f in dataclasses.fields(cls)}
+        names = _field_types(cls)
         unknown = sorted(set(explicit) - set(names))
         if unknown:
             raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
         warn_unknown_env(env)
         values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
-        for name, f in names.items():
+        for name, kind in names.items():
             if name in values:
                 continue
             raw = env.get(_env_name(name))
             if raw is not None and raw.strip() != "":
-                values[name] = _parse(name, f.type, raw.strip(), _env_name(name))
+                values[name] = _parse(name, kind, raw.strip(), _env_name(name))
         if "server" not in values:
             values["server"] = server_from_mindcluster(env)
         if "job_id" not in values:
             values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
         if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
-            values["world_size"] = _parse("world_size", "int | None", env["WORLD_SIZE"].strip(), "WORLD_SIZE")
+            values["world_size"] = _parse("world_size", names["world_size"], env["WORLD_SIZE"].strip(), "WORLD_SIZE")
         if "rank" not in values and env.get("RANK", "").strip():
-            values["rank"] = _parse("rank", "int | None", env["RANK"].strip(), "RANK")
+            values["rank"] = _parse("rank", names["rank"], env["RANK"].strip(), "RANK")
         return cls(**values)
 
     def replace(self, **changes: Any) -> AgentConfig:
@@ -399,7 +401,7 @@ def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> Tl
     if unknown:
         raise ConfigError(f"unknown TLS setting(s): {', '.join(unknown)}")
     warn_unknown_env(env)
-    types = {f.name: f.type for f in dataclasses.fields(AgentConfig)}
+    types = _field_types(AgentConfig)
     values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
     for name in TLS_FIELDS:
         raw = env.get(_env_name(name))
@@ -561,25 +563,43 @@ def warn_unknown_env(env: Mapping[str, str]) -> list[str]:
     return [name for name, _ in unknown]
 
 
-def _parse(name: str, type_name: Any, raw: str, source: str) -> Any:
-    type_name = str(type_name)
+def _field_types(cls: type[AgentConfig]) -> dict[str, Any]:
+    """Each field's type, evaluated (the annotations are strings under ``from __future__ import
+    annotations``), in declaration order."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _parse(name: str, kind: Any, raw: str, source: str) -> Any:
+    """``raw`` (an environment value) as a value of the field's type ``kind``: bool, int, float or
+    str, or any of them ``| None`` (an empty variable is never parsed: it means "not set")."""
+    base = _non_optional(kind)
     try:
-        if "_" in raw and type_name in ("float", "int", "int | None"):  # paths may hold underscores
+        if "_" in raw and base in (int, float):  # paths may hold underscores; numbers may not
             raise ValueError("underscores are not accepted in numbers")
-        if type_name == "bool":
+        if base is bool:
             lowered = raw.lower()
             if lowered in _TRUE:
                 return True
             if lowered in _FALSE:
                 return False
             raise ValueError("expected 1/0, true/false, yes/no or on/off")
-        if type_name == "float":
-            return float(raw)
-        if type_name in ("int", "int | None"):
-            return int(raw)
-        return raw
+        if base is int or base is float:
+            return base(raw)
+        if base is str:
+            return raw
     except ValueError as exc:
         raise ConfigError(f"{source}={raw!r} is not valid for {name}: {exc}") from None
+    raise TypeError(f"AgentConfig.{name}: no parser for {kind!r}")  # a field of a new type needs one
+
+
+def _non_optional(kind: Any) -> Any:
+    """``X`` for ``X | None`` or ``Optional[X]``; ``kind`` itself otherwise."""
+    if typing.get_origin(kind) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return kind
 
 
 __all__ = ["AgentConfig", "ConfigError"]

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import importlib.metadata
 import json
 import logging
 import os
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -267,6 +269,24 @@ def _import_prometheus() -> Any:
         ) from exc
 
 
+SERVER_MIN_VERSION = (0, 20)
+"""The first prometheus_client whose ``start_http_server`` returns the server and its thread."""
+
+
+def _check_server_returned() -> None:
+    """Refuse, before binding anything, a prometheus_client whose server could never be stopped."""
+    try:
+        version = importlib.metadata.version("prometheus_client")
+    except importlib.metadata.PackageNotFoundError:  # vendored without metadata: trust it
+        return
+    match = re.match(r"(\d+)\.(\d+)", version)
+    if match is not None and (int(match[1]), int(match[2])) < SERVER_MIN_VERSION:
+        raise ConfigError(
+            f"the metrics endpoint needs prometheus_client>=0.20 (installed: {version}): "
+            "pip install 'nicswitch-agent[metrics]' (or unset NICSWITCH_METRICS_PORT)"
+        )
+
+
 class PrometheusMetrics:
     """Counters and histograms of the agent's events, as Prometheus metrics (label ``job``).
 
@@ -322,7 +342,7 @@ class PrometheusMetrics:
         self.pause_duration = histogram("pause_duration_seconds", "How long this process's training was parked")
         self.rank_duration = histogram("rank_duration_seconds", "This rank's guard, switch or rollback", ("kind",))
         self._timings = event_timings()
-        self._server: Any = None  # http.server.ThreadingHTTPServer once serving
+        self._server: Any = None  # prometheus_client's WSGI server once serving
         self._server_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _server, _server_thread
 
@@ -370,23 +390,21 @@ class PrometheusMetrics:
         """Serve ``/metrics`` of :attr:`registry` on a daemon thread; returns the bound port.
 
         ``port=0`` picks a free port. Off unless called (the agent calls it when
-        ``NICSWITCH_METRICS_PORT`` is set).
+        ``NICSWITCH_METRICS_PORT`` is set). The server is prometheus_client's own
+        (``start_http_server``, which returns the server and its thread from 0.20 on, so
+        :meth:`close` can stop it).
 
         Raises:
+            ConfigError: prometheus_client is older than 0.20.
             RuntimeError: already serving.
             OSError: the port cannot be bound.
         """
+        _check_server_returned()
         with self._lock:
             if self._server is not None:
                 raise RuntimeError("the metrics endpoint is already running")
-            handler = self._prom.MetricsHandler.factory(self.registry)
-            from http.server import ThreadingHTTPServer  # only the leader, only with metrics_port
-
-            server = ThreadingHTTPServer((addr, port), handler)
-            server.daemon_threads = True
-            thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.1},
-                                      name="nicswitch-metrics-http", daemon=True)
-            thread.start()
+            server, thread = self._prom.start_http_server(port, addr, registry=self.registry)
+            thread.name = "nicswitch-metrics-http"
             self._server, self._server_thread = server, thread
         bound = int(server.server_address[1])
         logger.info("Prometheus metrics on http://%s:%d/metrics", addr, bound)
@@ -398,7 +416,7 @@ class PrometheusMetrics:
             server, thread = self._server, self._server_thread
             self._server = self._server_thread = None
         if server is not None:
-            server.shutdown()
+            server.shutdown()  # returns once serve_forever has seen it (its poll is 0.5 s)
             server.server_close()
         if thread is not None:
             thread.join(timeout)
