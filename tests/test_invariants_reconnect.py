@@ -64,6 +64,26 @@ def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: Scrip
         agent.stop()
 
 
+def test_the_wait_grows_while_the_server_keeps_ending_streams_at_once(clusterd: ScriptedClusterD) -> None:
+    """Once throttled, each further stream that ends at once doubles the wait, up to
+    reconnect_max_s (here 0.05 s growing to 0.4 s, each drawn from [d/2, d]): in 3 s at most
+    about 4 + 3 / 0.2 = 19 opens. A wait that starts again from reconnect_initial_s after every
+    end keeps reopening every 25-50 ms: 60 or more in the same window."""
+    for _ in range(50_000):
+        clusterd.script(End())
+    agent = SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", dry_run=True,
+                        reconnect_initial_s=0.05, reconnect_max_s=0.4)
+    agent.start()
+    try:
+        assert clusterd.wait_for(lambda s: s.opens >= 6, 10), f"only {clusterd.opens} opens"
+        before = clusterd.opens
+        threading.Event().wait(3.0)  # a measuring window, not a synchronisation
+        opened = clusterd.opens - before
+        assert opened <= 30, f"{opened} opens in 3 s: the wait does not grow while streams keep ending at once"
+    finally:
+        agent.stop()
+
+
 class EndsEveryProcessManageStream:
     """Init and Register succeed; every SubscribeProcessManageSignal ends at once, cleanly."""
 

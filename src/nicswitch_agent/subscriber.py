@@ -211,6 +211,7 @@ class NotifySubscriber(StreamThread):
         request = pb.ClientInfo(jobId=settings.job_id, role=settings.role)
         delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
         ends_at_once = EndsAtOnce(settings.eof_burst, EOF_BURST_WINDOW_S)
+        throttled = False  # backing off from a server that ends every stream at once
         failing_since: str | None = None
         self._ready.set()
         used_generation = 0
@@ -257,10 +258,17 @@ class NotifySubscriber(StreamThread):
                 if failing_since is not None:
                     logger.info("notify stream restored after: %s", failing_since)
                     failing_since = None
-                delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
                 delay = settings.resubscribe_after_eof_s
-                if ends_at_once.ended(opened_at, time.monotonic(), got_message):
+                ended_at = time.monotonic()
+                quick = not got_message and ended_at - opened_at < EOF_BURST_WINDOW_S
+                if ends_at_once.ended(opened_at, ended_at, got_message) or (throttled and quick):
+                    # The server keeps ending streams at once: wait longer each time, up to
+                    # reconnect_max_s, until a stream lasts or brings a list.
+                    throttled = True
                     delay = max(delay, next(delays))
+                else:
+                    throttled = False
+                    delays = backoff_delays(settings.reconnect_initial_s, settings.reconnect_max_s)
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
