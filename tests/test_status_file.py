@@ -159,6 +159,20 @@ def test_verdict_from_state_and_age(tmp_path: Path, state: str, age: float, code
     assert report.age_s == pytest.approx(age)
 
 
+def test_a_failed_leader_and_a_stuck_hook_are_shown_with_their_reason(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    status = {"state": "failed", "role": "leader", "last_error": "boom",
+              "reason": "Init refused (403): label the PodGroup process-recover-enable=on",
+              "stuck_hook": "switch hook of order #3"}
+    assert StatusFileWriter(path, lambda: status, interval_s=10.0, clock=lambda: 1000.0).write_now()
+    report = read_status(path, now=1001.0)
+    assert report.exit_code is ExitCode.NOT_RUNNING
+    assert report.problem == "the agent is failed (Init refused (403): label the PodGroup process-recover-enable=on)"
+    summary = format_summary(report)
+    assert "reason      Init refused (403): label the PodGroup process-recover-enable=on" in summary
+    assert "stuck hook  switch hook of order #3 is still running past its timeout" in summary
+
+
 def test_max_age_can_be_given(tmp_path: Path) -> None:
     path = tmp_path / "s.json"
     write_fixed(path, "running")

@@ -357,7 +357,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                             f"every {_duration(interval)}): its process is gone or hung (last state: {state})",
                             document, age, limit)
     if state not in RUNNING_STATES:
-        error = document["status"].get("last_error") or ""
+        # A failed leader says why (what ClusterD refused, and the fix) in "reason".
+        error = document["status"].get("reason") or document["status"].get("last_error") or ""
         why = f" ({error})" if state == "failed" and error else ""
         return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
     problem = _not_taking_part(document["status"], age, max_disconnected_s)
@@ -398,6 +399,11 @@ def format_summary(report: StatusReport) -> str:
     lines.append(f"state       {s.get('state')} ({role}, rank {s.get('rank')} of {s.get('world_size')}, "
                  f"pause {s.get('pause')}{', dry run' if s.get('dry_run') else ''})")
     lines.append(f"job         {s.get('job_id')} on ClusterD {s.get('server')}")
+    if s.get("reason"):
+        lines.append(f"reason      {s.get('reason')}")
+    if s.get("stuck_hook"):
+        lines.append(f"stuck hook  {s.get('stuck_hook')} is still running past its timeout: every order "
+                     "reaching this rank is answered false until it returns")
     if s.get("role") == "leader":
         stream = s.get("stream") or {}
         connected = "yes" if s.get("connected") else "NO"
