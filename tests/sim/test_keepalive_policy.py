@@ -163,10 +163,12 @@ def test_goaway_too_many_pings_on_the_4th_ping_of_an_idle_stream(make_setup: Cal
         pinger.close()
 
 
-def test_a_grpc_client_pinging_every_second_is_cut_off_after_its_4th_ping(make_sim: Callable[..., Simulator]) -> None:
+def test_a_grpc_client_pinging_every_second_gets_goaway_too_many_pings(make_sim: Callable[..., Simulator]) -> None:
     """The recorded case with a real gRPC client: keepalive 1 s, no data required between pings.
-    The stream ends UNAVAILABLE (too many pings); four pings take at least 4 s (the exact count is
-    the test above; this bound is only from below, so load cannot make it fail)."""
+    The stream ends UNAVAILABLE (too many pings) and the channel recovers. The ping on which it
+    happens is counted by the test above: a gRPC client's pings start with its connection and
+    its own frames reset the server's count, so under load the time from the stream's open is no
+    measure of it (3.0 s was seen on a loaded CI box)."""
     sim = make_sim()
     info = pb.ClientInfo(jobId=JOB, role="agent")
     agent = grpc.insecure_channel(sim.address)
@@ -187,7 +189,6 @@ def test_a_grpc_client_pinging_every_second_is_cut_off_after_its_4th_ping(make_s
         elapsed = time.monotonic() - opened
         assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "too many pings" in (failure.value.details() or "").lower().replace("_", " ")
-        assert elapsed >= 3.9, f"GOAWAY after {elapsed:.2f} s: before the 4th ping"
         print(f"\nGOAWAY {elapsed:.2f} s after the stream opened (recorded on ClusterD: 4.0 s)")
         # As on ClusterD, the channel reconnects and the next call works.
         assert worker.HealthCheck(info, timeout=WAIT).info == f"jobId={JOB}, receive HeathCheck"
