@@ -3,8 +3,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings as hypothesis_settings
@@ -42,3 +44,25 @@ def clusterd() -> Iterator[ScriptedClusterD]:
 @pytest.fixture(autouse=True)
 def _agent_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="nicswitch_agent")
+
+
+@pytest.fixture
+def serve() -> Iterator[Callable[..., str]]:
+    """Start a real gRPC server with the given Recover behaviours; returns its target."""
+    import grpc  # here, not at the top: nicswitch_agent must be imported before grpc (fork safety)
+
+    from nicswitch_agent.transport import generic_handler
+
+    servers: list[grpc.Server] = []
+
+    def start(**handlers: Callable[..., Any]) -> str:
+        server = grpc.server(ThreadPoolExecutor(max_workers=8))
+        server.add_generic_rpc_handlers((generic_handler(handlers),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    yield start
+    for server in servers:
+        server.stop(0).wait(2)

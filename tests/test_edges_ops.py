@@ -20,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -32,7 +31,6 @@ from nicswitch_agent import SwitchAgent, SwitchOrder, __version__, cli
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.om import SWITCH_FINISH, OmClient, OutcomeKind
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import generic_handler
 
 if TYPE_CHECKING:
     from nicswitch_agent.om import WatchedSwitch
@@ -207,21 +205,7 @@ def test_watch_started_first_prints_each_of_five_quick_switches(sim: Simulator) 
 Serve = Callable[..., str]
 
 
-@pytest.fixture
-def serve() -> Iterator[Serve]:
-    servers: list[grpc.Server] = []
-
-    def start(**handlers: Callable[..., Any]) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        server.add_generic_rpc_handlers((generic_handler(handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(0).wait(2)
+# serve: the fixture in conftest.py (a real gRPC server with the given Recover behaviours).
 
 
 def test_watch_asks_often_while_nothing_runs(serve: Serve) -> None:

@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -48,7 +47,7 @@ from nicswitch_agent.om_cli import (
     run_switch,
     run_watch,
 )
-from nicswitch_agent.transport import RecoverStub, generic_handler
+from nicswitch_agent.transport import RecoverStub
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -117,22 +116,7 @@ class TrackScript:
 Serve = Callable[..., str]
 
 
-@pytest.fixture
-def serve() -> Iterator[Serve]:
-    """Start a real gRPC server with the given Recover behaviours; returns its target."""
-    servers: list[grpc.Server] = []
-
-    def start(**handlers: Callable[..., Any]) -> str:
-        server = grpc.server(ThreadPoolExecutor(max_workers=8))
-        server.add_generic_rpc_handlers((generic_handler(handlers),))
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    yield start
-    for server in servers:
-        server.stop(0).wait(2)
+# serve: the fixture in conftest.py (a real gRPC server with the given Recover behaviours).
 
 
 @pytest.fixture
