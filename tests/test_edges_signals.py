@@ -301,3 +301,51 @@ def test_keyboard_interrupt_goes_through_the_inline_runner_but_not_through_a_hoo
         InlineRunner().run("switch", interrupted, order, 5, expect_bool=True)
     # On a hook thread of its own (mode external) it is only that thread's: a false result.
     assert HookRunner().run("switch", interrupted, order, 5, expect_bool=True).status is HookStatus.RAISED
+
+
+# -- a stop while the executor's reply is on its way ------------------------------------------------
+
+
+def test_a_stop_while_the_executor_sends_its_reply_ends_the_streams_only_after_it(sim: Simulator) -> None:
+    """The Ctrl-C race: the leader's executor has claimed the reply and is sending it when a stop
+    (the signal's stop thread, interpreter exit) begins. The stop must not end the process-manage
+    stream before that reply is on the wire: ClusterD resets the job when the stream ends, and a
+    reply arriving after that is kept and taken as the next switch's result.
+
+    The executor's send is held until the simulator saw the process-manage stream end (or 1 s,
+    well within the stop's 20 s bound): a stop that does not wait ends it within that second, and
+    the reply then arrives late."""
+    agent = SwitchAgent(server=sim.address, job_id=MR_JOB, pause="agent", switch_hook=lambda order: False,
+                        reconnect_initial_s=0.02, reconnect_max_s=0.1, stop_timeout_s=20.0)
+    trainer = Trainer(agent, threading.Barrier(1, timeout=30))
+    sending = threading.Event()
+
+    def stream_ended(s: Simulator) -> bool:
+        return any(reason == "SubscribeProcessManageSignal stream ended" for reason in s.job_view(MR_JOB).resets)
+
+    try:
+        agent.start()
+        trainer.thread.start()
+        assert sim.wait_until(mr_streams_ready, 10)
+        replier = agent._replier  # no public seam holds a reply mid-send
+        assert replier is not None
+        send = replier.send
+
+        def held_send(*args: Any, **kwargs: Any) -> Any:
+            sending.set()
+            sim.wait_until(stream_ended, 1.0)
+            return send(*args, **kwargs)
+
+        replier.send = held_send  # type: ignore[method-assign]
+        _switch(sim)
+        assert sending.wait(20), "the executor never replied"
+        stopper = threading.Thread(target=agent.stop, args=("SIGINT received",))
+        stopper.start()
+        stopper.join(30)
+        assert not stopper.is_alive()
+        view = sim.job_view(MR_JOB)
+        assert view.replies == [False]
+        assert view.violations == [], view.violations
+    finally:
+        trainer.stop.set()
+        agent.stop()

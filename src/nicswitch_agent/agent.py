@@ -83,6 +83,7 @@ class _Owed:
         self.job_unknown = job_unknown  # pause mode external: the notify stream's "not registed" count then
         self._claimed = False
         self._lock = threading.Lock()  # guards _claimed
+        self.settled = threading.Event()  # set once the claimed reply was sent, failed or dropped
 
     def claim(self) -> bool:
         with self._lock:
@@ -856,7 +857,7 @@ class SwitchAgent:
                 execution = Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
             execution = dataclasses.replace(execution, duration_s=time.monotonic() - started)
             self._record_execution(order, execution)
-            self._reply(owed, execution.ok, execution.reason, execution)
+            self._reply(owed, execution.ok, execution.reason)
         finally:
             with self._lock:
                 self._current = None
@@ -878,11 +879,17 @@ class SwitchAgent:
 
     # -- replies -------------------------------------------------------------------------------
 
-    def _reply(self, owed: _Owed, result: bool, reason: str, execution: Execution | None = None,
+    def _reply(self, owed: _Owed, result: bool, reason: str,
                *, total_timeout_s: float | None = None) -> ReplyReport | None:
         if not owed.claim():
             logger.debug("switch #%d: reply already sent; not sending another", owed.seq)
             return None
+        try:
+            return self._send_reply(owed, result, reason, total_timeout_s)
+        finally:
+            owed.settled.set()
+
+    def _send_reply(self, owed: _Owed, result: bool, reason: str, total_timeout_s: float | None) -> ReplyReport | None:
         forgotten = self._forgotten(owed)
         if forgotten:
             # ClusterD waits for no reply any more, and would keep this one and take it as the
@@ -941,6 +948,12 @@ class SwitchAgent:
                 owed_list.append(item)
         for owed in owed_list:
             self._reply(owed, False, f"agent stopping: {reason}", total_timeout_s=self.config.stop_timeout_s)
+            # Claimed elsewhere (the executor replying at this moment): wait until it is on the wire.
+            # Ending the process-manage stream first would reset the job, and ClusterD would take
+            # the late reply as its next switch's result.
+            if not owed.settled.wait(self.config.stop_timeout_s):
+                logger.warning("switch #%d: the reply under way did not finish within %.1f s",
+                               owed.seq, self.config.stop_timeout_s)
 
     def _emit(self, kind: str, seq: int | None = None, detail: dict[str, Any] | None = None) -> None:
         self._events.emit(AgentEvent(kind=kind, job_id=self.config.job_id, seq=seq, detail=detail or {}))
