@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability.events import AgentEvent
 
 UNARY_REPORTS = ("ReportStopComplete", "ReplySwitchNicResult", "ReportRecoverStatus")
 

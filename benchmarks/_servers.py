@@ -17,10 +17,10 @@ from typing import Any, cast
 
 import grpc
 
-from nicswitch_agent import transport
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd import channel as transport
 from nicswitch_agent.sim import Simulator
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 END = None  # a command: end the current stream cleanly (status OK), as ClusterD does after a switch
 

@@ -51,9 +51,9 @@ from benchmarks._instrument import RankRecorder
 from benchmarks._servers import StampedSimulator
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 JOB = "bench-e2e"
 SIM_SETTINGS = SimSettings(report_timeout_s=30.0, shuffle_nodes=False)  # real keep-alive and waits

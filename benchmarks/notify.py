@@ -27,7 +27,7 @@ from benchmarks._common import (
 from benchmarks._servers import FloorClient, NotifyServer
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability.events import AgentEvent
 
 JOB = "bench-notify"
 

@@ -72,9 +72,9 @@ def child_main(ranks: int, reps: int, members_list: list[int]) -> dict[str, Any]
     from nicswitch_agent import SwitchAgent
     from nicswitch_agent._pb import recover_pb2 as pb
     from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks
-    from nicswitch_agent.coordination import protocol as proto
+    from nicswitch_agent.coordination import messages as proto
+    from nicswitch_agent.coordination.parking import ParkingLot
     from nicswitch_agent.orders import RankMap
-    from nicswitch_agent.pause import ParkingLot
 
     quiet_logging()
     logging.getLogger("nicswitch_agent").setLevel(logging.INFO)  # the agent's real log call, formatted

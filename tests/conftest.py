@@ -51,7 +51,7 @@ def serve() -> Iterator[Callable[..., str]]:
     """Start a real gRPC server with the given Recover behaviours; returns its target."""
     import grpc  # here, not at the top: nicswitch_agent must be imported before grpc (fork safety)
 
-    from nicswitch_agent.transport import generic_handler
+    from nicswitch_agent.clusterd.channel import generic_handler
 
     servers: list[grpc.Server] = []
 

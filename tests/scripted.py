@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from nicswitch_agent import transport
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd import channel as transport
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nicswitch_agent import SwitchAgent
-    from nicswitch_agent.events import AgentEvent
+    from nicswitch_agent.observability.events import AgentEvent
     from nicswitch_agent.sim import Simulator
 
 PROCESS_MANAGE = "SubscribeProcessManageSignal"
@@ -176,7 +176,7 @@ def operator_switch(address: str, job: str, devs: list[str], ops: list[bool], *,
     """What ``nicswitch-agent switch`` does: SwitchNicTrack for ``devs`` of ``node``, then the first
     SubscribeSwitchNicSignal message (``switch nic finish`` once the switch is over)."""
     from nicswitch_agent._pb import recover_pb2 as pb
-    from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+    from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 
     channel = open_channel(ChannelSettings(target=address))
     try:

@@ -12,8 +12,8 @@ from scripted import Answer, End, Fail, Hold, ScriptedClusterD, Send, WaitFor, r
 from support import Events
 
 from nicswitch_agent import AgentStateError, ConfigError, SwitchAgent, SwitchOrder
-from nicswitch_agent import events as ev
 from nicswitch_agent.coordination import InProcessStore
+from nicswitch_agent.observability import events as ev
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -19,9 +19,9 @@ from support import Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.pause import TrainingStopped
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -258,7 +258,7 @@ def test_registration_refused_is_reported_not_retried(harness: Any, caplog: Any)
 
 
 def test_unknown_signal_is_logged_and_changes_nothing() -> None:
-    from nicswitch_agent.controller import AgentModeController, HookSettings
+    from nicswitch_agent.clusterd.signal_flow import AgentModeController, HookSettings
     from nicswitch_agent.coordination import KV, Coordinator, InProcessStore
 
     store = InProcessStore()

@@ -58,7 +58,7 @@ def test_demo_usage_errors_exit_2(args: list[str], message: str) -> None:
 
 def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
     # torch hidden from this interpreter: sys.modules["torch"] = None makes find_spec and import fail.
-    code = ("import sys; sys.modules['torch'] = None; from nicswitch_agent.cli import main; "
+    code = ("import sys; sys.modules['torch'] = None; from nicswitch_agent.ops.cli import main; "
             "sys.exit(main(['demo', '--processes']))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
     assert result.returncode == 2, result.stdout + result.stderr

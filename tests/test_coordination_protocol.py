@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.errors import InvalidOrder
 from nicswitch_agent.orders import SwitchOrder
 

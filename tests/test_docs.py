@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
-from nicswitch_agent import events, transport
+from nicswitch_agent.clusterd import channel as transport
 from nicswitch_agent.config import ENV_PREFIX, AgentConfig
+from nicswitch_agent.observability import events
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_COMMAND = "python3 -m pip install . && nicswitch-agent demo"
@@ -299,7 +300,7 @@ def test_doc_links_resolve(page: str) -> None:
 
 
 def event_kind_constants() -> dict[str, str]:
-    """Every event kind constant of nicswitch_agent.events (NAME = "name")."""
+    """Every event kind constant of nicswitch_agent.observability.events (NAME = "name")."""
     return {name: value for name, value in vars(events).items()
             if name.isupper() and isinstance(value, str) and re.fullmatch(r"[a-z]+(_[a-z]+)*", value)}
 
@@ -361,7 +362,7 @@ def test_a_real_jobs_events_file_matches_the_reference(tmp_path: Path) -> None:
 
 def test_the_operations_doc_names_every_prometheus_metric() -> None:
     pytest.importorskip("prometheus_client")
-    from nicswitch_agent.metrics import PrometheusMetrics
+    from nicswitch_agent.observability.metrics import PrometheusMetrics
 
     doc = read("docs/operations.md")
     names = []

@@ -18,11 +18,11 @@ from typing import Any
 import grpc
 import pytest
 
-from nicswitch_agent import doctor
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.doctor import Check, gather_inputs, run, run_checks
+from nicswitch_agent.clusterd.channel import generic_handler
+from nicswitch_agent.ops import doctor
+from nicswitch_agent.ops.doctor import Check, gather_inputs, run, run_checks
 from nicswitch_agent.sim import SimJob, Simulator
-from nicswitch_agent.transport import generic_handler
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -425,7 +425,7 @@ def test_default_env_is_the_process_env(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_doctor_command_line_against_a_closed_port(monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from nicswitch_agent import cli
+    from nicswitch_agent.ops import cli
 
     monkeypatch.delenv("MINDX_TASK_ID", raising=False)
     code = cli.main(["doctor", "--server", f"127.0.0.1:{closed_port()}", "--job", JOB, "--json"])

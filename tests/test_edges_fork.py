@@ -45,7 +45,7 @@ def test_importing_the_package_sets_grpcs_fork_support_off_before_grpc_loads() -
         import nicswitch_agent
         assert "grpc" not in sys.modules  # members never import grpc; the setting costs them nothing
         print(os.environ["GRPC_ENABLE_FORK_SUPPORT"])
-        from nicswitch_agent import transport  # the leader's first grpc import: no warning, all is well
+        from nicswitch_agent.clusterd import channel as transport
     """))
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["false"]
@@ -67,7 +67,7 @@ def test_a_false_value_the_user_set_is_kept_without_a_warning(value: str) -> Non
     result = run(script("""
         import nicswitch_agent
         print(os.environ["GRPC_ENABLE_FORK_SUPPORT"])
-        from nicswitch_agent import transport
+        from nicswitch_agent.clusterd import channel as transport
     """), GRPC_ENABLE_FORK_SUPPORT=value)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [value]
@@ -79,8 +79,8 @@ def test_any_other_value_the_user_set_is_kept_with_one_warning_when_grpc_loads(v
     result = run(script("""
         import nicswitch_agent
         print(os.environ["GRPC_ENABLE_FORK_SUPPORT"])
-        from nicswitch_agent import transport
-        import nicswitch_agent.subscriber, nicswitch_agent.reply  # more grpc modules: still one warning
+        from nicswitch_agent.clusterd import channel as transport
+        import nicswitch_agent.clusterd.notify, nicswitch_agent.clusterd.reply  # more grpc modules: still one warning
     """), GRPC_ENABLE_FORK_SUPPORT=value)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [value]

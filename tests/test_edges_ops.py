@@ -27,13 +27,14 @@ import grpc
 import pytest
 import support
 
-from nicswitch_agent import SwitchAgent, SwitchOrder, __version__, cli
+from nicswitch_agent import SwitchAgent, SwitchOrder, __version__
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.om import SWITCH_FINISH, OmClient, OutcomeKind
+from nicswitch_agent.ops import cli
+from nicswitch_agent.ops.om import SWITCH_FINISH, OmClient, OutcomeKind
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 if TYPE_CHECKING:
-    from nicswitch_agent.om import WatchedSwitch
+    from nicswitch_agent.ops.om import WatchedSwitch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -220,7 +221,7 @@ def test_watch_asks_often_while_nothing_runs(serve: Serve) -> None:
         context.abort(grpc.StatusCode.UNKNOWN, NOT_SWITCHING)
         yield from ()
 
-    from nicswitch_agent.om_cli import add_watch_arguments, run_watch
+    from nicswitch_agent.ops.om_cli import add_watch_arguments, run_watch
 
     parser = argparse.ArgumentParser()
     add_watch_arguments(parser)
@@ -260,7 +261,7 @@ def test_watch_times_each_switch_from_its_start_and_goes_on(serve: Serve) -> Non
 
 def test_watch_json_prints_one_object_per_result_as_it_arrives(serve: Serve,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from nicswitch_agent.om_cli import add_watch_arguments, run_watch
+    from nicswitch_agent.ops.om_cli import add_watch_arguments, run_watch
 
     script = iter(["no", "finish", "no", "finish"])
     lock = threading.Lock()
@@ -311,7 +312,7 @@ def test_switch_no_wait_suggests_a_watch_that_works_when_pasted(sim: Simulator) 
 
 
 def test_follow_up_commands_carry_server_job_and_tls_flags() -> None:
-    from nicswitch_agent.om_cli import watch_command
+    from nicswitch_agent.ops.om_cli import watch_command
 
     args = argparse.Namespace(tls=None, tls_ca="my ca.pem", tls_cert=None, tls_key=None, tls_server_name="cd")
     assert watch_command("10.0.0.1:8899", "job 1", args) == (
@@ -378,7 +379,7 @@ def test_every_command_names_the_job_option_job() -> None:
 # doctor: a one-process job does not need torch
 # --------------------------------------------------------------------------------------------
 
-HIDE_TORCH = ("import sys; sys.modules['torch'] = None; from nicswitch_agent.cli import main; "
+HIDE_TORCH = ("import sys; sys.modules['torch'] = None; from nicswitch_agent.ops.cli import main; "
               "sys.exit(main(sys.argv[1:]))")
 
 
@@ -462,7 +463,7 @@ def test_launch_logs_the_lines_operations_md_tells_operators_to_look_for(sim: Si
 
 
 def test_launch_quiet_and_verbose_set_the_agent_log_level() -> None:
-    from nicswitch_agent import launcher
+    from nicswitch_agent.ops import launcher
 
     agent_logger = logging.getLogger("nicswitch_agent")
     saved = agent_logger.level

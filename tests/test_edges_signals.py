@@ -25,8 +25,8 @@ from test_signals import JOB, Child, fast, request_switch, streams_ready
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
-from nicswitch_agent.execute import HookRunner, HookStatus, InlineRunner, execute_order
-from nicswitch_agent.pause import TrainingStopped
+from nicswitch_agent.coordination.hook_runner import HookRunner, HookStatus, InlineRunner, execute_order
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(120)
@@ -232,7 +232,7 @@ class LogLine(logging.Handler):
 
 def _switch(sim: Simulator) -> None:
     from nicswitch_agent._pb import recover_pb2 as pb
-    from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+    from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 
     channel = open_channel(ChannelSettings(target=sim.address))
     try:

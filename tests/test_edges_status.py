@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from soak import JOB, SubprocessBackend
 from support import free_port, wait_until
 
 from nicswitch_agent import SwitchAgent
-from nicswitch_agent import events as ev
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.status_file import ExitCode, add_arguments, run
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.sim.soak import JOB, SubprocessBackend
-from nicswitch_agent.status_file import ExitCode, add_arguments, run
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -294,7 +294,7 @@ def test_a_longer_grace_can_be_asked_for(tmp_path: Path) -> None:
 
 
 def test_conflict_detector_counts_quiet_ends_within_the_window() -> None:
-    from nicswitch_agent.process_manage import ConflictDetector
+    from nicswitch_agent.clusterd.process_manage import ConflictDetector
 
     now = [0.0]
     detector = ConflictDetector(3, 30.0, clock=lambda: now[0])

@@ -25,11 +25,11 @@ pytest.importorskip("accelerate", reason="needs accelerate (the Trainer's depend
 
 from nicswitch_agent import ConfigError, SwitchOrder, TrainingStopped  # noqa: E402
 from nicswitch_agent._pb import recover_pb2 as pb  # noqa: E402
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel  # noqa: E402
 from nicswitch_agent.hooks import GuardRefused  # noqa: E402
 from nicswitch_agent.integrations.huggingface import HFCheckpointGuard, NicSwitchTrainerCallback  # noqa: E402
 from nicswitch_agent.orders import build_order  # noqa: E402
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator  # noqa: E402
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -26,11 +26,11 @@ except ImportError:
 
 from nicswitch_agent import SwitchOrder, TrainingStopped  # noqa: E402
 from nicswitch_agent._pb import recover_pb2 as pb  # noqa: E402
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel  # noqa: E402
 from nicswitch_agent.hooks import GuardRefused  # noqa: E402
 from nicswitch_agent.integrations.lightning import LightningCheckpointGuard, NicSwitchCallback  # noqa: E402
 from nicswitch_agent.orders import build_order  # noqa: E402
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator  # noqa: E402
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -110,8 +110,8 @@ def test_ddp_example_two_ranks_switch_mid_run_and_exit_0(torchrun: Any, tmp_path
     pytest.importorskip("torch")
     pytest.importorskip("numpy")  # torch.distributed.checkpoint
     from nicswitch_agent._pb import recover_pb2 as pb
+    from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
     from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-    from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
     settings = SimSettings(report_timeout_s=30.0, keepalive_interval_s=0.5, fault_flush_s=0.01,
                            force_release_s=0.01, schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)

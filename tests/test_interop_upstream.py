@@ -20,8 +20,9 @@ from typing import Any
 import grpc
 import pytest
 
-from nicswitch_agent import SwitchAgent, SwitchOrder, transport
+from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd import channel as transport
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -30,8 +30,8 @@ import pytest
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, PauseOutcome, key_prefix
-from nicswitch_agent.events import AgentEvent
-from nicswitch_agent.pause import ParkingLot, TrainingStopped
+from nicswitch_agent.coordination.parking import ParkingLot, TrainingStopped
+from nicswitch_agent.observability.events import AgentEvent
 
 pytestmark = pytest.mark.timeout(60)
 

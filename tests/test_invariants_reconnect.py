@@ -28,10 +28,11 @@ import grpc
 import pytest
 from scripted import End, Hold, ScriptedClusterD, Send, rank_list
 
-from nicswitch_agent import SwitchAgent, transport
+from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd import channel as transport
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,15 +20,15 @@ from typing import Any
 
 import grpc
 import pytest
+from soak import JOB, SubprocessBackend, idle_check
 from support import Events, Trainer, free_port
 
 from nicswitch_agent import SwitchAgent
-from nicswitch_agent import events as ev
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.observability import events as ev
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.soak import JOB, SubprocessBackend, idle_check
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.sim import codes as P
 
 NODES = {"node-0": ["0", "1"]}
 

@@ -1,7 +1,7 @@
 """``nicswitch-agent launch``: the job's leader in a launcher process, around a real torchrun job.
 
 The pytest process runs the ClusterD simulator and plays the operator (SwitchNicTrack, then
-SubscribeSwitchNicSignal). The launcher runs as ``python -m nicswitch_agent.launcher`` in its own
+SubscribeSwitchNicSignal). The launcher runs as ``python -m nicswitch_agent.ops.launcher`` in its own
 session and wraps ``torchrun --standalone --nproc-per-node 2 tests/launcher_job/train.py``; each
 rank's ``SwitchAgent()`` becomes a member from the env the launcher exports. Synchronisation is
 by polling files and simulator state with deadlines; teardown kills every process the launcher
@@ -31,10 +31,10 @@ from support import StreamWatch, free_port, poll, read_jsonl
 
 pytest.importorskip("torch")
 
-from nicswitch_agent import launcher
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.ops import launcher
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "launcher_job" / "train.py"
@@ -77,14 +77,14 @@ def base_env(sim: Simulator) -> dict[str, str]:
 
 
 class Launch:
-    """One ``python -m nicswitch_agent.launcher ...`` process, its log and its process tree."""
+    """One ``python -m nicswitch_agent.ops.launcher ...`` process, its log and its process tree."""
 
     def __init__(self, out: Path, args: list[str], env: dict[str, str]) -> None:
         self.out = out
         out.mkdir(parents=True, exist_ok=True)
         self.log_path = out / "launcher.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen([sys.executable, "-m", "nicswitch_agent.launcher", *args], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "nicswitch_agent.ops.launcher", *args], cwd=ROOT, env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._seen: set[int] = set()

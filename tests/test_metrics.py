@@ -21,8 +21,8 @@ from support import Events, Trainer
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.errors import ConfigError
-from nicswitch_agent.events import AgentEvent
-from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
+from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(30)

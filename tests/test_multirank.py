@@ -17,10 +17,10 @@ import support
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.coordination import InProcessStore
-from nicswitch_agent.pause import TrainingStopped
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -16,7 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.om import (
+from nicswitch_agent.clusterd.channel import RecoverStub
+from nicswitch_agent.ops.om import (
     FAILURE_MESSAGES,
     SWITCH_FINISH,
     OmClient,
@@ -35,7 +36,7 @@ from nicswitch_agent.om import (
     parse_nic_ops,
     parse_op,
 )
-from nicswitch_agent.om_cli import (
+from nicswitch_agent.ops.om_cli import (
     ExitCode,
     add_switch_arguments,
     add_watch_arguments,
@@ -47,7 +48,6 @@ from nicswitch_agent.om_cli import (
     run_switch,
     run_watch,
 )
-from nicswitch_agent.transport import RecoverStub
 
 pytestmark = pytest.mark.timeout(10)
 

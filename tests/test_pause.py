@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from nicswitch_agent.pause import ParkingLot, TrainingStopped
+from nicswitch_agent.coordination.parking import ParkingLot, TrainingStopped
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -10,10 +10,10 @@ from typing import Any
 import grpc
 import pytest
 
-from nicswitch_agent import transport
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings, RegistrationRefused
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd import channel as transport
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings, RegistrationRefused
 
 pytestmark = pytest.mark.timeout(20)
 

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from scripted import Answer, Block, Fail, ScriptedClusterD
 
-from nicswitch_agent.reply import NotConnected, Replier, ReplyOutcome, ReplyPolicy, is_undelivered
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.reply import NotConnected, Replier, ReplyOutcome, ReplyPolicy, is_undelivered
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,8 +11,8 @@ import grpc
 import pytest
 from tenacity import wait_random_exponential
 
-from nicswitch_agent import rpc_policy
-from nicswitch_agent.rpc_policy import (
+from nicswitch_agent.clusterd import rpc_policy
+from nicswitch_agent.clusterd.rpc_policy import (
     EndsAtOnce,
     Kind,
     RetryAfter,
@@ -27,7 +27,7 @@ from nicswitch_agent.rpc_policy import (
     refused_unhandled,
     wait_as_asked,
 )
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 C = grpc.StatusCode
 JOB = "job-1"

@@ -17,11 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.controller import AgentModeController, HookSettings
-from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
-from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import ParkingLot, TrainingStopped
-from nicswitch_agent.process_manage import (
+from nicswitch_agent.clusterd.process_manage import (
     ACTION_PAUSE,
     ACTION_STOP,
     CHANGE_STRATEGY,
@@ -30,6 +26,10 @@ from nicswitch_agent.process_manage import (
     KILL_MASTER,
     STOP_TRAIN,
 )
+from nicswitch_agent.clusterd.signal_flow import AgentModeController, HookSettings
+from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
+from nicswitch_agent.coordination.parking import ParkingLot, TrainingStopped
+from nicswitch_agent.orders import SwitchOrder
 
 pytestmark = pytest.mark.timeout(240)
 

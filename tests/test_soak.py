@@ -1,4 +1,4 @@
-"""The fault soak, short (the long one is ``python -m nicswitch_agent.sim.soak``, see its docstring).
+"""The fault soak, short (the long one is ``python tests/soak.py``, see its docstring).
 
 About 40 switches in both pause modes, 2 ranks as threads, every fault kind at least once (the
 notify stream dropped before/after a send, replies failing with UNAVAILABLE or "qps exceeded",
@@ -13,16 +13,16 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from soak import FAULTS, SIM_KILL, SoakSettings, run_soak
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
+from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import ParkingLot
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 from nicswitch_agent.sim import faults as F
-from nicswitch_agent.sim.soak import FAULTS, SIM_KILL, SoakSettings, run_soak
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 
 @pytest.mark.timeout(180)

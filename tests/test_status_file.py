@@ -15,10 +15,9 @@ import support
 from support import Trainer
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
-from nicswitch_agent.events import AgentEvent
-from nicswitch_agent.metrics import EventStats
-from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.status_file import (
+from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.metrics import EventStats
+from nicswitch_agent.observability.status_file import (
     ExitCode,
     StatusFileWriter,
     add_arguments,
@@ -27,6 +26,7 @@ from nicswitch_agent.status_file import (
     read_status,
     run,
 )
+from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -294,7 +294,7 @@ def test_a_member_writes_only_a_per_rank_file(tmp_path: Path) -> None:
 
 
 def test_status_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from nicswitch_agent import cli
+    from nicswitch_agent.ops import cli
 
     write_fixed(tmp_path / "s.json", "running", written_at=9e12)
     assert cli.main(["status", "--file", str(tmp_path / "s.json"), "--json"]) == 0

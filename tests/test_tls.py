@@ -22,15 +22,16 @@ from typing import Any
 import pytest
 from support import Events, Trainer, free_port, streams_ready
 
-from nicswitch_agent import AgentConfig, ConfigError, SwitchAgent, SwitchOrder, doctor
-from nicswitch_agent import events as ev
+from nicswitch_agent import AgentConfig, ConfigError, SwitchAgent, SwitchOrder
+from nicswitch_agent.clusterd.channel import ChannelSettings, TlsSettings, open_channel
 from nicswitch_agent.config import tls_from_env
-from nicswitch_agent.om import OmClient, OutcomeKind
-from nicswitch_agent.om_cli import ExitCode, add_switch_arguments, add_watch_arguments, run_switch, run_watch
+from nicswitch_agent.observability import events as ev
+from nicswitch_agent.ops import doctor
+from nicswitch_agent.ops.om import OmClient, OutcomeKind
+from nicswitch_agent.ops.om_cli import ExitCode, add_switch_arguments, add_watch_arguments, run_switch, run_watch
 from nicswitch_agent.sim import ServerTls, SimJob, SimSettings, Simulator
 from nicswitch_agent.sim.cli import add_arguments as add_sim_arguments
 from nicswitch_agent.sim.cli import server_tls
-from nicswitch_agent.transport import ChannelSettings, TlsSettings, open_channel
 
 pytestmark = pytest.mark.timeout(60)
 

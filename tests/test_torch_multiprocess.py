@@ -39,8 +39,8 @@ from support import StreamWatch, free_port, poll, read_jsonl
 pytest.importorskip("torch")
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.sim import MindIOStandIn, SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 ROOT = Path(__file__).resolve().parent.parent
 FAKE_TORCH_NPU = Path(__file__).resolve().parent / "torch_job" / "fake_torch_npu"

@@ -11,19 +11,19 @@ Typical use in a training loop::
 """
 
 # First, before any module of ours imports grpc: makes grpc safe for forked DataLoader workers.
-from nicswitch_agent import _fork_safety  # noqa: F401
+from nicswitch_agent import process_hooks  # noqa: F401
 from nicswitch_agent.agent import SwitchAgent
 from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.errors import (
     AgentStateError,
     ConfigError,
     InvalidOrder,
     NicSwitchError,
 )
-from nicswitch_agent.events import AgentEvent
 from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher, TorchCheckpointGuard, TorchNpuSwitcher
+from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import TrainingStopped
 
 __version__ = "0.1.0"  # the only place: pyproject.toml reads it (dynamic version)
 

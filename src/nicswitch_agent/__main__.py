@@ -2,6 +2,6 @@
 
 import sys
 
-from nicswitch_agent.cli import main
+from nicswitch_agent.ops.cli import main
 
 sys.exit(main())

@@ -1,14 +1,14 @@
 """SwitchAgent: the object a training script creates, starts, steps and stops.
 
-It wires the pieces together and owns the one rule that spans them: every list received for this
-job gets exactly one ReplySwitchNicResult. Each accepted list becomes a :class:`_Owed` reply token
-the moment it is received; whoever claims the token first (the executor with the real result, or
-``stop()`` with a false) sends the reply, and nobody else can.
+It wires the pieces together. The one rule that spans them, every list received for this job gets
+exactly one ReplySwitchNicResult, is kept by the executor (executor.py): each list becomes an
+:class:`~nicswitch_agent.executor.OwedReply` the moment it is received, and ``stop()`` settles
+every one still owed (false) before it ends any stream.
 
 Every rank runs a member (``nicswitch-member``, see coordination/member.py) that parks its
 training thread and runs the hooks. Rank 0 is also the leader, the job's only ClusterD client:
 
-- ``nicswitch-notify``: reads SubscribeNotifySwitch, validates, enqueues (see subscriber.py);
+- ``nicswitch-notify``: reads SubscribeNotifySwitch, validates, enqueues (see clusterd/notify.py);
 - ``nicswitch-executor``: runs orders one at a time on every rank, then replies;
 - pause mode ``agent`` only: ``nicswitch-process-manage`` (Init/Register and ClusterD's pause and
   continue signals, see process_manage.py) and ``nicswitch-signals`` (what they mean, see
@@ -22,34 +22,29 @@ attribute write and one attribute test.
 
 from __future__ import annotations
 
-import atexit
-import dataclasses
 import itertools
 import logging
 import os
-import queue
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nicswitch_agent import events as ev
-from nicswitch_agent import signals
+from nicswitch_agent import process_hooks
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
-from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks, key_prefix
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology
+from nicswitch_agent.coordination.hook_runner import Execution
+from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
-from nicswitch_agent.events import AgentEvent, EventListener, EventLog
-from nicswitch_agent.execute import Execution
+from nicswitch_agent.executor import Executor, OwedReply
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, require_callable
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
-from nicswitch_agent.metrics import EventStats, JsonlEventSink, PrometheusMetrics
+from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.events import AgentEvent, EventListener, EventLog
+from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
+from nicswitch_agent.observability.status_file import StatusFileWriter, expand_path
 from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
-from nicswitch_agent.pause import ParkingLot
-from nicswitch_agent.status_file import StatusFileWriter, expand_path
 
 if TYPE_CHECKING:
     # The ClusterD client side (grpc, protobuf: ~30 MB resident) is imported when an agent
@@ -57,51 +52,17 @@ if TYPE_CHECKING:
     import grpc
 
     from nicswitch_agent._pb import recover_pb2 as pb
-    from nicswitch_agent.controller import AgentModeController
-    from nicswitch_agent.process_manage import ProcessManageClient
-    from nicswitch_agent.reply import Replier, ReplyReport
-    from nicswitch_agent.subscriber import NotifySubscriber
-    from nicswitch_agent.transport import ConnectivityWatch, RecoverStub
+    from nicswitch_agent.clusterd.channel import ConnectivityWatch, RecoverStub
+    from nicswitch_agent.clusterd.notify import NotifySubscriber
+    from nicswitch_agent.clusterd.process_manage import ProcessManageClient
+    from nicswitch_agent.clusterd.reply import Replier, ReplyReport
+    from nicswitch_agent.clusterd.signal_flow import AgentModeController
 
 logger = logging.getLogger("nicswitch_agent")
 
 CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
     "created", "running", "switching", "stopping", "stopped", "failed"
 )
-
-
-class _Owed:
-    """The one reply owed for one received list. ``claim()`` succeeds exactly once."""
-
-    def __init__(self, seq: int, job_id: str, order: SwitchOrder | None, rejection: str = "",
-                 stream: int | None = None, job_unknown: int | None = None) -> None:
-        self.seq = seq
-        self.job_id = job_id
-        self.order = order
-        self.rejection = rejection
-        self.stream = stream  # pause mode agent: the process-manage stream open when the list came
-        self.job_unknown = job_unknown  # pause mode external: the notify stream's "not registed" count then
-        self._claimed = False
-        self._lock = threading.Lock()  # guards _claimed
-        self.settled = threading.Event()  # set once the claimed reply was sent, failed or dropped
-
-    def claim(self) -> bool:
-        with self._lock:
-            if self._claimed:
-                return False
-            self._claimed = True
-            return True
-
-
-@dataclass
-class _Counters:
-    lists_received: int = 0
-    lists_rejected: int = 0
-    lists_ignored: int = 0
-    switches_ok: int = 0
-    switches_failed: int = 0
-    replies_delivered: int = 0
-    replies_failed: int = 0
 
 
 class SwitchAgent:
@@ -145,13 +106,10 @@ class SwitchAgent:
         "_controller",
         "_coordination_stop",
         "_coordinator",
-        "_counters",
-        "_current",
         "_event_sink",
         "_events",
         "_executor",
         "_failure_thread",
-        "_last_switch",
         "_leader_only",
         "_lock",
         "_member",
@@ -161,7 +119,6 @@ class SwitchAgent:
         "_pause_reason",
         "_pid",
         "_process_manage",
-        "_queue",
         "_replier",
         "_seq",
         "_started_mono",
@@ -232,24 +189,22 @@ class SwitchAgent:
             self._events.add_listener(self._event_sink)
         self._metrics: PrometheusMetrics | None = None  # the leader's, made at start()
         self._status_writer: StatusFileWriter | None = None
-        self._lock = threading.Lock()  # guards _state, _state_reason, _counters, _last_switch, _current
+        self._lock = threading.Lock()  # guards _state, _state_reason
         self._state = CREATED
         self._state_reason = ""  # why the agent failed, or why it stopped
         self._failure_thread: threading.Thread | None = None  # stops the threads of a failed leader
         self._stopped = threading.Event()  # set when a stop() that did the work has finished
         self._stopping_thread: threading.Thread | None = None
-        self._counters = _Counters()
-        self._last_switch: dict[str, Any] | None = None
-        self._current: _Owed | None = None
         self._seq = itertools.count(1)
-        self._queue: queue.Queue[_Owed | None] = queue.Queue()
         self._channel: grpc.Channel | None = None
         self._stub: RecoverStub | None = None
         self._watch: ConnectivityWatch | None = None  # the channel's one connectivity subscription
         self._conflict = ""  # pause mode auto fell back to external because of this conflict
         self._replier: Replier | None = None
         self._subscriber: NotifySubscriber | None = None
-        self._executor: threading.Thread | None = None
+        self._executor = Executor(run=self._run_order, send=self._send_reply, forgotten=self._forgotten,
+                                  emit=self._emit, on_busy=self._on_busy, world_size=lambda: self.world_size,
+                                  stop_timeout_s=config.stop_timeout_s)
         self._pid = os.getpid()
         self._started_mono: float | None = None
         self._steps = 0
@@ -300,9 +255,7 @@ class SwitchAgent:
                 stop.stop()
         if self._controller is not None:
             self._controller.stop(self.config.stop_timeout_s)
-        if self._executor is not None:
-            self._queue.put(None)
-            self._queue = queue.Queue()
+        self._executor.abandon()
         if self._replier is not None:
             self._replier.close()
         if self._watch is not None:
@@ -310,7 +263,7 @@ class SwitchAgent:
         if self._channel is not None:
             self._channel.close()
         self._subscriber = self._process_manage = self._member = self._controller = None
-        self._executor = self._channel = self._replier = self._stub = self._coordinator = None
+        self._channel = self._replier = self._stub = self._coordinator = None
         self._watch = None
         with self._lock:
             self._state = CREATED
@@ -319,8 +272,8 @@ class SwitchAgent:
 
     def _start(self) -> SwitchAgent:
         cfg = self.config
-        self.rank, self.world_size = self._topology()
-        kv = self._coordination_kv()
+        self.rank, self.world_size = topology.rank_and_world(self.config, leader_only=self._leader_only)
+        kv = topology.coordination_kv(self.config, self.world_size, store=self._store, leader_only=self._leader_only)
         leads = self._leader_only or (cfg.leader == "rank0" and self.rank == 0)
         self._start_observers(leads)
         if self._leader_only:
@@ -338,7 +291,7 @@ class SwitchAgent:
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:
                 self._state = RUNNING
-            _register_exit_hooks(self)
+            process_hooks.register(self)
             logger.info("nicswitch-agent started as member: rank %d of %d, job=%s, leader=%s", self.rank,
                         self.world_size, cfg.job_id, cfg.leader)
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
@@ -371,11 +324,11 @@ class SwitchAgent:
             self._metrics.close()
 
     def _start_leader(self, kv: KV) -> SwitchAgent:
-        from nicswitch_agent.controller import AgentModeController, HookSettings
-        from nicswitch_agent.process_manage import ProcessManageClient, ProcessManageSettings
-        from nicswitch_agent.reply import Replier, ReplyPolicy
-        from nicswitch_agent.subscriber import NotifySubscriber, SubscriberSettings
-        from nicswitch_agent.transport import ChannelSettings, ConnectivityWatch, RecoverStub, open_channel
+        from nicswitch_agent.clusterd.channel import ChannelSettings, ConnectivityWatch, RecoverStub, open_channel
+        from nicswitch_agent.clusterd.notify import NotifySubscriber, SubscriberSettings
+        from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings
+        from nicswitch_agent.clusterd.reply import Replier, ReplyPolicy
+        from nicswitch_agent.clusterd.signal_flow import AgentModeController, HookSettings
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
@@ -395,7 +348,6 @@ class SwitchAgent:
         self._replier = Replier(self._stub, ReplyPolicy(
             total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
         ), watch=self._watch)
-        self._executor = threading.Thread(target=self._execute_loop, name="nicswitch-executor", daemon=True)
         self._executor.start()
         gate = None
         if self.pause_mode == "agent":
@@ -450,7 +402,7 @@ class SwitchAgent:
             failed_during_start = self._state == FAILED
         if failed_during_start:
             self._start_failure_teardown()
-        _register_exit_hooks(self)
+        process_hooks.register(self)
         logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s",
                     self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
                     " (dry run)" if cfg.dry_run else "")
@@ -530,7 +482,7 @@ class SwitchAgent:
         threads are stopped this way at once, and stop() runs it again later)."""
         if self._subscriber is not None:
             self._subscriber.stop()  # no new lists
-        self._settle_owed_replies(reason)  # false for every list still owed a reply, before anything else
+        self._executor.settle(reason)  # false for every list still owed a reply, before anything else
         self._coordination_stop.set()  # then cut the leader's waits short
         if self._process_manage is not None:
             # No report after this point (ClusterD would keep it for its next question), and
@@ -550,29 +502,26 @@ class SwitchAgent:
         if not self._parking.wait_unparked(self.config.stop_timeout_s):
             logger.warning("training still parked %.1f s after stop (a hook is running on it)",
                            self.config.stop_timeout_s)
-        if self._executor is not None:
-            self._queue.put(None)
-        executor = self._executor
-        if executor is not None and executor is not threading.current_thread():
-            executor.join(self.config.stop_timeout_s)
-            if executor.is_alive():
-                logger.warning("executor thread still busy after %.1f s (a hook is running); "
-                               "leaving it as a daemon", self.config.stop_timeout_s)
+        self._executor.stop()
+
+    @property
+    def handles_signals(self) -> bool:
+        """Whether SIGTERM/SIGINT stop this agent (``handle_signals``; see process_hooks.py)."""
+        return self.config.handle_signals
 
     def status(self) -> dict[str, Any]:
         """A snapshot for humans and health checks: state, connection, counters, last switch.
 
-        ``connected`` is true only while the notify stream is established (see subscriber.py);
+        ``connected`` is true only while the notify stream is established (see clusterd/notify.py);
         ``disconnected_s`` says for how long it has not been. ``last_error`` is the error that
         keeps it from being so: the process-manage client's while that stream, which the notify
         stream waits for, is not open. ``conflict`` is set while another process-manage client
-        fights for the job's stream (see process_manage.py).
+        fights for the job's stream (see clusterd/process_manage.py).
         """
         sub, pm = self._subscriber, self._process_manage
+        counters, last_switch = self._executor.snapshot()
         with self._lock:
-            counters = dict(vars(self._counters))
             state, reason = self._state, self._state_reason
-            last_switch = dict(self._last_switch) if self._last_switch else None
         now = time.monotonic()
         last_msg = sub.last_message_mono if sub else None
         connected = bool(sub and sub.running and sub.connected())
@@ -655,50 +604,46 @@ class SwitchAgent:
         """Validate and enqueue; never blocks (runs on the notify thread)."""
         cfg = self.config
         if message.jobId and message.jobId != cfg.job_id:
-            with self._lock:
-                self._counters.lists_ignored += 1
+            self._executor.count("lists_ignored")
             logger.warning("ignoring a rank list for job %r (this agent serves %r); no reply sent",
                            message.jobId[:128], cfg.job_id)
             self._emit(ev.LIST_IGNORED, detail={"job_id": message.jobId[:128]})
             return
         seq = next(self._seq)
-        if self._queue.qsize() >= cfg.max_pending_lists:
-            reason = (f"{self._queue.qsize()} lists already wait for execution (max_pending_lists="
+        waiting = self._executor.waiting()
+        if waiting >= cfg.max_pending_lists:
+            reason = (f"{waiting} lists already wait for execution (max_pending_lists="
                       f"{cfg.max_pending_lists}); ClusterD sends one at a time")
-            with self._lock:
-                self._counters.lists_received += 1
-                self._counters.lists_rejected += 1
+            self._executor.count("lists_received", "lists_rejected")
             logger.error("switch #%d refused, replying false in turn: %s", seq, reason)
             self._emit(ev.LIST_REJECTED, seq, {"reason": reason, "entries": len(message.rankID)})
-            self._queue.put(self._owed(seq, None, reason))
+            self._executor.submit(self._owed(seq, None, reason))
             return
         try:
             order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
                                 world_size=cfg.world_size, max_ranks=cfg.max_ranks)
         except InvalidOrder as exc:
-            with self._lock:
-                self._counters.lists_received += 1
-                self._counters.lists_rejected += 1
+            self._executor.count("lists_received", "lists_rejected")
             logger.error("switch #%d refused, replying false: %s", seq, exc)
             self._emit(ev.LIST_REJECTED, seq, {"reason": str(exc), "entries": len(message.rankID)})
-            self._queue.put(self._owed(seq, None, str(exc)))
+            self._executor.submit(self._owed(seq, None, str(exc)))
             return
-        with self._lock:
-            self._counters.lists_received += 1
+        self._executor.count("lists_received")
         logger.info("switch %s received", order.summary())
         standby = sum(order.ops)
         self._emit(ev.LIST_RECEIVED, seq, {"ranks": len(order), "to_standby": standby,
                                            "to_primary": len(order) - standby})
-        self._queue.put(self._owed(seq, order))
+        self._executor.submit(self._owed(seq, order))
 
-    def _owed(self, seq: int, order: SwitchOrder | None, rejection: str = "") -> _Owed:
+    def _owed(self, seq: int, order: SwitchOrder | None, rejection: str = "") -> OwedReply:
         """The reply token of a list just received, marked so that _forgotten can tell later."""
         pm, sub = self._process_manage, self._subscriber
         if pm is not None:
-            return _Owed(seq, self.config.job_id, order, rejection, stream=pm.stream_id)
-        return _Owed(seq, self.config.job_id, order, rejection, job_unknown=None if sub is None else sub.job_unknown)
+            return OwedReply(seq, self.config.job_id, order, rejection, stream=pm.stream_id)
+        job_unknown = None if sub is None else sub.job_unknown
+        return OwedReply(seq, self.config.job_id, order, rejection, job_unknown=job_unknown)
 
-    def _forgotten(self, owed: _Owed) -> str:
+    def _forgotten(self, owed: OwedReply) -> str:
         """Why ClusterD no longer waits for this reply ("" if it still does).
 
         Pause mode agent: the process-manage stream ended since the list came, so ClusterD reset
@@ -744,45 +689,6 @@ class SwitchAgent:
         if self._on_stop is not None:
             self._on_stop(reason)
 
-    def _topology(self) -> tuple[int, int]:
-        """(rank, world size): configured, else torch.distributed's, else a single rank."""
-        cfg = self.config
-        rank, world = cfg.rank, cfg.world_size
-        if self._leader_only:
-            if world is None:
-                raise ConfigError("leader_only=True needs world_size: the number of training ranks it leads")
-            return 0, world
-        dist = sys.modules.get("torch.distributed")
-        if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
-            rank = dist.get_rank() if rank is None else rank
-            world = dist.get_world_size() if world is None else world
-        world = world or 1
-        rank = rank or 0
-        if rank >= world:
-            raise ConfigError(f"rank={rank} is outside world_size={world}")
-        return rank, world
-
-    def _coordination_kv(self) -> KV:
-        cfg = self.config
-        # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
-        prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or self._leader_only) else None)
-        if self._store is not None:
-            return KV(self._store, prefix)
-        if cfg.store_address is not None:
-            return KV(_connect_tcp_store(cfg.store_address, cfg.rpc_timeout_s), prefix)
-        if self.world_size == 1:
-            return KV(InProcessStore(), prefix)
-        dist = sys.modules.get("torch.distributed")
-        if dist is None or not dist.is_initialized():
-            raise ConfigError(
-                f"world_size={self.world_size} needs a Store to coordinate ranks: call "
-                "torch.distributed.init_process_group() before start(), or pass store=..."
-            )
-        from torch.distributed import distributed_c10d
-
-        store: Any = distributed_c10d._get_default_store()  # clone() exists on every Store since torch 2.4
-        return KV(store, prefix)
-
     def _on_health(self, healthy: bool, why: str) -> None:
         self._emit(ev.STREAM_RESTORED if healthy else ev.STREAM_LOST, detail={"why": why})
 
@@ -818,208 +724,34 @@ class SwitchAgent:
             sub.ungate()
         self._refresh_status()
 
-    # -- executor thread -----------------------------------------------------------------------
+    # -- the executor's collaborators ---------------------------------------------------------
 
-    def _execute_loop(self) -> None:
-        while True:
-            owed = self._queue.get()
-            if owed is None:
-                return
-            try:
-                self._execute(owed)
-            except Exception:  # the executor must survive anything
-                logger.exception("switch #%d: unexpected error; replying false", owed.seq)
-                self._reply(owed, False, "internal error")
+    def _run_order(self, order: SwitchOrder) -> Execution:
+        """Run one order on every rank (executor thread): through the pause-mode-agent controller,
+        or, in pause mode external, on the members' own threads through the coordinator."""
+        if self._controller is not None:
+            return self._controller.execute(order)
+        from nicswitch_agent.clusterd.signal_flow import HookSettings, success_reason
 
-    def _execute(self, owed: _Owed) -> None:
-        if owed.order is None:
-            self._reply(owed, False, owed.rejection)
-            return
-        order = owed.order
-        with self._lock:
-            if self._state == RUNNING:
-                self._state = SWITCHING
-            self._current = owed
-        try:
-            cfg = self.config
-            started = time.monotonic()
-            if self._controller is not None:
-                execution = self._controller.execute(order)
-            else:  # pause mode external: members run it on their background threads
-                from nicswitch_agent.controller import HookSettings, success_reason
+        assert self._coordinator is not None
+        cfg = self.config
+        budget = HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
+                              guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
+                              pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
+                              guard_unknown=self._leader_only).order_budget_s
+        outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=budget)
+        return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
 
-                assert self._coordinator is not None
-                budget = HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
-                                      guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
-                                      pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
-                                      guard_unknown=self._leader_only).order_budget_s
-                outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=budget)
-                execution = Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
-            execution = dataclasses.replace(execution, duration_s=time.monotonic() - started)
-            self._record_execution(order, execution)
-            self._reply(owed, execution.ok, execution.reason)
-        finally:
-            with self._lock:
-                self._current = None
-                if self._state == SWITCHING:
-                    self._state = RUNNING
-
-    def _record_execution(self, order: SwitchOrder, execution: Execution) -> None:
-        self._emit(ev.SWITCH_DONE, order.seq, {
-            "ok": execution.ok, "reason": execution.reason, "ranks": self.world_size,
-            "duration_s": execution.duration_s,
-        })
-        with self._lock:
-            if execution.ok:
-                self._counters.switches_ok += 1
-            else:
-                self._counters.switches_failed += 1
-        if not execution.ok:
-            logger.error("switch #%d failed: %s", order.seq, execution.reason)
-
-    # -- replies -------------------------------------------------------------------------------
-
-    def _reply(self, owed: _Owed, result: bool, reason: str,
-               *, total_timeout_s: float | None = None) -> ReplyReport | None:
-        if not owed.claim():
-            logger.debug("switch #%d: reply already sent; not sending another", owed.seq)
-            return None
-        try:
-            return self._send_reply(owed, result, reason, total_timeout_s)
-        finally:
-            owed.settled.set()
-
-    def _send_reply(self, owed: _Owed, result: bool, reason: str, total_timeout_s: float | None) -> ReplyReport | None:
-        forgotten = self._forgotten(owed)
-        if forgotten:
-            # ClusterD waits for no reply any more, and would keep this one and take it as the
-            # result of its next switch.
-            with self._lock:
-                self._counters.replies_failed += 1
-            why = f"{forgotten}; a reply now would answer its next switch"
-            logger.warning("switch #%d: reply %s not sent: %s", owed.seq, str(result).lower(), why)
-            self._emit(ev.REPLY_FAILED, owed.seq, {"result": result, "reason": reason, "outcome": "dropped",
-                                                   "attempts": 0, "duration_s": 0.0, "code": None, "error": why})
-            return None
+    def _send_reply(self, job_id: str, result: bool, total_timeout_s: float | None) -> ReplyReport:
         assert self._replier is not None
-        report = self._replier.send(owed.job_id, result, total_timeout_s=total_timeout_s)
-        elapsed = None if owed.order is None else time.monotonic() - owed.order.received_at
-        with self._lock:
-            if report.delivered:
-                self._counters.replies_delivered += 1
-            else:
-                self._counters.replies_failed += 1
-            self._last_switch = {
-                "seq": owed.seq, "ranks": len(owed.order) if owed.order else 0, "result": result,
-                "reason": reason, "reply": report.outcome.value, "reply_attempts": report.attempts,
-                "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
-            }
-        detail = {"result": result, "reason": reason, "outcome": report.outcome.value,
-                  "attempts": report.attempts, "duration_s": report.duration_s, "code": report.code}
-        if report.delivered:
-            logger.info("switch #%d: replied %s (%s) in %.1f ms", owed.seq, str(result).lower(), reason,
-                        report.duration_s * 1000)
-            self._emit(ev.REPLY_SENT, owed.seq, detail)
-        else:
-            from nicswitch_agent.reply import ReplyOutcome
+        return self._replier.send(job_id, result, total_timeout_s=total_timeout_s)
 
-            if report.outcome is ReplyOutcome.REJECTED:
-                why = f"ClusterD answered code {report.code}: {report.info}"
-            elif report.outcome is ReplyOutcome.UNCERTAIN:
-                why = f"{report.error}; it may have arrived, so it is not resent (a duplicate would be "\
-                      "taken as the next switch's result)"
-            else:
-                why = f"{report.error}; ClusterD never received it"
-            logger.error("switch #%d: reply %s not delivered: %s", owed.seq, str(result).lower(), why)
-            self._emit(ev.REPLY_FAILED, owed.seq, {**detail, "error": why})
-        return report
-
-    def _settle_owed_replies(self, reason: str) -> None:
-        """On stop: answer false for the list being executed and for every queued one."""
+    def _on_busy(self, busy: bool) -> None:
         with self._lock:
-            current = self._current
-        owed_list = [current] if current is not None else []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                owed_list.append(item)
-        for owed in owed_list:
-            self._reply(owed, False, f"agent stopping: {reason}", total_timeout_s=self.config.stop_timeout_s)
-            # Claimed elsewhere (the executor replying at this moment): wait until it is on the wire.
-            # Ending the process-manage stream first would reset the job, and ClusterD would take
-            # the late reply as its next switch's result.
-            if not owed.settled.wait(self.config.stop_timeout_s):
-                logger.warning("switch #%d: the reply under way did not finish within %.1f s",
-                               owed.seq, self.config.stop_timeout_s)
+            if busy and self._state == RUNNING:
+                self._state = SWITCHING
+            elif not busy and self._state == SWITCHING:
+                self._state = RUNNING
 
     def _emit(self, kind: str, seq: int | None = None, detail: dict[str, Any] | None = None) -> None:
         self._events.emit(AgentEvent(kind=kind, job_id=self.config.job_id, seq=seq, detail=detail or {}))
-
-
-def _connect_tcp_store(address: str, timeout_s: float) -> Any:
-    """A client of the TCPStore at ``host:port`` (hosted by the launcher)."""
-    import datetime
-
-    try:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
-    except ImportError as exc:
-        raise ConfigError(f"store_address={address!r} needs torch (pip install nicswitch-agent[torch])") from exc
-    host, _, port = address.rpartition(":")
-    try:
-        return TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=max(timeout_s, 30.0)),
-                        wait_for_workers=False)
-    except RuntimeError as exc:
-        raise ConfigError(f"store_address={address!r}: cannot reach the Store: {exc}") from exc
-
-
-_live_agents: weakref.WeakSet[SwitchAgent] = weakref.WeakSet()
-_hooks_registered = False
-_hooks_lock = threading.Lock()
-
-
-def _register_exit_hooks(agent: SwitchAgent) -> None:
-    """Stop live agents at interpreter exit (bounded), on SIGTERM/SIGINT (unless the config says
-    not to), and make them inert in forked children."""
-    global _hooks_registered
-    _live_agents.add(agent)
-    if agent.config.handle_signals:
-        handled = signals.install(_stop_on_signal)
-        if not handled:
-            logger.debug("signal handlers not installed (start() was not called on the main thread)")
-    with _hooks_lock:
-        if _hooks_registered:
-            return
-        _hooks_registered = True
-        atexit.register(_stop_all_at_exit)
-        os.register_at_fork(after_in_child=_forget_in_child)
-
-
-def _stop_all_at_exit() -> None:
-    _stop_all("interpreter exit")
-
-
-def _stop_on_signal(signal_name: str) -> None:
-    for agent in list(_live_agents):
-        if agent.config.handle_signals:
-            try:
-                agent.stop(f"{signal_name} received")
-            except Exception:
-                logger.debug("stop on %s failed", signal_name, exc_info=True)
-
-
-def _stop_all(reason: str) -> None:
-    """Stop every live agent of this process (stop() waits, bounded, for one already stopping)."""
-    for agent in list(_live_agents):
-        try:
-            agent.stop(reason)
-        except Exception:
-            logger.debug("stop (%s) failed", reason, exc_info=True)
-
-
-def _forget_in_child() -> None:
-    # A forked child (e.g. a DataLoader worker) inherits the agent object but none of its threads;
-    # stop() checks the pid and does nothing there, and the child never owns the streams.
-    _live_agents.clear()

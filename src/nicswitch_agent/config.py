@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.errors import ConfigError
-from nicswitch_agent.status_file import expand_path
+from nicswitch_agent.observability.status_file import expand_path
 
 if TYPE_CHECKING:  # transport imports grpc, which only the leader needs (members never dial)
-    from nicswitch_agent.transport import TlsSettings
+    from nicswitch_agent.clusterd.channel import TlsSettings
 
 CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
@@ -337,7 +337,7 @@ class AgentConfig:
         """The channel's TLS settings; None: plaintext."""
         if not self.tls_enabled:
             return None
-        from nicswitch_agent.transport import TlsSettings
+        from nicswitch_agent.clusterd.channel import TlsSettings
 
         return TlsSettings(ca_file=self.tls_ca_file, cert_file=self.tls_cert_file, key_file=self.tls_key_file,
                            server_name=self.tls_server_name)
@@ -411,7 +411,7 @@ def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> Tl
     _check_tls(*args)
     if not _tls_on(*args):
         return None
-    from nicswitch_agent.transport import TlsSettings
+    from nicswitch_agent.clusterd.channel import TlsSettings
 
     return TlsSettings(ca_file=args[1], cert_file=args[2], key_file=args[3], server_name=args[4])
 

@@ -22,7 +22,7 @@ import time
 from types import FrameType
 
 from nicswitch_agent import SwitchAgent
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
 
 

@@ -16,9 +16,9 @@ import grpc
 import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import RecoverStub
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.transport import RecoverStub
+from nicswitch_agent.sim import codes as P
 
 JOB = "job-uid-0001"
 NODES = {"node-0": ["0", "1"], "node-1": ["0", "1"]}

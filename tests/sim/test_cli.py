@@ -209,7 +209,7 @@ def test_quick_recovery_shrinks_the_recovery_waits_unless_one_is_given() -> None
 
 
 def _help_of_the_subcommand(capsys: pytest.CaptureFixture[str]) -> str:
-    from nicswitch_agent import cli as main_cli
+    from nicswitch_agent.ops import cli as main_cli
 
     with pytest.raises(SystemExit) as exit_:
         main_cli.main(["sim", "--help"])

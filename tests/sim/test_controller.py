@@ -11,8 +11,8 @@ import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import SimJob, SimSettings
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.controller import JobController, JobView
+from nicswitch_agent.sim import codes as P
+from nicswitch_agent.sim.event_controller import JobController, JobView
 
 from .conftest import FAST, JOB, NIC_OPS, NODES, WAIT, Setup
 

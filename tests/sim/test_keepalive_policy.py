@@ -17,9 +17,9 @@ import grpc
 import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import RecoverStub
 from nicswitch_agent.sim import Simulator
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.transport import RecoverStub
+from nicswitch_agent.sim import codes as P
 
 from .conftest import JOB, WAIT, Setup, wait_streams
 

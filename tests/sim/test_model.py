@@ -8,7 +8,7 @@ from collections.abc import Callable
 import pytest
 
 from nicswitch_agent.sim import SimJob, SimSettings
-from nicswitch_agent.sim.controller import new_event_id
+from nicswitch_agent.sim.event_controller import new_event_id
 from nicswitch_agent.sim.ranktable import RankTable, go_map_order
 
 from .conftest import JOB, Setup

@@ -10,7 +10,7 @@ import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import SimJob
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 from .conftest import JOB, NODES, UNKNOWN, Client, Setup
 

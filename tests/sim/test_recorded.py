@@ -21,8 +21,8 @@ import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import SimJob
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.controller import FATAL_PREFIX
+from nicswitch_agent.sim import codes as P
+from nicswitch_agent.sim.event_controller import FATAL_PREFIX
 
 from .conftest import JOB, NODES, OK, WAIT, Client, Setup, StreamReader, wait_state
 from .test_switch import HAPPY_PATH

@@ -9,8 +9,8 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.controller import FATAL_PREFIX
+from nicswitch_agent.sim import codes as P
+from nicswitch_agent.sim.event_controller import FATAL_PREFIX
 
 from .conftest import JOB, OK, WAIT, Setup, wait_state, wait_streams
 from .test_switch import HAPPY_PATH

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from nicswitch_agent.sim import MindIOStandIn, SimJob, SimSettings, Simulator
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 from .conftest import FAST, JOB, NODES, OK, WAIT, Client, wait_streams
 from .test_switch import HAPPY_PATH

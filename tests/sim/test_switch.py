@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 from .conftest import JOB, OK, WAIT, Setup, received, wait_state, wait_streams
 

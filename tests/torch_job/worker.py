@@ -61,8 +61,8 @@ import torch.distributed as dist
 from torch import nn
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.hooks.torch_checkpoint import TorchCheckpointGuard
-from nicswitch_agent.pause import TrainingStopped
 
 EXIT_DONE, EXIT_STOPPED, EXIT_ERROR, EXIT_START = 0, 3, 4, 5
 SAMPLES, FEATURES, LR = 240, 8, 0.2  # 240 rows split evenly over 2, 3 or 4 ranks

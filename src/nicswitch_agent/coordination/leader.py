@@ -12,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import KV
 from nicswitch_agent.orders import SwitchOrder
 

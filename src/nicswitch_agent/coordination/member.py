@@ -35,11 +35,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nicswitch_agent.coordination import protocol as p
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, InlineRunner, execute_order
 from nicswitch_agent.coordination.kv import KV
-from nicswitch_agent.execute import HookResult, HookRunner, InlineRunner, execute_order
+from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import ParkingLot
 
 logger = logging.getLogger("nicswitch_agent.member")
 

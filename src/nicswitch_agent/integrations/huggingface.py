@@ -42,11 +42,11 @@ except ImportError as exc:
     ) from exc
 
 from nicswitch_agent.agent import SwitchAgent
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.base import CheckpointGuard
 from nicswitch_agent.hooks.torch_checkpoint import GuardRecord, GuardRefused
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import TrainingStopped
 
 __all__ = ["HFCheckpointGuard", "NicSwitchTrainerCallback"]
 

@@ -44,11 +44,11 @@ except ImportError:  # the standalone package, older projects
         ) from exc
 
 from nicswitch_agent.agent import SwitchAgent
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.base import CheckpointGuard, CheckpointHook
 from nicswitch_agent.hooks.torch_checkpoint import GuardRecord, GuardRefused
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import TrainingStopped
 
 __all__ = ["LightningCheckpointGuard", "NicSwitchCallback"]
 

@@ -7,7 +7,7 @@ server is recorded in :attr:`JobView.violations`.
 
 from __future__ import annotations
 
-from nicswitch_agent.sim.controller import JobView
+from nicswitch_agent.sim.event_controller import JobView
 from nicswitch_agent.sim.server import ServerTls, Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 from nicswitch_agent.sim.standin import MindIOStandIn

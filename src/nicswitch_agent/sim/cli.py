@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim.ranktable import RankTable
 from nicswitch_agent.sim.server import ServerTls, Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings

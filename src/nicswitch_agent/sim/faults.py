@@ -1,4 +1,4 @@
-"""Test hook: faults the simulator injects on request, for fault tests and the soak (``sim/soak.py``).
+"""Test hook: faults the simulator injects on request, for fault tests and the soak (``tests/soak.py``).
 
 Never armed in normal use: a :class:`Simulator` always has a ``faults`` object, and an empty one
 changes nothing. A test arms a fault for the next matching RPC (``sim.faults.arm(kind)``); the

@@ -1,6 +1,6 @@
 """The simulated ClusterD ``Recover`` service: a real gRPC server on the exact upstream paths.
 
-:class:`Simulator` owns the gRPC server and one :class:`~nicswitch_agent.sim.controller.JobController`
+:class:`Simulator` owns the gRPC server and one :class:`~nicswitch_agent.sim.event_controller.JobController`
 per job. Handlers here only adapt RPCs (contexts, aborts, termination callbacks) to the
 controllers; protocol behaviour lives in the controller.
 
@@ -26,13 +26,13 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import generic_handler
+from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim import faults as F
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.sim.controller import FATAL_PREFIX, JobController, JobView, RpcAbort, StreamToken
+from nicswitch_agent.sim.event_controller import FATAL_PREFIX, JobController, JobView, RpcAbort, StreamToken
 from nicswitch_agent.sim.faults import SimFaults
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 from nicswitch_agent.sim.standin import MindIOStandIn
-from nicswitch_agent.transport import generic_handler
 
 logger = logging.getLogger("nicswitch_agent.sim")
 

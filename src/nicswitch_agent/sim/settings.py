@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 
 __all__ = ["SimJob", "SimSettings"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.sim import protocol as P
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.sim import codes as P
 
 logger = logging.getLogger("nicswitch_agent.sim")
 
@@ -41,7 +41,7 @@ _BACKOFF_MAX_S = 1.0
 
 def _backoff() -> Iterator[float]:
     """0.05 s doubling to 1 s, without jitter: one client against a test server, and the
-    simulator shares no logic with the client it tests (so not nicswitch_agent.rpc_policy's)."""
+    simulator shares no logic with the client it tests (so not nicswitch_agent.clusterd.rpc_policy's)."""
     delay = _BACKOFF_INITIAL_S
     while True:
         yield delay

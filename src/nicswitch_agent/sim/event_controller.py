@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.sim import protocol as P
+from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim.ranktable import RankTable, go_map_order
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 

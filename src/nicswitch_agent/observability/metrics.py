@@ -1,7 +1,7 @@
 """Event listeners for operators: a JSON-lines event file, timings for ``status()``, Prometheus.
 
 Each class here is an event listener (``agent.add_listener(x)``, or ``on_event=x``): it is called
-on agent threads with every :class:`~nicswitch_agent.events.AgentEvent`, does a little
+on agent threads with every :class:`~nicswitch_agent.observability.events.AgentEvent`, does a little
 bookkeeping, and never raises into the agent. All are off by default:
 
 - :class:`JsonlEventSink`: one JSON line per event, with job, rank, sequence number and timings,
@@ -36,9 +36,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from nicswitch_agent import events as ev
 from nicswitch_agent.errors import ConfigError
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.events import AgentEvent
 
 logger = logging.getLogger("nicswitch_agent.metrics")
 

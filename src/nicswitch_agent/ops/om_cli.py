@@ -45,7 +45,7 @@ from typing import Any
 
 from nicswitch_agent.config import server_from_mindcluster, tls_from_env
 from nicswitch_agent.errors import ConfigError
-from nicswitch_agent.om import (
+from nicswitch_agent.ops.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_WATCH_POLL_S,

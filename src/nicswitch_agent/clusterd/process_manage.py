@@ -39,7 +39,14 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.rpc_policy import (
+from nicswitch_agent.clusterd.channel import (
+    ConnectivityWatch,
+    RecoverStub,
+    connect_problem,
+    explain_connect_failure,
+    settings_of,
+)
+from nicswitch_agent.clusterd.rpc_policy import (
     EndsAtOnce,
     Kind,
     backoff_delays,
@@ -50,14 +57,7 @@ from nicswitch_agent.rpc_policy import (
     must_register_again,
     nothing_sent,
 )
-from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.transport import (
-    ConnectivityWatch,
-    RecoverStub,
-    connect_problem,
-    explain_connect_failure,
-    settings_of,
-)
+from nicswitch_agent.clusterd.stream_thread import StreamThread
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
 

@@ -34,10 +34,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.errors import NicSwitchError
-from nicswitch_agent.rpc_policy import Kind, RetryAfter, bounded, classify, wait_as_asked
-from nicswitch_agent.rpc_policy import backoff_delays as _backoff_delays
-from nicswitch_agent.transport import (
+from nicswitch_agent.clusterd.channel import (
     ChannelSettings,
     RecoverStub,
     TlsSettings,
@@ -45,6 +42,9 @@ from nicswitch_agent.transport import (
     open_channel,
     settings_of,
 )
+from nicswitch_agent.clusterd.rpc_policy import Kind, RetryAfter, bounded, classify, wait_as_asked
+from nicswitch_agent.clusterd.rpc_policy import backoff_delays as _backoff_delays
+from nicswitch_agent.errors import NicSwitchError
 
 _LOG = logging.getLogger(__name__)
 
@@ -419,7 +419,7 @@ def classify_stream_error(exc: grpc.RpcError) -> StreamError:
 def backoff_delays(
     initial_s: float = _RETRY_INITIAL_S, maximum_s: float = _RETRY_MAX_S, multiplier: float = 2.0
 ) -> Iterator[float]:
-    """Capped, jittered exponential delays (:func:`nicswitch_agent.rpc_policy.backoff_delays`);
+    """Capped, jittered exponential delays (:func:`nicswitch_agent.clusterd.rpc_policy.backoff_delays`);
     the caller bounds them by its deadline."""
     return _backoff_delays(initial_s, maximum_s, multiplier=multiplier)
 

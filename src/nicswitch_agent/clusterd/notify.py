@@ -5,23 +5,23 @@ gRPC ``UNKNOWN`` "not registed, please wait agent register" until the job's proc
 client has registered, and restarts lose everything. So the stream is reopened:
 
 - at once after a clean end (the upstream client sleeps 1 s here), throttled only if the server
-  keeps ending it immediately (:class:`~nicswitch_agent.rpc_policy.EndsAtOnce`);
+  keeps ending it immediately (:class:`~nicswitch_agent.clusterd.rpc_policy.EndsAtOnce`);
 - after a capped, jittered exponential backoff after any other error;
-- never after errors that retrying cannot fix (:func:`~nicswitch_agent.rpc_policy.is_terminal`:
+- never after errors that retrying cannot fix (:func:`~nicswitch_agent.clusterd.rpc_policy.is_terminal`:
   not ClusterD, or refused credentials); the owner is told through ``on_fatal`` and the thread ends.
 
-How an error is read and how long to wait are :mod:`nicswitch_agent.rpc_policy`'s.
+How an error is read and how long to wait are :mod:`nicswitch_agent.clusterd.rpc_policy`'s.
 
 A stream opened with ``wait_for_ready`` waits silently while no connection can be made, so the
 first open (and each one after an error) fails fast instead: a connection that cannot be made
 then shows up at once in ``last_error`` and the log, in plain words (a plaintext/TLS mismatch
-above all, see :func:`~nicswitch_agent.transport.explain_connect_failure`), and the stream is
+above all, see :func:`~nicswitch_agent.clusterd.channel.explain_connect_failure`), and the stream is
 reopened at once, waiting for the connection as before.
 
 "Connected" means a stream is established: one is in flight, the channel is READY, and either a
 message came on it or it has stayed so for ``establish_s`` (ClusterD sends nothing on subscribe,
 and refuses a subscription it does not like within a round trip). It goes false as soon as the
-stream ends or the channel leaves READY, as the channel's :class:`~nicswitch_agent.transport.
+stream ends or the channel leaves READY, as the channel's :class:`~nicswitch_agent.clusterd.channel.
 ConnectivityWatch` (one per channel, shared with the process-manage client and the replier) tells.
 ``on_connection`` hears every change.
 
@@ -41,12 +41,19 @@ from typing import TYPE_CHECKING
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.rpc_policy import EndsAtOnce, backoff_delays, describe, is_terminal, job_unknown, nothing_sent
-from nicswitch_agent.stream_thread import StreamThread
-from nicswitch_agent.transport import ConnectivityWatch, RecoverStub, explain_connect_failure, settings_of
+from nicswitch_agent.clusterd.channel import ConnectivityWatch, RecoverStub, explain_connect_failure, settings_of
+from nicswitch_agent.clusterd.rpc_policy import (
+    EndsAtOnce,
+    backoff_delays,
+    describe,
+    is_terminal,
+    job_unknown,
+    nothing_sent,
+)
+from nicswitch_agent.clusterd.stream_thread import StreamThread
 
 if TYPE_CHECKING:
-    from nicswitch_agent.process_manage import StreamGate
+    from nicswitch_agent.clusterd.process_manage import StreamGate
 
 logger = logging.getLogger("nicswitch_agent.subscriber")
 

@@ -1,6 +1,6 @@
 """``nicswitch-agent demo --processes``: the demo's training ranks as real torch processes.
 
-Each rank is ``python -m nicswitch_agent.demo_processes --rank R ...``, a process of its own
+Each rank is ``python -m nicswitch_agent.demo.processes --rank R ...``, a process of its own
 that trains a tiny ``nn.Linear`` on CPU: ``torch.distributed`` with the gloo backend over a
 ``TCPStore`` that rank 0 hosts, one all-reduce per step (the gradients and the stop vote), and a
 ``SwitchAgent`` per process calling ``agent.step(step)`` at every step boundary. The agents
@@ -10,7 +10,7 @@ The demo process (:class:`ProcessJob`) runs the simulator and the operator, as w
 and talks to its ranks through pipes, one JSON object per line:
 
 - rank -> demo (stdout): ``store`` (rank 0: the TCPStore's port), ``ready``, ``step`` (rank 0),
-  ``event`` (every :class:`~nicswitch_agent.events.AgentEvent`), ``links`` (after every switch
+  ``event`` (every :class:`~nicswitch_agent.observability.events.AgentEvent`), ``links`` (after every switch
   hook call), ``error``, and ``done`` (the rank's summary, once training has ended);
 - demo -> rank (stdin): ``{"port": P}`` (where rank 0's Store listens), then ``stop``; the end of
   stdin (the demo is gone) also means stop.
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from nicswitch_agent.demo import (
+from nicswitch_agent.demo.common import (
     JOB_ID,
     STEP_INTERVAL_S,
     DemoError,
@@ -52,7 +52,7 @@ from nicswitch_agent.demo import (
     Timeline,
     timeline_event,
 )
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability.events import AgentEvent
 
 STARTUP_TIMEOUT_S = 120.0  # Python + torch import in every rank, on a small and possibly busy machine
 STOP_TIMEOUT_S = 30.0
@@ -132,7 +132,7 @@ class ProcessJob:
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # a tiny model: threads would only compete
         })
         for r in range(self.world):
-            command = [sys.executable, "-m", "nicswitch_agent.demo_processes", "--rank", str(r),
+            command = [sys.executable, "-m", "nicswitch_agent.demo.processes", "--rank", str(r),
                        "--world-size", str(self.world), "--server", address, "--job-id", JOB_ID,
                        "--checkpoint-dir", str(self.workdir / f"rank{r}"), "--step-interval", str(STEP_INTERVAL_S)]
             if self.verbose:
@@ -301,7 +301,7 @@ class _Orders:
 
 
 def _parse_rank_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m nicswitch_agent.demo_processes",
+    parser = argparse.ArgumentParser(prog="python -m nicswitch_agent.demo.processes",
                                      description="one rank of `nicswitch-agent demo --processes` (not for direct use)")
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)

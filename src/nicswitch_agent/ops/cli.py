@@ -38,7 +38,8 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     import nicswitch_agent.sim.cli as sim_cli
-    from nicswitch_agent import doctor, launcher, om_cli, status_file
+    from nicswitch_agent.observability import status_file
+    from nicswitch_agent.ops import doctor, launcher, om_cli
 
     # (name, help, add_arguments, run): each command module owns its flags and its behaviour.
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Runner]] = [

@@ -25,8 +25,8 @@ from typing import Any
 from tenacity import wait_random_exponential
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.rpc_policy import bounded, describe, refused_unhandled
-from nicswitch_agent.transport import ConnectivityWatch, RecoverStub
+from nicswitch_agent.clusterd.channel import ConnectivityWatch, RecoverStub
+from nicswitch_agent.clusterd.rpc_policy import bounded, describe, refused_unhandled
 
 logger = logging.getLogger("nicswitch_agent.reply")
 

@@ -38,6 +38,14 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import (
+    ChannelSettings,
+    RecoverStub,
+    TlsSettings,
+    explain_connect_failure,
+    open_channel,
+)
+from nicswitch_agent.clusterd.rpc_policy import Kind, RpcFailure, classify
 from nicswitch_agent.config import (
     CLUSTERD_MIN_PING_INTERVAL_S,
     ENV_PREFIX,
@@ -52,15 +60,7 @@ from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
-from nicswitch_agent.om_cli import add_tls_arguments, tls_overrides
-from nicswitch_agent.rpc_policy import Kind, RpcFailure, classify
-from nicswitch_agent.transport import (
-    ChannelSettings,
-    RecoverStub,
-    TlsSettings,
-    explain_connect_failure,
-    open_channel,
-)
+from nicswitch_agent.ops.om_cli import add_tls_arguments, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor

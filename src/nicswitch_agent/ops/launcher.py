@@ -612,7 +612,7 @@ def configure_logging(*, verbose: bool = False, quiet: bool = False) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m nicswitch_agent.launcher [options] -- <command ...>`` (same as ``nicswitch-agent launch``)."""
+    """``python -m nicswitch_agent.ops.launcher [options] -- <command ...>`` (same as ``nicswitch-agent launch``)."""
     parser = argparse.ArgumentParser(prog="nicswitch-agent launch")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     add_arguments(parser)

@@ -24,7 +24,7 @@ server's behaviour (docs/clusterd.md#failed-switch-and-fault-recovery, docs/clus
 - anything else: logged at WARNING with the whole signal; nothing changes.
 
 "Stop" means: the user's ``on_stop(reason)`` is called, and the training thread leaves its parking
-spot with :class:`~nicswitch_agent.pause.TrainingStopped`, so training never continues silently
+spot with :class:`~nicswitch_agent.coordination.parking.TrainingStopped`, so training never continues silently
 on links in an unknown state. The streams stay open, so ClusterD can finish its own recovery.
 """
 
@@ -37,10 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator, RunOutcome
-from nicswitch_agent.execute import Execution
-from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.process_manage import (
+from nicswitch_agent.clusterd.process_manage import (
     ACTION_PAUSE,
     ACTION_STOP,
     CHANGE_STRATEGY,
@@ -57,6 +54,9 @@ from nicswitch_agent.process_manage import (
     ProcessManageClient,
     describe_signal,
 )
+from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator, RunOutcome
+from nicswitch_agent.coordination.hook_runner import Execution
+from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.controller")
 

@@ -23,12 +23,12 @@ from typing import Any
 
 import grpc
 
-from nicswitch_agent import _fork_safety
+from nicswitch_agent import process_hooks
 from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.rpc_policy import HANDSHAKE_WORDS, Kind, classify
 from nicswitch_agent.errors import ConfigError
-from nicswitch_agent.rpc_policy import HANDSHAKE_WORDS, Kind, classify
 
-_fork_safety.warn_if_unsafe()  # once: grpc was set up for forks by the package's __init__, unless too late
+process_hooks.warn_if_unsafe()  # once: grpc was set up for forks by the package's __init__, unless too late
 
 SERVICE = "Recover"
 

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nicswitch_agent.events import AgentEvent
+from nicswitch_agent.observability.events import AgentEvent
 
 logger = logging.getLogger("nicswitch_agent.status")
 

@@ -34,11 +34,11 @@ bounded wait runs out):
 By hand (prints the counts; exit status 1 if any invariant broke; ``-v``: one line per switch;
 ``--log``: the agent's and simulator's warnings too)::
 
-    python -m nicswitch_agent.sim.soak --switches 500 --seed 7
-    python -m nicswitch_agent.sim.soak --switches 200 --pause agent --ranks 4 --seed 3 -v
-    python -m nicswitch_agent.sim.soak --switches 100 --kills 10          # more SIGKILL restarts
-    python -m nicswitch_agent.sim.soak --switches 40 --mid-switch-restarts
-    python -m nicswitch_agent.sim.soak --idle-minutes 10                  # keepalive, see below
+    python tests/soak.py --switches 500 --seed 7
+    python tests/soak.py --switches 200 --pause agent --ranks 4 --seed 3 -v
+    python tests/soak.py --switches 100 --kills 10          # more SIGKILL restarts
+    python tests/soak.py --switches 40 --mid-switch-restarts
+    python tests/soak.py --idle-minutes 10                  # keepalive, see below
 
 ``--idle-minutes N`` runs the keepalive check instead: one idle agent (pause mode agent,
 ``keepalive_time_s=3``, the smallest ClusterD tolerates) against a simulator that enforces
@@ -77,14 +77,14 @@ import grpc
 import nicswitch_agent
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.agent import SwitchAgent
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.coordination import InProcessStore
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.orders import SwitchOrder
-from nicswitch_agent.pause import TrainingStopped
+from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim import faults as F
-from nicswitch_agent.sim import protocol as P
 from nicswitch_agent.sim.server import Simulator
 from nicswitch_agent.sim.settings import SimJob, SimSettings
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
 
 __all__ = [
     "FAULTS",
@@ -1023,7 +1023,7 @@ def idle_check(seconds: float, *, keepalive_time_s: float = 3.0, stop: threading
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m nicswitch_agent.sim.soak",
+    parser = argparse.ArgumentParser(prog="python tests/soak.py",
                                      description="Fault soak of the agent against the simulator.")
     parser.add_argument("--switches", type=int, default=100, help="switches in total (default 100)")
     parser.add_argument("--seed", type=int, default=7, help="seed of every random choice (default 7)")

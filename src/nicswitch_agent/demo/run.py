@@ -10,7 +10,7 @@ steps.
 
 The ranks are threads by default (no torch needed; they meet at every step like an all-reduce
 and coordinate through an in-process store). With ``--processes`` each rank is a real torch
-process (see :mod:`nicswitch_agent.demo_processes`): gloo on CPU, ``torch.distributed`` over a
+process (see :mod:`nicswitch_agent.demo.processes`): gloo on CPU, ``torch.distributed`` over a
 TCPStore, an all-reduce every step, and the agents coordinating through the job's own Store.
 
 With ``--server`` there is no embedded simulator and no operator: the thread job joins a ClusterD
@@ -21,11 +21,8 @@ With ``--server`` there is no embedded simulator and no operator: the thread job
 from __future__ import annotations
 
 import functools
-import importlib.util
-import json
 import logging
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -34,241 +31,37 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.events import AgentEvent
-from nicswitch_agent.orders import SwitchOrder
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.demo.common import (
+    _LEADER_EVENTS,
+    DEFAULT_RANKS,
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    FINISH,
+    JOB_ID,
+    STEP_INTERVAL_S,
+    WARMUP_STEPS,
+    DemoError,
+    DemoJob,
+    FileCheckpoint,
+    LinkTable,
+    Progress,
+    RankSummary,
+    Timeline,
+    _SimLogToTimeline,
+    check_arguments,
+    describe_event,
+    describe_standby,
+    failover_devices,
+    job_nodes,
+    timeline_event,
+)
+from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
-from nicswitch_agent.transport import ChannelSettings, RecoverStub, open_channel
-
-JOB_ID = "demo-job"
-STEP_INTERVAL_S = 0.02
-WARMUP_STEPS = 10
-DEFAULT_RANKS = 4
-MAX_THREAD_RANKS = 64
-MAX_PROCESS_RANKS = 16  # each one imports torch: on a laptop more would take minutes to start
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-FINISH = "switch nic finish"
-
-
-class DemoError(Exception):
-    """The demo could not run (a rank did not start); the message says why."""
-
-
-def job_nodes(ranks: int) -> dict[str, list[str]]:
-    """The demo job's rank table: two nodes when the ranks split evenly, else one.
-
-    The simulator numbers global ranks ``node index * devices per node + device index``.
-    """
-    if ranks >= 2 and ranks % 2 == 0:
-        per_node = ranks // 2
-        return {f"node-{n}": [str(d) for d in range(per_node)] for n in range(2)}
-    return {"node-0": [str(d) for d in range(ranks)]}
-
-
-def failover_devices(nodes: dict[str, list[str]]) -> tuple[str, list[str], list[int]]:
-    """(node, its devices to move, their global ranks): the last node's devices, or the upper half
-    of a single node's (at least one)."""
-    names = list(nodes)
-    node = names[-1]
-    devices = nodes[node]
-    first = 0 if len(names) > 1 else len(devices) // 2
-    base = (len(names) - 1) * len(devices)
-    return node, devices[first:], [base + i for i in range(first, len(devices))]
-
-
-def torch_available() -> bool:
-    """Whether torch can be found, without importing it (that alone takes a second or two)."""
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def check_arguments(ranks: int, processes: bool) -> str | None:
-    """The usage error of these demo arguments, or None when they are fine."""
-    limit = MAX_PROCESS_RANKS if processes else MAX_THREAD_RANKS
-    if not 1 <= ranks <= limit:
-        return f"--ranks must be between 1 and {limit}{' with --processes' if processes else ''}, got {ranks}"
-    if processes and not torch_available():
-        return ("--processes needs torch (pip install 'nicswitch-agent[torch]'); "
-                "without --processes the demo runs its ranks as threads and needs no torch")
-    return None
-
-
-@dataclass
-class Timeline:
-    """Lines stamped by wall clock (comparable across processes), rendered in ms since the start."""
-
-    started: float = field(default_factory=time.time)
-    lines: list[tuple[float, str, str]] = field(default_factory=list)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def add(self, who: str, text: str, *, at: float | None = None) -> None:
-        """Add a line; ``at`` is its wall-clock time (default: now)."""
-        with self.lock:
-            self.lines.append((time.time() if at is None else at, who, text))
-
-    def render(self, out: TextIO) -> None:
-        with self.lock:
-            lines = sorted(self.lines, key=lambda line: line[0])  # stable: same-time lines keep their order
-        for at, who, text in lines:
-            out.write(f"  {(at - self.started) * 1000:8.1f} ms  {who:<9} {text}\n")
-
-
-class LinkTable:
-    """The demo's stand-in for HCCL: which global ranks currently use their standby NIC."""
-
-    def __init__(self, world_size: int, on_change: Callable[[LinkTable], None] | None = None) -> None:
-        self.standby = [False] * world_size
-        self.calls = 0
-        self._on_change = on_change
-
-    def __call__(self, order: SwitchOrder) -> bool:
-        self.calls += 1
-        for rank, use_backup in order:
-            self.standby[rank] = use_backup
-        if self._on_change is not None:
-            self._on_change(self)
-        return True
-
-    def describe(self) -> str:
-        return describe_standby(self.standby)
-
-
-def describe_standby(standby: list[bool]) -> str:
-    on = [str(r) for r, b in enumerate(standby) if b]
-    return f"ranks on standby: {', '.join(on) if on else 'none'}"
-
-
-class FileCheckpoint:
-    """Writes a tiny checkpoint (the step) before each switch, atomically."""
-
-    def __init__(self, directory: str, current_step: Callable[[], int | None]) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.directory = directory
-        self.current_step = current_step
-        self.paths: list[str] = []
-
-    def __call__(self, order: SwitchOrder) -> None:
-        step = self.current_step()
-        path = os.path.join(self.directory, f"step-{step}-switch-{order.seq}.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump({"step": step, "order": order.as_dict()}, f)
-        os.replace(tmp, path)
-        self.paths.append(path)
-
-
-class _SimLogToTimeline(logging.Handler):
-    def __init__(self, timeline: Timeline) -> None:
-        super().__init__(logging.INFO)
-        self.timeline = timeline
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        if "action path" in text or "signal enqueue" in text or "misuse" in text:
-            if "action path" in text and "reset (switch nic finish)" in text:
-                text = "switch finished: all of the job's streams end (reset)"
-            elif "misuse" not in text:
-                return
-        self.timeline.add("clusterd", re.sub(r"uuid=\S+", "uuid=...", text))
-
-
-def describe_event(event: AgentEvent) -> str | None:
-    """One timeline line for an agent event, or None for events the timeline leaves out."""
-    d = event.detail
-    if event.kind == "list_received":
-        return f"rank list #{event.seq} received: {d['ranks']} rank(s), {d['to_standby']} to standby, " \
-               f"{d['to_primary']} to primary"
-    if event.kind == "member_result":
-        where = "on the parked training thread" if d["parked"] else "on the member thread"
-        what = "guard + switch" if d["kind"] == "switch" else d["kind"]
-        result = "ok" if d["ok"] else "FAILED: " + d["reason"]
-        return f"{what} {result} in {d['duration_s'] * 1000:.1f} ms {where}"
-    if event.kind == "switch_done":
-        verdict = "switched" if d["ok"] else "FAILED: " + d["reason"]
-        return f"order #{event.seq} {verdict} on all {d['ranks']} rank(s) in {d['duration_s'] * 1000:.1f} ms"
-    if event.kind == "reply_sent":
-        return f"ReplySwitchNicResult({str(d['result']).lower()}) delivered in {d['duration_s'] * 1000:.1f} ms"
-    if event.kind == "reply_failed":
-        return f"reply NOT delivered: {d.get('error')}"
-    if event.kind == "parked":
-        return f"training parked at step {d['step']} (step boundary)"
-    if event.kind == "resumed":
-        return f"training resumed after {d['parked_s'] * 1000:.1f} ms parked"
-    if event.kind in ("agent_started", "agent_stopped"):
-        return event.kind.replace("_", " ")
-    return None
-
-
-_LEADER_EVENTS = {"list_received", "switch_done", "reply_sent", "reply_failed"}
-
-
-def timeline_event(timeline: Timeline, event: AgentEvent, rank: int) -> None:
-    """Put rank ``rank``'s event on the timeline, at the time it happened."""
-    if event.kind in _LEADER_EVENTS or event.kind.startswith("agent_"):
-        if rank != 0 and event.kind.startswith("agent_"):
-            return  # one line for the job's start and stop is enough
-        who = "leader"
-    else:
-        if rank != 0 and event.kind == "resumed":
-            return
-        who = f"rank {rank}"
-    text = describe_event(event)
-    if text is not None:
-        timeline.add(who, text, at=event.wall)
-
-
-class Progress:
-    """Lets the demo wait for the training loop to reach a step (no polling)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.step = 0
-
-    def current(self) -> int:
-        return self.step
-
-    def advance(self, step: int) -> None:
-        with self._cond:
-            self.step = step
-            self._cond.notify_all()
-
-    def wait_for_step(self, step: int, timeout: float = 10.0) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.step >= step, timeout)
-
-
-@dataclass
-class RankSummary:
-    """How one rank's part of the demo went."""
-
-    rank: int
-    parked_at: list[int]
-    standby: list[bool]
-    switch_calls: int
-    checkpoints: int
-    last_step: int
-    counters: dict[str, Any] = field(default_factory=dict)  # the leader's status()["counters"]
-
-
-class DemoJob(Protocol):
-    """The training job of the demo: threads in this process, or torch processes."""
-
-    description: str
-    progress: Progress  # rank 0's steps
-
-    def start(self, address: str) -> None:
-        """Start every rank; return once all of them train (DemoError if one cannot start)."""
-
-    def leader_links(self, switches: int) -> list[bool]:
-        """Rank 0's links once its switch hook has run ``switches`` times (or what it has now)."""
-
-    def stop(self) -> list[RankSummary]:
-        """Stop training on every rank at the same step, stop the agents; one summary per rank."""
-
 
 # -- ranks as threads ---------------------------------------------------------------------------
 
@@ -430,7 +223,7 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
         ) as sim:
             job: DemoJob
             if processes:
-                from nicswitch_agent.demo_processes import ProcessJob
+                from nicswitch_agent.demo.processes import ProcessJob
 
                 job = ProcessJob(ranks, timeline, workdir, verbose=verbose)
             else:

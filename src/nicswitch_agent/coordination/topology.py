@@ -1,0 +1,73 @@
+"""Where a rank stands in the job and which Store the ranks coordinate through.
+
+The rank and world size come from the config, else from an initialised ``torch.distributed``,
+else a single rank. The Store is the one the user passed, the launcher's (``store_address``), an
+in-process one for a single rank, or ``torch.distributed``'s default Store (torch imported lazily:
+a member-only process that never needs it never loads it).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.coordination.kv import KV, InProcessStore
+from nicswitch_agent.coordination.messages import key_prefix
+from nicswitch_agent.errors import ConfigError
+
+
+def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
+    """(rank, world size): configured, else torch.distributed's, else a single rank."""
+    rank, world = cfg.rank, cfg.world_size
+    if leader_only:
+        if world is None:
+            raise ConfigError("leader_only=True needs world_size: the number of training ranks it leads")
+        return 0, world
+    dist = sys.modules.get("torch.distributed")
+    if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank() if rank is None else rank
+        world = dist.get_world_size() if world is None else world
+    world = world or 1
+    rank = rank or 0
+    if rank >= world:
+        raise ConfigError(f"rank={rank} is outside world_size={world}")
+    return rank, world
+
+
+def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, leader_only: bool) -> KV:
+    """The key-value view the leader and the members share, under this job's key prefix."""
+    # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
+    prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or leader_only) else None)
+    if store is not None:
+        return KV(store, prefix)
+    if cfg.store_address is not None:
+        return KV(connect_tcp_store(cfg.store_address, cfg.rpc_timeout_s), prefix)
+    if world_size == 1:
+        return KV(InProcessStore(), prefix)
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_initialized():
+        raise ConfigError(
+            f"world_size={world_size} needs a Store to coordinate ranks: call "
+            "torch.distributed.init_process_group() before start(), or pass store=..."
+        )
+    from torch.distributed import distributed_c10d
+
+    default_store: Any = distributed_c10d._get_default_store()  # clone() exists on every Store since torch 2.4
+    return KV(default_store, prefix)
+
+
+def connect_tcp_store(address: str, timeout_s: float) -> Any:
+    """A client of the TCPStore at ``host:port`` (hosted by the launcher)."""
+    import datetime
+
+    try:
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    except ImportError as exc:
+        raise ConfigError(f"store_address={address!r} needs torch (pip install nicswitch-agent[torch])") from exc
+    host, _, port = address.rpartition(":")
+    try:
+        return TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=max(timeout_s, 30.0)),
+                        wait_for_workers=False)
+    except RuntimeError as exc:
+        raise ConfigError(f"store_address={address!r}: cannot reach the Store: {exc}") from exc
