@@ -99,12 +99,12 @@ class RankRecorder:
             agent._member.kv.store = self.member_store
         if agent.rank != 0:
             return
-        stub = agent._stub
+        stub = agent._session.stub
         assert stub is not None
         calls: dict[str, Callable[..., Any]] = stub._calls
         for name in UNARY_REPORTS:
             calls[name] = self._timed_call(name, calls[name])
-        pm = agent._process_manage
+        pm = agent._session.process_manage
         if pm is not None:
             on_signal = pm._on_signal
 
@@ -115,7 +115,7 @@ class RankRecorder:
                 on_signal(signal)
 
             pm._on_signal = stamped_signal
-        subscriber = agent._subscriber
+        subscriber = agent._session.subscriber
         if subscriber is not None:
             on_list = subscriber._on_list
 

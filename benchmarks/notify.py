@@ -54,7 +54,7 @@ def start_agent(address: str, stamps: Stamps) -> SwitchAgent:
     agent = SwitchAgent(server=address, job_id=JOB, pause="external", switch_hook=stamps.hook_called,
                         on_event=stamps.on_event)
     agent.start()
-    subscriber = agent._subscriber  # benchmark instrumentation: stamp the notify thread's callback
+    subscriber = agent._session.subscriber  # benchmark instrumentation: stamp the notify thread's callback
     assert subscriber is not None
     on_list = subscriber._on_list
 

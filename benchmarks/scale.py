@@ -101,7 +101,7 @@ def child_main(ranks: int, reps: int, members_list: list[int]) -> dict[str, Any]
         message = pb.SwitchRankList.FromString(data)
         t1 = time.perf_counter()
         agent._on_list(message)
-        owed = agent._queue.get_nowait()
+        owed = agent._executor.queue.get_nowait()
         t2 = time.perf_counter()
         assert owed is not None and owed.order is not None, owed.rejection if owed else "nothing queued"
         outcome = coordinator.run(owed.order, kind=KIND_SWITCH, budget_s=120)

@@ -591,10 +591,10 @@ def agent_problems(agent: SwitchAgent) -> list[str]:
         problems.append(f"rank {agent.rank}: still parked at step {status['parked_step']}")
     threads: dict[str, Any] = {"nicswitch-member": agent._member}
     if agent._coordinator is not None:  # the leader
-        threads.update({"nicswitch-notify": agent._subscriber, "nicswitch-executor": agent._executor})
+        threads.update({"nicswitch-notify": agent._session.subscriber, "nicswitch-executor": agent._executor})
         if agent.pause_mode == "agent":
-            controller = agent._controller
-            threads.update({"nicswitch-process-manage": agent._process_manage,
+            controller = agent._session.controller
+            threads.update({"nicswitch-process-manage": agent._session.process_manage,
                             "nicswitch-signals": controller._thread if controller else None})
     for name, owner in threads.items():
         alive = owner is not None and (owner.is_alive() if isinstance(owner, threading.Thread) else owner.running)

@@ -129,9 +129,9 @@ def test_unimplemented_stops_the_subscriber_and_marks_the_agent_failed(
     agent = make_agent(switch_hook=Recorder(), on_event=lambda e: e.kind == ev.AGENT_FAILED and failed.set())
     assert failed.wait(10)
     assert agent.status()["state"] == "failed"
-    assert agent._subscriber is not None
-    agent._subscriber._thread.join(5)  # type: ignore[union-attr]
-    assert not agent._subscriber.running
+    assert agent._session.subscriber is not None
+    agent._session.subscriber._thread.join(5)  # type: ignore[union-attr]
+    assert not agent._session.subscriber.running
     assert clusterd.opens == 1
 
 
@@ -295,7 +295,7 @@ def test_stop_while_idle_is_prompt_and_idempotent(clusterd: ScriptedClusterD, ma
     agent.stop()
     agent.stop()
     assert agent.status()["state"] == "stopped"
-    assert agent._subscriber is not None and not agent._subscriber.running
+    assert agent._session.subscriber is not None and not agent._session.subscriber.running
     assert agent._executor is not None and not agent._executor.is_alive()
     assert clusterd.wait_for(lambda s: s.open_now == 0)
     assert clusterd.replies == []
@@ -408,7 +408,7 @@ def test_member_rank_opens_no_clusterd_stream(clusterd: ScriptedClusterD) -> Non
                          world_size=2, rank=1, store=store).start()
     try:
         assert member.status()["state"] == "running"
-        assert member._channel is None and member._subscriber is None
+        assert member._session is None
         assert clusterd.opens == 0
     finally:
         member.stop()
@@ -430,7 +430,7 @@ def test_lists_beyond_max_pending_lists_are_answered_false_in_turn_and_not_kept(
     seen = Events()
     agent = make_agent(switch_hook=slow_hook, max_pending_lists=2, on_event=seen)
     seen.wait(ev.LIST_REJECTED, 3)  # lists 4, 5 and 6 found two already waiting
-    waiting = {owed.seq: owed.order for owed in list(agent._queue.queue)}
+    waiting = {owed.seq: owed.order for owed in list(agent._executor.queue.queue)}
     assert sorted(waiting) == [2, 3, 4, 5, 6]
     assert all(waiting[seq] is not None for seq in (2, 3)) and all(waiting[seq] is None for seq in (4, 5, 6))
     release.set()

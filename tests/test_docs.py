@@ -8,7 +8,7 @@
   docs/*.md and the README, or in an inline code span of their prose, names a subcommand that
   exists, whose `--help` exits 0 and lists every `--flag` the doc uses (checked in a subprocess,
   one per distinct subcommand);
-- docs/operations.md names every event kind constant of events.py, its event table is rendered
+- docs/operations.md names every event kind constant of observability/events.py, its event table is rendered
   from events.EVENT_KINDS (checked against the events file of a real run), and it names every
   Prometheus metric.
 """

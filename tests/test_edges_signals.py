@@ -327,7 +327,7 @@ def test_a_stop_while_the_executor_sends_its_reply_ends_the_streams_only_after_i
         agent.start()
         trainer.thread.start()
         assert sim.wait_until(mr_streams_ready, 10)
-        replier = agent._replier  # no public seam holds a reply mid-send
+        replier = agent._session.replier  # no public seam holds a reply mid-send
         assert replier is not None
         send = replier.send
 

@@ -279,7 +279,7 @@ def test_a_step_under_way_when_the_flag_is_set_is_seen(job: Job) -> None:
 
 
 def test_a_request_made_as_training_leaves_its_parking_spot_is_not_lost() -> None:
-    """pause.py: only the member thread writes ``request_epoch``, and the training thread, leaving
+    """coordination/parking.py: only the member thread writes ``request_epoch``, and the training thread, leaving
     its parking spot, marks handled only the epoch it parked for (and disarms only if that is still
     the latest). Pin the parked training thread in a piece of work, release its pause and make
     the next request meanwhile (a continue followed at once by the next switch's pause), then let

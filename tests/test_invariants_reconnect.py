@@ -4,14 +4,14 @@ ClusterD ends the SubscribeNotifySwitch stream cleanly after every switch, so th
 at once (docs/protocol.md). A server that ends *every* stream at once (a proxy in the way, a
 ClusterD in a bad state) must not get a reopen per round trip: more than ``eof_burst`` (5) clean
 ends within a second with no message make the subscriber wait ``reconnect_initial_s`` (0.2 s,
-jittered to 0.1-0.2 s) before each further open (subscriber.py).
+jittered to 0.1-0.2 s) before each further open (clusterd/notify.py).
 
 The bound is a count during a fixed wait, so load can only make the test pass more easily: with
 the throttle at most ~15 opens fit in a second (10 waits of >= 0.1 s, plus the few opens a
 stalled box lets through at once); without it the agent reopens hundreds of times a second
 (about 880/s measured on the loaded 2-core test box), two orders of magnitude above the bound.
 
-The process-manage stream has a throttle of its own (process_manage.py): a stream that ends
+The process-manage stream has a throttle of its own (clusterd/process_manage.py): a stream that ends
 within 0.5 s with no signal is reopened after a growing backoff. By default the conflict
 detector (3 such ends within 30 s: another client holds the stream) takes over after the third
 end, so that test sets ``conflict_resets`` out of reach to see the throttle alone.

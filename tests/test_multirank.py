@@ -308,7 +308,7 @@ def test_leader_in_a_launcher_process_and_every_rank_a_member(sim: Simulator) ->
         rank.thread.start()
     try:
         assert leader.status()["role"] == "leader" and leader._member is None
-        assert all(r.agent.status()["role"] == "member" and r.agent._channel is None for r in ranks)
+        assert all(r.agent.status()["role"] == "member" and r.agent._session is None for r in ranks)
         assert sim.wait_until(streams_ready, 10)
         assert switch(sim, "node-0", ["0", "1"], [True, True]) == "switch nic finish"
         assert sorted(c[0] for c in calls) == [0, 1] and len({c[4] for c in calls}) == 1

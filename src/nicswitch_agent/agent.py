@@ -11,8 +11,8 @@ training thread and runs the hooks. Rank 0 is also the leader, the job's only Cl
 - ``nicswitch-notify``: reads SubscribeNotifySwitch, validates, enqueues (see clusterd/notify.py);
 - ``nicswitch-executor``: runs orders one at a time on every rank, then replies;
 - pause mode ``agent`` only: ``nicswitch-process-manage`` (Init/Register and ClusterD's pause and
-  continue signals, see process_manage.py) and ``nicswitch-signals`` (what they mean, see
-  controller.py). docs/architecture.md has the whole picture.
+  continue signals, see clusterd/process_manage.py) and ``nicswitch-signals`` (what they mean, see
+  clusterd/signal_flow.py). docs/architecture.md has the whole picture.
 
 In pause mode ``external`` (MindIO/TaskD pause training around the switch) the training thread
 is never involved. In pause mode ``agent`` it parks inside ``step()`` when ClusterD asks for a
@@ -49,14 +49,10 @@ from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 if TYPE_CHECKING:
     # The ClusterD client side (grpc, protobuf: ~30 MB resident) is imported when an agent
     # starts as the leader, never in a member-only process, which only talks to the Store.
-    import grpc
-
     from nicswitch_agent._pb import recover_pb2 as pb
-    from nicswitch_agent.clusterd.channel import ConnectivityWatch, RecoverStub
-    from nicswitch_agent.clusterd.notify import NotifySubscriber
-    from nicswitch_agent.clusterd.process_manage import ProcessManageClient
-    from nicswitch_agent.clusterd.reply import Replier, ReplyReport
-    from nicswitch_agent.clusterd.signal_flow import AgentModeController
+    from nicswitch_agent.clusterd.reply import ReplyReport
+    from nicswitch_agent.clusterd.session import LeaderSession
+    from nicswitch_agent.clusterd.signal_flow import HookSettings
 
 logger = logging.getLogger("nicswitch_agent")
 
@@ -100,10 +96,8 @@ class SwitchAgent:
         "__dict__",
         "__weakref__",
         "_armed",
-        "_channel",
         "_checkpoint_hook",
         "_conflict",
-        "_controller",
         "_coordination_stop",
         "_coordinator",
         "_event_sink",
@@ -118,9 +112,8 @@ class SwitchAgent:
         "_parking",
         "_pause_reason",
         "_pid",
-        "_process_manage",
-        "_replier",
         "_seq",
+        "_session",
         "_started_mono",
         "_state",
         "_state_reason",
@@ -130,10 +123,7 @@ class SwitchAgent:
         "_stopped",
         "_stopping_thread",
         "_store",
-        "_stub",
-        "_subscriber",
         "_switch_hook",
-        "_watch",
         "config",
         "last_step",
         "pause_mode",
@@ -196,12 +186,8 @@ class SwitchAgent:
         self._stopped = threading.Event()  # set when a stop() that did the work has finished
         self._stopping_thread: threading.Thread | None = None
         self._seq = itertools.count(1)
-        self._channel: grpc.Channel | None = None
-        self._stub: RecoverStub | None = None
-        self._watch: ConnectivityWatch | None = None  # the channel's one connectivity subscription
+        self._session: LeaderSession | None = None  # the leader's ClusterD client (clusterd/session.py)
         self._conflict = ""  # pause mode auto fell back to external because of this conflict
-        self._replier: Replier | None = None
-        self._subscriber: NotifySubscriber | None = None
         self._executor = Executor(run=self._run_order, send=self._send_reply, forgotten=self._forgotten,
                                   emit=self._emit, on_busy=self._on_busy, world_size=lambda: self.world_size,
                                   stop_timeout_s=config.stop_timeout_s)
@@ -212,8 +198,6 @@ class SwitchAgent:
         self._armed = False  # a pause request is pending: step() must go to the parking lot
         self._parking = ParkingLot(on_event=lambda kind, detail: self._emit(kind, detail=detail),
                                    on_armed=self._set_armed)
-        self._controller: AgentModeController | None = None
-        self._process_manage: ProcessManageClient | None = None
         self._coordinator: Coordinator | None = None
         self._coordination_stop = threading.Event()  # cuts the leader's waits short on stop()
         self._member: Member | None = None
@@ -250,21 +234,12 @@ class SwitchAgent:
 
     def _abort_start(self) -> None:
         """Undo a start() that failed half way, so nothing keeps running and start() may be retried."""
-        for stop in (self._subscriber, self._process_manage, self._member):
-            if stop is not None:
-                stop.stop()
-        if self._controller is not None:
-            self._controller.stop(self.config.stop_timeout_s)
+        if self._session is not None:
+            self._session.abort()
+        if self._member is not None:
+            self._member.stop()
         self._executor.abandon()
-        if self._replier is not None:
-            self._replier.close()
-        if self._watch is not None:
-            self._watch.close()
-        if self._channel is not None:
-            self._channel.close()
-        self._subscriber = self._process_manage = self._member = self._controller = None
-        self._channel = self._replier = self._stub = self._coordinator = None
-        self._watch = None
+        self._session = self._member = self._coordinator = None
         with self._lock:
             self._state = CREATED
         self._stop_observers()  # the status file's last word: "created"
@@ -324,77 +299,19 @@ class SwitchAgent:
             self._metrics.close()
 
     def _start_leader(self, kv: KV) -> SwitchAgent:
-        from nicswitch_agent.clusterd.channel import ChannelSettings, ConnectivityWatch, RecoverStub, open_channel
-        from nicswitch_agent.clusterd.notify import NotifySubscriber, SubscriberSettings
-        from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings
-        from nicswitch_agent.clusterd.reply import Replier, ReplyPolicy
-        from nicswitch_agent.clusterd.signal_flow import AgentModeController, HookSettings
+        from nicswitch_agent.clusterd.session import LeaderSession, SessionCallbacks
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
-        self._channel = open_channel(ChannelSettings(
-            target=cfg.server,
-            keepalive_time_s=cfg.keepalive_time_s,
-            keepalive_timeout_s=cfg.keepalive_timeout_s,
-            reconnect_initial_s=cfg.reconnect_initial_s,
-            reconnect_max_s=cfg.reconnect_max_s,
-            max_receive_bytes=cfg.max_message_bytes,
-            tls=cfg.tls_settings(),
-        ))
-        self._stub = RecoverStub(self._channel)
-        # One watch for the channel, shared by every stream and the replier (each subscription is
-        # a gRPC polling thread); status()["connected"] reads it through the notify subscriber.
-        self._watch = ConnectivityWatch(self._channel).start()
-        self._replier = Replier(self._stub, ReplyPolicy(
-            total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
-        ), watch=self._watch)
-        self._executor.start()
-        gate = None
-        if self.pause_mode == "agent":
-            self._controller = AgentModeController(
-                self._coordinator,
-                HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
-                             guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
-                             pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
-                             guard_unknown=self._leader_only),
-                on_stop=self._training_must_stop,
-            )
-            self._process_manage = ProcessManageClient(
-                self._stub,
-                ProcessManageSettings(job_id=cfg.job_id, role=cfg.role, rpc_timeout_s=cfg.rpc_timeout_s,
-                                      reconnect_initial_s=cfg.reconnect_initial_s,
-                                      reconnect_max_s=cfg.reconnect_max_s, stop_timeout_s=cfg.stop_timeout_s,
-                                      conflict_resets=cfg.conflict_resets, conflict_window_s=cfg.conflict_window_s,
-                                      conflict_backoff_s=cfg.conflict_backoff_s,
-                                      conflict_backoff_max_s=cfg.conflict_backoff_max_s),
-                self._controller.on_signal,
-                on_stream_end=self._controller.on_stream_end,
-                on_fatal=self._on_fatal,
-                on_conflict=self._on_conflict,
-                watch=self._watch,
-            )
-            self._process_manage.on_open = lambda opens: self._emit(
-                ev.SUBSCRIBED, detail={"stream": "process_manage", "opens": opens})
-            self._controller.attach(self._process_manage)
-            self._controller.start()
-            self._process_manage.start()
-            gate = self._process_manage.gate
-        self._subscriber = NotifySubscriber(
-            self._stub,
-            SubscriberSettings(
-                job_id=cfg.job_id, role=cfg.role, reconnect_initial_s=cfg.reconnect_initial_s,
-                reconnect_max_s=cfg.reconnect_max_s, resubscribe_after_eof_s=cfg.resubscribe_after_eof_s,
-                stop_timeout_s=cfg.stop_timeout_s,
-            ),
-            self._on_list,
-            on_fatal=self._on_fatal,
-            on_health=self._on_health,
-            gate=gate,
-            watch=self._watch,
-            on_connection=lambda connected, why: self._refresh_status(),
-        )
-        self._subscriber.on_open = lambda opens: self._emit(ev.SUBSCRIBED, detail={"stream": "notify", "opens": opens})
-        self._subscriber.start()
+        self._session = LeaderSession(
+            cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
+            callbacks=SessionCallbacks(
+                on_list=self._on_list, on_fatal=self._on_fatal, on_health=self._on_health,
+                on_connection=self._refresh_status, on_conflict=self._on_conflict,
+                on_training_stop=self._training_must_stop, emit=lambda kind, detail: self._emit(kind, detail=detail),
+            ))
+        self._executor.start()  # before any stream can deliver a list
+        self._session.start()
         self._started_mono = time.monotonic()
         with self._lock:
             if self._state == "starting":  # a fatal error may already have marked it failed
@@ -464,12 +381,8 @@ class SwitchAgent:
         if was_started:
             logger.info("nicswitch-agent stopping: %s", reason)
             self._stop_threads(reason)
-            if self._replier is not None:
-                self._replier.close()
-            if self._watch is not None:
-                self._watch.close()
-            if self._channel is not None:
-                self._channel.close()
+            if self._session is not None:
+                self._session.close()
         with self._lock:
             self._state, self._state_reason = STOPPED, reason
         self._emit(ev.AGENT_STOPPED, detail={"reason": reason})
@@ -480,17 +393,13 @@ class SwitchAgent:
     def _stop_threads(self, reason: str) -> None:
         """Everything stop() does but closing the channel; safe to run twice (a failed leader's
         threads are stopped this way at once, and stop() runs it again later)."""
-        if self._subscriber is not None:
-            self._subscriber.stop()  # no new lists
+        session = self._session
+        if session is not None:
+            session.stop_notify()  # no new lists
         self._executor.settle(reason)  # false for every list still owed a reply, before anything else
         self._coordination_stop.set()  # then cut the leader's waits short
-        if self._process_manage is not None:
-            # No report after this point (ClusterD would keep it for its next question), and
-            # one on the wire arrives before the stream ends.
-            self._process_manage.close_reports(self.config.stop_timeout_s)
-            self._process_manage.stop()
-        if self._controller is not None:
-            self._controller.stop(self.config.stop_timeout_s)
+        if session is not None:
+            session.end_process_manage()  # only now: ClusterD resets the job when that stream ends
         if self._coordinator is not None and self._coordinator.paused:
             try:
                 self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
@@ -518,7 +427,10 @@ class SwitchAgent:
         stream waits for, is not open. ``conflict`` is set while another process-manage client
         fights for the job's stream (see clusterd/process_manage.py).
         """
-        sub, pm = self._subscriber, self._process_manage
+        session = self._session
+        sub = session.subscriber if session else None
+        pm = session.process_manage if session else None
+        controller = session.controller if session else None
         counters, last_switch = self._executor.snapshot()
         with self._lock:
             state, reason = self._state, self._state_reason
@@ -562,26 +474,23 @@ class SwitchAgent:
             "parked": self._parking.parked,
             "parked_step": self._parking.parked_step,
             "stuck_hook": None if self._member is None else self._member.stuck_hook(),
-            "process_manage": None if self._process_manage is None else {
-                "registered": self._process_manage.registered,
-                "stream_open": self._process_manage.stream_open,
-                "opens": self._process_manage.opens,
-                "errors": self._process_manage.errors,
-                "last_error": self._process_manage.last_error,
-                "last_signal": self._controller.last_signal if self._controller else "",
-                "quiet_resets": self._process_manage.conflict_resets,
+            "process_manage": None if pm is None else {
+                "registered": pm.registered,
+                "stream_open": pm.stream_open,
+                "opens": pm.opens,
+                "errors": pm.errors,
+                "last_error": pm.last_error,
+                "last_signal": controller.last_signal if controller else "",
+                "quiet_resets": pm.conflict_resets,
             },
         }
 
     def health_check(self) -> dict[str, Any]:
         """Ask ClusterD's HealthCheck (one unary call; for status pages and the CLI, not per step)."""
-        if self._stub is None:
+        if self._session is None:
             raise AgentStateError("health_check() needs a started agent")
         started = time.monotonic()
-        from nicswitch_agent._pb import recover_pb2 as pb
-
-        status = self._stub.HealthCheck(pb.ClientInfo(jobId=self.config.job_id, role=self.config.role),
-                                        timeout=self.config.rpc_timeout_s)
+        status = self._session.health_check()
         return {"code": int(status.code), "info": status.info,
                 "latency_ms": round((time.monotonic() - started) * 1000, 3)}
 
@@ -636,29 +545,12 @@ class SwitchAgent:
         self._executor.submit(self._owed(seq, order))
 
     def _owed(self, seq: int, order: SwitchOrder | None, rejection: str = "") -> OwedReply:
-        """The reply token of a list just received, marked so that _forgotten can tell later."""
-        pm, sub = self._process_manage, self._subscriber
-        if pm is not None:
-            return OwedReply(seq, self.config.job_id, order, rejection, stream=pm.stream_id)
-        job_unknown = None if sub is None else sub.job_unknown
-        return OwedReply(seq, self.config.job_id, order, rejection, job_unknown=job_unknown)
+        if self._session is None:  # not started (benchmarks feed _on_list directly)
+            return OwedReply(seq, self.config.job_id, order, rejection)
+        return self._session.owed_reply(seq, order, rejection)
 
     def _forgotten(self, owed: OwedReply) -> str:
-        """Why ClusterD no longer waits for this reply ("" if it still does).
-
-        Pause mode agent: the process-manage stream ended since the list came, so ClusterD reset
-        the job or restarted. Pause mode external: ClusterD has since said it does not know the
-        job ("not registed"), so it restarted; a network blip, after which it still waits, does
-        not say that. (If TaskD registers the job again before our notify stream reopens, the
-        restart goes unseen: TaskD waits 10 s after a failed health check, we reconnect within
-        reconnect_max_s.)
-        """
-        pm, sub = self._process_manage, self._subscriber
-        if owed.stream is not None and pm is not None and not pm.is_current(owed.stream):
-            return "ClusterD reset the job since the list arrived"
-        if owed.job_unknown is not None and sub is not None and sub.job_unknown != owed.job_unknown:
-            return "ClusterD has restarted since the list arrived (it answered that it does not know the job)"
-        return ""
+        return "" if self._session is None else self._session.forgotten(owed)
 
     def _on_fatal(self, exc: BaseException) -> None:
         """A stream thread met an error no retry can fix (its ERROR, naming the fix, is logged
@@ -708,43 +600,42 @@ class SwitchAgent:
         self._refresh_status()
         if self.config.pause != "auto":
             return
-        pm, controller, sub = self._process_manage, self._controller, self._subscriber
         logger.warning("pause mode auto: falling back to pause mode external (another process-manage client "
                        "pauses this job); set pause=\"external\" to start that way")
         self._conflict = detail
         self.pause_mode = "external"
         self._pause_reason = "pause=auto fell back: another process-manage client holds the job's stream"
-        self._process_manage = None  # lists from now on are not tied to a process-manage stream
-        self._controller = None  # orders run on the members' threads, as in pause mode external
-        if pm is not None:
-            pm.stop()  # on its own thread: no join; it ends after this callback
-        if controller is not None:
-            controller.stop(self.config.stop_timeout_s)
-        if sub is not None:
-            sub.ungate()
+        if self._session is not None:
+            self._session.leave_process_manage()
         self._refresh_status()
 
     # -- the executor's collaborators ---------------------------------------------------------
 
+    def _hook_settings(self) -> HookSettings:
+        """The hooks' time budget as the leader counts it."""
+        from nicswitch_agent.clusterd.signal_flow import HookSettings
+
+        cfg = self.config
+        return HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
+                            guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
+                            pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
+                            guard_unknown=self._leader_only)
+
     def _run_order(self, order: SwitchOrder) -> Execution:
         """Run one order on every rank (executor thread): through the pause-mode-agent controller,
         or, in pause mode external, on the members' own threads through the coordinator."""
-        if self._controller is not None:
-            return self._controller.execute(order)
-        from nicswitch_agent.clusterd.signal_flow import HookSettings, success_reason
+        controller = None if self._session is None else self._session.controller
+        if controller is not None:
+            return controller.execute(order)
+        from nicswitch_agent.clusterd.signal_flow import success_reason
 
         assert self._coordinator is not None
-        cfg = self.config
-        budget = HookSettings(has_checkpoint_hook=self._checkpoint_hook is not None,
-                              guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
-                              pause_timeout_s=cfg.pause_timeout_s, dry_run=cfg.dry_run,
-                              guard_unknown=self._leader_only).order_budget_s
-        outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=budget)
+        outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=self._hook_settings().order_budget_s)
         return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
 
     def _send_reply(self, job_id: str, result: bool, total_timeout_s: float | None) -> ReplyReport:
-        assert self._replier is not None
-        return self._replier.send(job_id, result, total_timeout_s=total_timeout_s)
+        assert self._session is not None
+        return self._session.send_reply(job_id, result, total_timeout_s)
 
     def _on_busy(self, busy: bool) -> None:
         with self._lock:

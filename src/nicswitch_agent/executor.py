@@ -106,6 +106,10 @@ class Executor:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def running(self) -> bool:
+        return self.is_alive()
+
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)

@@ -85,7 +85,7 @@ def main() -> int:
     agent = SwitchAgent(switch_hook=switch).start()
     status = agent.status()
     log("start").write({"pid": os.getpid(), "ppid": os.getppid(), "restart": restart, "role": status["role"],
-                        "world": world, "holds_channel": agent._channel is not None,
+                        "world": world, "holds_channel": agent._session is not None,
                         "env": {k: v for k, v in os.environ.items() if k.startswith("NICSWITCH_")},
                         "torch_env": {k: os.environ[k] for k in TORCH_ENV if k in os.environ}})
     torch.manual_seed(0)

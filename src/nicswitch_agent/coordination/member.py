@@ -1,6 +1,6 @@
 """Member: every training rank's side of coordination, on a background thread.
 
-The member reads its event queue (see protocol.py) and drives the rank's :class:`ParkingLot`:
+The member reads its event queue (see messages.py) and drives the rank's :class:`ParkingLot`:
 
 - ``pause``: first set the local pause flag (``lot.request(aligned=True)``), *then* read the last
   step the training thread completed (``c_r``) and publish it. The training thread records its

@@ -93,7 +93,7 @@ def _version() -> str:
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    # Here, not in demo.py: building the parser must not import the demo (and its simulator).
+    # Here, not in demo/run.py: building the parser must not import the demo (and its simulator).
     parser.description = (
         "Run a ClusterD simulator and a small training job with the agent on this machine, ask for a failover "
         "and a switchback, and print a timeline: every rank parking at the same step, the checkpoint guard, "

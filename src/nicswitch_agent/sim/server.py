@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import generic_handler
+from nicswitch_agent._pb.service import generic_handler
 from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim import faults as F
 from nicswitch_agent.sim.event_controller import FATAL_PREFIX, JobController, JobView, RpcAbort, StreamToken

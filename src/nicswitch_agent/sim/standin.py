@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent._pb.service import RecoverStub
 from nicswitch_agent.sim import codes as P
 
 logger = logging.getLogger("nicswitch_agent.sim")
@@ -102,7 +102,9 @@ class MindIOStandIn:
             if self._started:
                 raise RuntimeError("MindIOStandIn already started")
             self._started = True
-        self._channel = open_channel(ChannelSettings(target=self.address))
+        self._channel = grpc.insecure_channel(self.address, options=[  # reconnect fast, as MindIO's client does
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 5000)])
         self._thread = threading.Thread(target=self._run, name=f"nicswitch-sim-standin-{self.job_id}", daemon=True)
         self._thread.start()
         return self
