@@ -46,7 +46,8 @@ from nicswitch_agent.clusterd.rpc_policy import Kind, RetryAfter, bounded, class
 from nicswitch_agent.clusterd.rpc_policy import backoff_delays as _backoff_delays
 from nicswitch_agent.errors import NicSwitchError
 
-_LOG = logging.getLogger(__name__)
+# A literal name, not __name__: operators filter on it, and it must not follow the module's path.
+_LOG = logging.getLogger("nicswitch_agent.om")
 
 #: ClusterD waits 15 min per phase (``reportTimeoutMinutes``); we wait a minute longer so that
 #: ClusterD's own verdict, not our impatience, ends a slow switch.
