@@ -1,0 +1,326 @@
+"""The operator's result stream: follow ``SubscribeSwitchNicSignal`` to a switch's one result.
+
+ClusterD accepts the stream only while a switch runs, delivers at most one message and then ends
+it; it can also end it empty (a controller reset) or refuse it with gRPC UNKNOWN
+(docs/clusterd.md#the-operators-result-stream). :class:`ResultStream` holds the retries that turn
+this into one :class:`~nicswitch_agent.ops.om_results.Outcome` (``follow``) or a series of
+:class:`~nicswitch_agent.ops.om_results.WatchedSwitch` (``watch``). Callers use it through
+:class:`nicswitch_agent.ops.om.OmClient`, whose methods document the contract.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from nicswitch_agent._pb import recover_pb2 as pb
+from nicswitch_agent.clusterd.channel import RecoverStub, explain_connect_failure, settings_of
+from nicswitch_agent.clusterd.rpc_policy import RetryAfter, bounded, wait_as_asked
+from nicswitch_agent.clusterd.rpc_policy import backoff_delays as _backoff_delays
+from nicswitch_agent.ops.om_results import (
+    FAILURE_MESSAGES,
+    Outcome,
+    OutcomeKind,
+    StreamError,
+    WatchedSwitch,
+    WatchEnd,
+    classify_message,
+    classify_stream_error,
+    code_and_details,
+)
+
+# One literal name for the O&M client, whichever of its modules logs: operators filter on it, so it
+# does not follow the modules' paths (__name__).
+_LOG = logging.getLogger("nicswitch_agent.om")
+
+#: ClusterD waits 15 min per phase (``reportTimeoutMinutes``); we wait a minute longer so that
+#: ClusterD's own verdict, not our impatience, ends a slow switch.
+DEFAULT_FOLLOW_TIMEOUT_S = 16 * 60.0
+#: How often :meth:`OmClient.watch` asks again while no switch runs. ClusterD accepts the result
+#: stream only while a switch runs, and a switch with a quick job takes a few milliseconds (7-15 ms
+#: against the simulator with an agent answering: a 20 ms poll saw 2 of 10, 5 ms saw 10 of 10). A
+#: refused call changes nothing in ClusterD and costs both sides a fraction of a millisecond; 200
+#: per second cost the watch about 14% of a core and the Python simulator 10%.
+DEFAULT_WATCH_POLL_S = 0.005
+
+# Retries of the result stream: 0.1 s doubling to 1 s, jittered (ClusterD answers in milliseconds).
+_RETRY_INITIAL_S = 0.1
+_RETRY_MAX_S = 1.0
+
+
+def backoff_delays(
+    initial_s: float = _RETRY_INITIAL_S, maximum_s: float = _RETRY_MAX_S, multiplier: float = 2.0
+) -> Iterator[float]:
+    """Capped, jittered exponential delays (:func:`nicswitch_agent.clusterd.rpc_policy.backoff_delays`);
+    the caller bounds them by its deadline."""
+    return _backoff_delays(initial_s, maximum_s, multiplier=multiplier)
+
+
+class ResultStream:
+    """SubscribeSwitchNicSignal calls for one client, one at a time.
+
+    ``closed`` is the client's: once set, a running follow or watch ends promptly (:meth:`cancel`
+    ends the call in flight, and every wait between calls wakes on it).
+    """
+
+    def __init__(self, stub: RecoverStub, channel: grpc.Channel, closed: threading.Event) -> None:
+        self._stub = stub
+        self._channel = channel
+        self._closed = closed
+        # Guards _call: the in-flight SubscribeSwitchNicSignal call, cancelled by cancel().
+        self._lock = threading.Lock()
+        self._call: Any = None
+
+    def cancel(self) -> None:
+        """End the call in flight, if any (the client's close(), from any thread)."""
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def follow(
+        self,
+        job_id: str,
+        timeout_s: float = DEFAULT_FOLLOW_TIMEOUT_S,
+        *,
+        wait_for_start: bool = False,
+        server_seen: bool = False,
+    ) -> Outcome:
+        """Wait for the result of the switch of ``job_id`` (the contract: :meth:`OmClient.follow`)."""
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        started = time.monotonic()
+        deadline = started + timeout_s
+        delays = backoff_delays()
+        reached = server_seen
+        ended_empty = 0
+        attempts = 0
+        last_problem = ""
+
+        def outcome(kind: OutcomeKind, **kw: Any) -> Outcome:
+            return Outcome(kind, job_id, elapsed_s=time.monotonic() - started, attempts=attempts, **kw)
+
+        def cancelled() -> Outcome:
+            return outcome(OutcomeKind.CANCELLED, detail="stopped waiting (client closed)")
+
+        def attempt() -> Outcome:
+            """One stream: the outcome, or RetryAfter (the wait before asking again)."""
+            nonlocal reached, ended_empty, attempts, last_problem
+            if self._closed.is_set():
+                return cancelled()
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return outcome(OutcomeKind.TIMED_OUT, detail=_timeout_detail(timeout_s, last_problem))
+            attempts += 1
+            try:
+                message = self._one_stream(job_id, remaining)
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    raise RetryAfter(0.0) from exc
+                code, details = code_and_details(exc)
+                kind = classify_stream_error(exc)
+                _LOG.debug("[%s] SubscribeSwitchNicSignal #%d: %s %s", job_id, attempts, code, details)
+                if kind is StreamError.DEADLINE:  # the deadline we gave the call: ours
+                    return outcome(OutcomeKind.TIMED_OUT, detail=_timeout_detail(timeout_s, last_problem))
+                if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
+                    reached = True
+                    if ended_empty:
+                        return outcome(
+                            OutcomeKind.NO_RESULT,
+                            rpc_code=code,
+                            detail="the result stream ended without a message and ClusterD now says "
+                            f"{details!r}: the switch is over but its result was lost",
+                        )
+                    if wait_for_start:
+                        last_problem = details
+                        raise RetryAfter(next(delays)) from exc
+                    not_switching = kind is StreamError.NOT_SWITCHING
+                    return outcome(
+                        OutcomeKind.NOT_SWITCHING if not_switching else OutcomeKind.NOT_REGISTERED,
+                        rpc_code=code,
+                        detail=details,
+                    )
+                if kind is StreamError.TRANSIENT and reached:
+                    last_problem = f"{code}: {details}"
+                    raise RetryAfter(next(delays)) from exc
+                plain = explain_connect_failure(exc, settings_of(self._channel))
+                return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
+            reached = True
+            if message is None:
+                if self._closed.is_set():
+                    raise RetryAfter(0.0)
+                # Clean EOF: a controller reset, or ClusterD's own O&M timeout. Ask again (paced).
+                ended_empty += 1
+                last_problem = "the result stream ended without a message"
+                _LOG.info("[%s] SubscribeSwitchNicSignal ended without a message; resubscribing", job_id)
+                raise RetryAfter(0.05 * min(ended_empty, 20))
+            kind_done = classify_message(message)
+            if kind_done is OutcomeKind.FAILED and message not in FAILURE_MESSAGES:
+                _LOG.warning("[%s] undocumented O&M message %r, treated as a failure", job_id, message)
+            return outcome(kind_done, message=message)
+
+        # Each attempt checks the deadline itself (after the wait, which the deadline cuts short),
+        # so that a follow runs out with TIMED_OUT, not with a wait cut off early.
+        retrying = bounded(lambda exc: isinstance(exc, RetryAfter), stop_event=self._closed,
+                           wait=wait_as_asked, sleep=lambda seconds: self._pause(seconds, deadline))
+        try:
+            result: Outcome = retrying(attempt)
+        except RetryAfter:  # close() during the follow
+            return cancelled()
+        return result
+
+    def watch(
+        self,
+        job_id: str,
+        on_result: Callable[[WatchedSwitch], None] | None = None,
+        *,
+        count: int | None = None,
+        timeout_s: float | None = None,
+        poll_s: float = DEFAULT_WATCH_POLL_S,
+        on_note: Callable[[str], None] | None = None,
+    ) -> WatchEnd:
+        """Follow every switch of ``job_id`` (the contract: :meth:`OmClient.watch`)."""
+        if count is not None and count < 1:
+            raise ValueError(f"count must be >= 1, got {count}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if poll_s <= 0:
+            raise ValueError(f"poll_s must be > 0, got {poll_s}")
+        started = time.monotonic()
+        deadline = math.inf if timeout_s is None else started + timeout_s
+        delays = backoff_delays()
+        results: list[WatchedSwitch] = []
+        reached = False
+        # What the watch knows of the current switch's start: it began after not_running_at (the
+        # opening of a stream ClusterD refused, or a previous result; None: unknown, it may have
+        # been running before the watch began) and before running_at (the opening of the first
+        # stream ClusterD accepted for it).
+        not_running_at: float | None = None
+        running_at: float | None = None
+        ended_empty_at: float | None = None  # the last stream ended without a message
+        last_open = -math.inf
+        last_note = ""
+        trouble = ""  # the connection problem being retried, if any
+        last_answer = ""  # ClusterD's last refusal, for the timeout's detail
+
+        def note(text: str) -> None:
+            nonlocal last_note
+            if on_note is not None and text != last_note:  # once per outage, not once per retry
+                last_note = text
+                on_note(text)
+
+        def end(kind: OutcomeKind | None, detail: str = "", rpc_code: str | None = None) -> WatchEnd:
+            return WatchEnd(tuple(results), kind, detail, rpc_code)
+
+        def deliver(kind: OutcomeKind, message: str | None, detail: str, ended: float) -> None:
+            assert running_at is not None
+            at_least = max(0.0, ended - running_at)
+            at_most = None if not_running_at is None else max(at_least, ended - not_running_at)
+            outcome = Outcome(kind, job_id, message=message, detail=detail, elapsed_s=at_least)
+            result = WatchedSwitch(len(results) + 1, outcome, at_least, at_most, time.time())
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+
+        while True:
+            if self._closed.is_set():
+                return end(OutcomeKind.CANCELLED, "stopped watching (client closed)")
+            if count is not None and len(results) >= count:
+                return end(None)
+            now = time.monotonic()
+            if now >= deadline:
+                last = trouble or (f"ClusterD said {last_answer!r}" if last_answer else "")
+                text = f"{len(results)} result(s) within {timeout_s:g} s"
+                return end(OutcomeKind.TIMED_OUT, text + (f" (last: {last})" if last else ""))
+            if now < last_open + poll_s:
+                self._pause(last_open + poll_s - now, deadline)
+                continue
+            opened = last_open = time.monotonic()
+            try:
+                message = self._one_stream(job_id, None if deadline == math.inf else deadline - opened)
+            except grpc.RpcError as exc:
+                if self._closed.is_set():
+                    continue
+                code, details = code_and_details(exc)
+                kind = classify_stream_error(exc)
+                if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
+                    if trouble:
+                        note("ClusterD answers again")
+                    reached, trouble, delays, last_answer = True, "", backoff_delays(), details
+                    if ended_empty_at is not None:  # that switch is over, and its result went elsewhere
+                        deliver(OutcomeKind.NO_RESULT, None, "the result stream ended without a message and "
+                                f"ClusterD now says {details!r}: the switch is over but its result was lost "
+                                "(another follower took it, or ClusterD reset the job)", ended_empty_at)
+                    not_running_at, running_at, ended_empty_at = opened, None, None
+                    if kind is StreamError.NOT_REGISTERED:
+                        note(f"ClusterD does not know job {job_id} ({details}); waiting for it to register")
+                    continue
+                if kind is StreamError.DEADLINE:
+                    continue  # the deadline we gave the call: the top of the loop ends the watch
+                if kind is StreamError.TRANSIENT and reached:
+                    trouble = f"{code}: {details}"
+                    note(f"lost ClusterD ({trouble}); retrying")
+                    self._pause(next(delays), deadline)
+                    continue
+                plain = explain_connect_failure(exc, settings_of(self._channel))
+                return end(OutcomeKind.RPC_ERROR, f"{code}: {plain or details}", code)
+            # ClusterD accepted the stream: a switch was running when it was opened.
+            if trouble:
+                note("ClusterD answers again")
+            reached, trouble, delays = True, "", backoff_delays()
+            running_at = opened if running_at is None else running_at
+            if message is None:
+                if not self._closed.is_set():
+                    _LOG.debug("[%s] SubscribeSwitchNicSignal ended without a message; resubscribing", job_id)
+                    ended_empty_at = time.monotonic()
+                continue
+            kind_done = classify_message(message)
+            if kind_done is OutcomeKind.FAILED and message not in FAILURE_MESSAGES:
+                _LOG.warning("[%s] undocumented O&M message %r, treated as a failure", job_id, message)
+            deliver(kind_done, message, "", time.monotonic())
+            # ClusterD resets the job before it accepts the next switch: that one starts after now.
+            not_running_at, running_at, ended_empty_at = time.monotonic(), None, None
+
+    def _one_stream(self, job_id: str, timeout_s: float | None) -> str | None:
+        """One SubscribeSwitchNicSignal call: its message, or None on a clean end of stream."""
+        call = self._stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=job_id), timeout=timeout_s)
+        with self._lock:
+            self._call = call
+        try:
+            if self._closed.is_set():  # close() ran before _call was visible
+                call.cancel()
+            for response in call:
+                if response.jobID and response.jobID != job_id:
+                    _LOG.warning("[%s] result for job %r on our stream", job_id, response.jobID)
+                return str(response.msg)
+            return None
+        finally:
+            # Frees the server handler if we stop early, and on KeyboardInterrupt in the CLI.
+            call.cancel()
+            with self._lock:
+                self._call = None
+
+    def _pause(self, delay_s: float, deadline: float) -> None:
+        """Wait before a retry, never past the deadline; close() wakes it."""
+        self._closed.wait(max(0.0, min(delay_s, deadline - time.monotonic())))
+
+
+def _timeout_detail(timeout_s: float, last_problem: str) -> str:
+    text = f"no result within {timeout_s:g} s"
+    if last_problem:
+        text += f" (last: {last_problem})"
+    return text
+
+
+__all__ = [
+    "DEFAULT_FOLLOW_TIMEOUT_S",
+    "DEFAULT_WATCH_POLL_S",
+    "ResultStream",
+    "backoff_delays",
+]
