@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import support
 from support import StreamWatch, free_port, poll, read_jsonl
@@ -202,9 +203,20 @@ class Operator:
     def switch(self, node: str, devs: list[str], ops: list[bool], timeout: float = 60) -> tuple[str, float]:
         """(message, seconds from the request to the message); waits for the job to be idle first."""
         assert self.sim.wait_until(idle, 20), f"job not idle: {self.sim.job_view(JOB).state}"
+        produced = len(self.sim.job_view(JOB).om_messages)
         started = time.monotonic()
         self.request(node, devs, ops)
-        return self.follow(timeout), time.monotonic() - started
+        try:
+            return self.follow(timeout), time.monotonic() - started
+        except grpc.RpcError as exc:
+            # The switch was over before the result stream opened (a loaded machine): ClusterD then
+            # answers "not swtiching nic", as it would to a late operator. The simulator still
+            # says which message the switch produced.
+            if "is not swtiching nic" not in str(exc.details()):
+                raise
+            messages = self.sim.job_view(JOB).om_messages
+            assert len(messages) > produced, exc
+            return messages[produced], time.monotonic() - started
 
     def close(self) -> None:
         self.channel.close()
