@@ -6,7 +6,7 @@ This mirrors upstream ``EventController`` (``recover/controller.go``, ``om_contr
 * Events go through a 10-slot queue read by one event-loop thread; a transition appends
   ``State(event)`` to the action path and runs the destination state's handler, which may
   block waiting for a report and returns the next event (``selectEventChan``/``trigger``).
-* Every channel of upstream is a slot of a :class:`_Generation`. A reset closes the generation
+* Every channel of upstream is a slot of a :class:`Generation`. A reset closes the generation
   (``ctx`` cancelled, channels closed) and opens a new one, so every stream, wait and blocked
   call of the old one ends; stream handlers keep the generation they started in, as upstream
   handlers keep the context and channel they grabbed at subscribe time (docs/clusterd.md#delivery-of-the-rank-list).
@@ -24,27 +24,28 @@ from __future__ import annotations
 
 import logging
 import random
-import secrets
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TypeVar
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import codes as P
+from nicswitch_agent.sim.generation import (
+    Cancelled,
+    Generation,
+    StreamToken,
+    copy_message,
+    discard_waiter,
+    new_event_id,
+)
+from nicswitch_agent.sim.job_view import FATAL_PREFIX, JobView
 from nicswitch_agent.sim.ranktable import RankTable, go_map_order
+from nicswitch_agent.sim.rules import RULES, TriggerError
 from nicswitch_agent.sim.settings import SimJob, SimSettings
 
 logger = logging.getLogger("nicswitch_agent.sim")
 
-_M = TypeVar("_M", pb.ProcessManageSignal, pb.SwitchRankList)
-
-__all__ = ["FATAL_PREFIX", "JobController", "JobView", "RpcAbort", "StreamToken"]
-
-# How every violation that would crash the real ClusterD begins (JobView.violations, the log).
-FATAL_PREFIX = "real ClusterD would crash here: "
+__all__ = ["FATAL_PREFIX", "JobController", "JobView", "RpcAbort", "StreamToken", "new_event_id"]
 
 
 class RpcAbort(Exception):
@@ -54,197 +55,6 @@ class RpcAbort(Exception):
         super().__init__(details)
         self.code = code
         self.details = details
-
-
-class _Cancelled(Exception):
-    """The handler's generation was reset, or the simulator stops (upstream: ``ctx.Done()``)."""
-
-
-class _TriggerError(Exception):
-    """A handler failed the way upstream returns ``err``: ``selectEventChan`` then resets."""
-
-    def __init__(self, code: int, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def new_event_id() -> str:
-    """A uuid in upstream's ``NewEventId(16)`` style: ``<ns clock, 16 HEX>-<16 random bytes hex>``.
-
-    Observed: ``18ED756E7D881635-b290e7fa92c6d16f97b2a93caddea1a1``.
-    """
-    return f"{time.time_ns():016X}-{secrets.token_hex(16)}"
-
-
-def _copy(message: _M) -> _M:
-    duplicate = type(message)()
-    duplicate.CopyFrom(message)
-    return duplicate
-
-
-@dataclass(eq=False)
-class _Generation:
-    """Everything a reset throws away: upstream's controller context, channels and slices."""
-
-    number: int
-    keepalive_due: float
-    closed: bool = False
-    uuid: str = ""
-    events: deque[str] = field(default_factory=deque)
-    # One-slot channels (NewEventController / initControllerChan).
-    signal: pb.ProcessManageSignal | None = None  # signalChan
-    rank_list: pb.SwitchRankList | None = None  # switchRankList
-    result: bool | None = None  # switchRankResult
-    stop_report: pb.StopCompleteRequest | None = None  # reportStopCompleteChan
-    strategy_report: pb.RecoverStrategyRequest | None = None  # reportRecoverStrategyChan
-    status_report: pb.RecoverStatusRequest | None = None  # reportStatusChan
-    om: deque[pb.SwitchNicResponse] = field(default_factory=deque)  # switchNicResponse (10)
-    # Stream handlers blocked on a channel, longest-waiting first: a Go channel hands each value
-    # to the receiver that has waited longest, so that one gets the next list (or O&M message).
-    list_waiters: deque[StreamToken] = field(default_factory=deque)
-    om_waiters: deque[StreamToken] = field(default_factory=deque)
-    # Controller slices cleaned by reset.
-    switch_ranks: list[str] = field(default_factory=list)  # globalSwitchRankIDs
-    switch_ops: list[bool] = field(default_factory=list)  # globalOps
-    agent_strategies: list[str] = field(default_factory=list)  # agentReportStrategies
-    latest_strategy: list[str] = field(default_factory=list)
-    latest_results: list[pb.RecoverStatusRequest] = field(default_factory=list)
-    # Simulator bookkeeping (not upstream): what a correct client is expected to send next.
-    awaiting_reply: bool = False
-    expecting: set[str] = field(default_factory=set)
-    ordered_strategy: str = ""
-
-
-@dataclass(eq=False)
-class StreamToken:
-    """One open server stream: its method, the generation it belongs to, and its peer."""
-
-    method: str
-    gen: _Generation
-    peer: str
-    dead: bool = False
-    in_flight: bool = False
-
-
-@dataclass(frozen=True)
-class JobView:
-    """A snapshot of one job in the simulator, for tests and the CLI.
-
-    Attributes:
-        state: the upstream state name (``INIT``, ``NotifyPauseTrainState``, ...).
-        action_path: the current flow, or the last one once the job is back in INIT, as the real
-            server logs it: ``State(event)`` per transition, then the state it is in, e.g.
-            ``[..., "WaitContinueTrainState(switchNicRecvContinue)", "INIT"]``. A flow cut short
-            by a reset ends with the state it was in.
-        path_history: every flow that ended (by reaching INIT or by a reset), oldest first.
-        uuid: the current event id (empty after a reset, as upstream).
-        replies: every ``ReplySwitchNicResult.result`` received, in order.
-        om_messages: every ``SwitchNicResponse.msg`` produced (queued for the O&M stream).
-        signals_sent: process-manage signals written to a stream, keep-alives excluded
-            (``keepalives_sent`` counts those).
-        stream_opens: per stream method, streams ever accepted for this job.
-        open_streams: per stream method, streams open in the current generation (a reset ends
-            the others at once, whatever their RPC is still doing).
-        lists_sent: rank lists whose send to a subscriber completed.
-        violations: protocol misuse that would hurt the real server (empty for a correct client);
-            what would crash it starts with :data:`FATAL_PREFIX`.
-        resets: the reason of every reset, oldest first.
-        queued: what waits in the current generation's channels: ``events``, the one-slot
-            ``signal``, ``rank_list``, ``result``, ``stop_report``, ``strategy_report``,
-            ``status_report`` (0 or 1) and ``om`` (0..10).
-    """
-
-    job_id: str
-    state: str
-    action_path: list[str]
-    path_history: list[list[str]]
-    uuid: str
-    inited: bool
-    registered: bool
-    loop_running: bool
-    generation: int
-    replies: list[bool]
-    om_messages: list[str]
-    signals_sent: list[pb.ProcessManageSignal]
-    keepalives_sent: int
-    stream_opens: dict[str, int]
-    open_streams: dict[str, int]
-    lists_sent: list[pb.SwitchRankList]
-    violations: list[str]
-    resets: list[str]
-    queued: dict[str, int]
-
-    @property
-    def action_path_text(self) -> str:
-        """The path joined the way ClusterD logs it (``A(e)-->B(f)-->C``)."""
-        return "-->".join(self.action_path)
-
-
-# (state, event) -> (next state, handler name). Upstream rules.go getSwitchNicRules, getOMRules,
-# getPreRules, getFixRules and getAfterRules, limited to what a NIC switch can reach (no
-# scale-in/out, hot switch, recover-in-place, platform mode or stress test).
-_RULES: dict[tuple[str, str], tuple[str, str]] = {
-    # NIC switch (getSwitchNicRules).
-    (P.INIT, P.START_SWITCH_NIC): (P.NOTIFY_PAUSE_TRAIN, "_h_notify_pause_train"),
-    (P.WAIT_REPORT_PAUSE_COMPLETE, P.SWITCH_NIC_RECV_PAUSE): (P.NOTIFY_SWITCH_NIC, "_h_notify_switch_nic"),
-    (P.NOTIFY_SWITCH_NIC, P.NOTIFY_SUCCESS): (P.WAIT_SWITCH_NIC_FINISHED, "_h_wait_switch_nic_finish"),
-    (P.NOTIFY_SWITCH_NIC, P.NOTIFY_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_SWITCH_NIC_FINISHED, P.RECEIVE_REPORT): (P.NOTIFY_CONTINUE_TRAIN, "_h_notify_continue_train"),
-    (P.WAIT_SWITCH_NIC_FINISHED, P.WAIT_SWITCH_NIC_RECV_FAULT): (P.NOTIFY_STOP_TRAIN, "_h_notify_stop_train"),
-    (P.WAIT_SWITCH_NIC_FINISHED, P.RECEIVE_TIMEOUT): (P.NOTIFY_STOP_TRAIN, "_h_notify_stop_train"),
-    (P.WAIT_SWITCH_NIC_FINISHED, P.SWITCH_NIC_FAIL): (P.NOTIFY_STOP_TRAIN, "_h_notify_stop_train"),
-    (P.WAIT_CONTINUE_TRAIN, P.SWITCH_NIC_RECV_CONTINUE): (P.INIT, "_h_switch_nic_finish"),
-    # Pause / continue (getOMRules).
-    (P.NOTIFY_PAUSE_TRAIN, P.NOTIFY_SUCCESS): (P.WAIT_REPORT_PAUSE_COMPLETE, "_h_wait_pause_complete"),
-    (P.NOTIFY_PAUSE_TRAIN, P.NOTIFY_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_REPORT_PAUSE_COMPLETE, P.RECEIVE_TIMEOUT): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_REPORT_PAUSE_COMPLETE, P.PROCESS_PAUSE_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.NOTIFY_CONTINUE_TRAIN, P.NOTIFY_CONTINUE_SUCCESS): (P.WAIT_CONTINUE_TRAIN, "_h_wait_continue"),
-    (P.NOTIFY_CONTINUE_TRAIN, P.NOTIFY_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_CONTINUE_TRAIN, P.CONTINUE_TRAIN_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_CONTINUE_TRAIN, P.RECEIVE_TIMEOUT): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    # Fault recovery after a failed switch (getPreRules).
-    (P.NOTIFY_STOP_TRAIN, P.NOTIFY_SUCCESS): (P.WAIT_REPORT_STOP_COMPLETE, "_h_wait_stop_complete"),
-    (P.NOTIFY_STOP_TRAIN, P.NOTIFY_FAIL): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.WAIT_REPORT_STOP_COMPLETE, P.RECEIVE_REPORT): (P.WAIT_FAULT_FLUSH_FINISHED, "_h_wait_flush"),
-    (P.WAIT_REPORT_STOP_COMPLETE, P.RECEIVE_TIMEOUT): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.WAIT_REPORT_STOP_COMPLETE, P.PROCESS_NOT_READY_EVENT): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_FAULT_FLUSH_FINISHED, P.FLUSH_FINISHED): (P.NOTIFY_GLOBAL_FAULT, "_h_notify_global_fault"),
-    (P.NOTIFY_GLOBAL_FAULT, P.NOTIFY_SUCCESS): (P.WAIT_REPORT_RECOVER_STRATEGY, "_h_wait_strategy"),
-    (P.NOTIFY_GLOBAL_FAULT, P.NOTIFY_FAIL): (P.NOTIFY_KILL_JOB, "_h_kill_job"),
-    (P.WAIT_REPORT_RECOVER_STRATEGY, P.RECEIVE_REPORT): (P.NOTIFY_DECIDED_STRATEGY, "_h_notify_decided"),
-    (P.WAIT_REPORT_RECOVER_STRATEGY, P.RECEIVE_TIMEOUT): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.NOTIFY_DECIDED_STRATEGY, P.NOTIFY_FAIL): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.NOTIFY_DECIDED_STRATEGY, P.NOTIFY_RETRY_SUCCESS): (P.WAIT_REPORT_STEP_RETRY_STATUS, "_h_decide_retry"),
-    (P.NOTIFY_DECIDED_STRATEGY, P.NOTIFY_RECOVER_SUCCESS): (
-        P.WAIT_REPORT_PROCESS_RECOVER_STATUS,
-        "_h_decide_recover",
-    ),
-    (P.NOTIFY_DECIDED_STRATEGY, P.NOTIFY_DUMP_SUCCESS): (P.WAIT_REPORT_DUMP_STATUS, "_h_decide_dump"),
-    (P.NOTIFY_DECIDED_STRATEGY, P.NOTIFY_EXIT_SUCCESS): (P.CHECK_RECOVER_RESULT, "_h_decide_exit"),
-    # getFixRules.
-    (P.WAIT_REPORT_STEP_RETRY_STATUS, P.RECEIVE_REPORT): (P.CHECK_RECOVER_RESULT, "_h_check_result"),
-    (P.WAIT_REPORT_STEP_RETRY_STATUS, P.RECEIVE_TIMEOUT): (P.FAULT_RETRY, "_h_fault_retry"),
-    (P.WAIT_REPORT_PROCESS_RECOVER_STATUS, P.RECEIVE_REPORT): (P.CHECK_RECOVER_RESULT, "_h_check_result"),
-    (P.WAIT_REPORT_PROCESS_RECOVER_STATUS, P.RECEIVE_TIMEOUT): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.WAIT_REPORT_DUMP_STATUS, P.RECEIVE_REPORT): (P.CHECK_RECOVER_RESULT, "_h_check_result"),
-    (P.WAIT_REPORT_DUMP_STATUS, P.RECEIVE_TIMEOUT): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.CHECK_RECOVER_RESULT, P.RECOVER_SUCCESS): (P.INIT, "_h_finish"),
-    (P.CHECK_RECOVER_RESULT, P.RECOVER_FAIL): (P.NOTIFY_DECIDED_STRATEGY, "_h_notify_decided"),
-    (P.CHECK_RECOVER_RESULT, P.UN_RECOVERABLE_RETRY_ERROR_EVENT): (
-        P.KILL_POD_FOR_UNRECOVERABLE_RETRY,
-        "_h_kill_pod",
-    ),
-    (P.CHECK_RECOVER_RESULT, P.CHECK_FINISH): (P.LISTEN_SCHEDULE_RESULT, "_h_listen_schedule"),
-    (P.KILL_POD_FOR_UNRECOVERABLE_RETRY, P.FINISH_KILL_POD): (P.NOTIFY_DECIDED_STRATEGY, "_h_notify_decided"),
-    # getAfterRules.
-    (P.LISTEN_SCHEDULE_RESULT, P.SCHEDULE_SUCCESS): (P.NOTIFY_RESTART_ALL_PROCESS, "_h_restart_all"),
-    (P.NOTIFY_RESTART_ALL_PROCESS, P.NOTIFY_SUCCESS): (P.WAIT_RESTART_ALL_PROCESS, "_h_wait_restart_all"),
-    (P.WAIT_RESTART_ALL_PROCESS, P.RESTART_FINISH): (P.FAULT_CLEAR, "_h_fault_clear"),
-    (P.FAULT_CLEAR, P.CLEAR_SUCCESS): (P.FAULT_RETRY, "_h_fault_retry"),
-    (P.FAULT_RETRY, P.FINISH): (P.INIT, "_h_finish"),
-    (P.NOTIFY_KILL_JOB, P.FINISH): (P.INIT, "_h_finish"),
-}
 
 
 class JobController:
@@ -314,11 +124,11 @@ class JobController:
                 generation=self._gen.number,
                 replies=list(self._replies),
                 om_messages=list(self._om_messages),
-                signals_sent=[_copy(s) for s in self._signals_sent],
+                signals_sent=[copy_message(s) for s in self._signals_sent],
                 keepalives_sent=self._keepalives,
                 stream_opens=dict(self._stream_opens),
                 open_streams=open_streams,
-                lists_sent=[_copy(lst) for lst in self._lists_sent],
+                lists_sent=[copy_message(lst) for lst in self._lists_sent],
                 violations=list(self._violations),
                 resets=list(self._resets),
                 queued=self._queued(),
@@ -519,7 +329,7 @@ class JobController:
 
     def _check_report(
         self,
-        gen: _Generation,
+        gen: Generation,
         method: str,
         request: pb.StopCompleteRequest | pb.RecoverStrategyRequest | pb.RecoverStatusRequest,
         code: int,
@@ -623,7 +433,7 @@ class JobController:
                 self._keepalives += 1
                 self._changed()
                 return
-            self._signals_sent.append(_copy(signal))
+            self._signals_sent.append(copy_message(signal))
             self._changed()
             if signal.signalType == P.KILL_MASTER:
                 event = P.FINISH
@@ -657,7 +467,7 @@ class JobController:
             gen = token.gen
             while True:
                 if self._stopping or gen.closed or token.dead:
-                    _discard(gen.list_waiters, token)
+                    discard_waiter(gen.list_waiters, token)
                     return None
                 if token not in gen.list_waiters:
                     gen.list_waiters.append(token)
@@ -684,7 +494,7 @@ class JobController:
         """The send succeeded: ``NotifySuccessEvent`` (``selectNotifySwitchNic``)."""
         with self._cond:
             token.in_flight = False
-            self._lists_sent.append(_copy(rank_list))
+            self._lists_sent.append(copy_message(rank_list))
             self._changed()
         logger.debug("jobId=%s switch nic signal=%s %s", self.job_id, list(rank_list.rankID), list(rank_list.op))
         self._add_event(token.gen, P.NOTIFY_SUCCESS)
@@ -739,11 +549,11 @@ class JobController:
                     self._changed()
                     return response
                 if self._stopping or gen.closed or token.dead:
-                    _discard(gen.om_waiters, token)
+                    discard_waiter(gen.om_waiters, token)
                     return None
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    _discard(gen.om_waiters, token)
+                    discard_waiter(gen.om_waiters, token)
                     # The timeout message goes into the channel, not to this stream.
                     if len(gen.om) < P.OM_QUEUE_LENGTH:
                         self._om_messages.append(P.OM_RESULT_TIMEOUT)
@@ -766,8 +576,8 @@ class JobController:
 
     # ------------------------------------------------------------------ internals: reset, events
 
-    def _new_generation(self, number: int) -> _Generation:
-        return _Generation(number=number, keepalive_due=time.monotonic() + self.settings.keepalive_interval_s)
+    def _new_generation(self, number: int) -> Generation:
+        return Generation(number=number, keepalive_due=time.monotonic() + self.settings.keepalive_interval_s)
 
     def _changed(self) -> None:
         self._cond.notify_all()
@@ -829,12 +639,12 @@ class JobController:
             self._threads.append(thread)
             thread.start()
 
-    def _add_event(self, gen: _Generation, event: str) -> None:
+    def _add_event(self, gen: Generation, event: str) -> None:
         """``addEvent``: rule-checked against the current state, 10 slots, overflow resets."""
         with self._cond:
             if gen.closed or self._stopping:
                 return
-            if (self._state, event) not in _RULES:
+            if (self._state, event) not in RULES:
                 logger.warning(
                     "event add fail, order mix, jobId=%s, uuid=%s, state=%s, event=%s",
                     self.job_id,
@@ -860,7 +670,7 @@ class JobController:
                     return
                 gen = self._gen
                 event = gen.events.popleft()
-                rule = _RULES.get((self._state, event))
+                rule = RULES.get((self._state, event))
                 if rule is None:
                     logger.warning("jobId=%s: no rule for %s(%s), dropped", self.job_id, self._state, event)
                     continue
@@ -869,12 +679,12 @@ class JobController:
                 self._state = destination
                 logger.info("jobId=%s's action path = {%s}", self.job_id, "-->".join(self._current_path()))
                 self._changed()
-            handler: Callable[[_Generation], str | None] = getattr(self, handler_name)
+            handler: Callable[[Generation], str | None] = getattr(self, handler_name)
             try:
                 next_event = handler(gen)
-            except _Cancelled:
+            except Cancelled:
                 continue
-            except _TriggerError as exc:
+            except TriggerError as exc:
                 logger.error("jobId=%s trigger error, code=%d, err=%s", self.job_id, exc.code, exc)
                 with self._cond:
                     if not gen.closed:
@@ -911,12 +721,12 @@ class JobController:
 
     # ------------------------------------------------------------------ internals: waiting, queues
 
-    def _wait(self, gen: _Generation, ready: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait (lock held) until ``ready()``; False on timeout; ``_Cancelled`` on reset or stop."""
+    def _wait(self, gen: Generation, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait (lock held) until ``ready()``; False on timeout; ``Cancelled`` on reset or stop."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self._stopping or gen.closed:
-                raise _Cancelled()
+                raise Cancelled()
             if ready():
                 return True
             if deadline is None:
@@ -927,11 +737,11 @@ class JobController:
                 return False
             self._cond.wait(remaining)
 
-    def _sleep(self, gen: _Generation, seconds: float) -> None:
+    def _sleep(self, gen: Generation, seconds: float) -> None:
         with self._cond:
             self._wait(gen, lambda: False, seconds)
 
-    def _signal_enqueue(self, gen: _Generation, signal: pb.ProcessManageSignal, timeout: float) -> bool:
+    def _signal_enqueue(self, gen: Generation, signal: pb.ProcessManageSignal, timeout: float) -> bool:
         """Put a signal in the one-slot signal channel (lock held); False if it stays full."""
         if not self._wait(gen, lambda: gen.signal is None, timeout):
             return False
@@ -955,13 +765,13 @@ class JobController:
         self._changed()
         return True
 
-    def _enqueue_or_fail(self, gen: _Generation, signal: pb.ProcessManageSignal) -> None:
+    def _enqueue_or_fail(self, gen: Generation, signal: pb.ProcessManageSignal) -> None:
         """``signalEnqueue``: 1 s for the slot, else 504 and (via the loop) a reset."""
         with self._cond:
             if not self._signal_enqueue(gen, signal, self.settings.enqueue_timeout_s):
-                raise _TriggerError(P.SIGNAL_QUEUE_BUSY, P.SIGNAL_TIMEOUT_MSG.format(job=self.job_id))
+                raise TriggerError(P.SIGNAL_QUEUE_BUSY, P.SIGNAL_TIMEOUT_MSG.format(job=self.job_id))
 
-    def _reply_om(self, gen: _Generation, msg: str) -> None:
+    def _reply_om(self, gen: Generation, msg: str) -> None:
         """``replyOMResponse``: only while switching; a blocking send into the 10-slot channel."""
         with self._cond:
             if not gen.switch_ranks:
@@ -971,7 +781,7 @@ class JobController:
             self._om_messages.append(msg)
             self._changed()
 
-    def _take(self, gen: _Generation, slot: str, timeout: float) -> object | None:
+    def _take(self, gen: Generation, slot: str, timeout: float) -> object | None:
         """Wait for and empty one report slot (lock held); None on timeout."""
         if not self._wait(gen, lambda: getattr(gen, slot) is not None, timeout):
             return None
@@ -982,7 +792,7 @@ class JobController:
 
     def _signal(
         self,
-        gen: _Generation,
+        gen: Generation,
         signal_type: str,
         actions: list[str],
         change_strategy: str = "",
@@ -999,14 +809,14 @@ class JobController:
 
     # -------------------------------------------------------- handlers: the switch (docs/clusterd.md#the-state-machine)
 
-    def _h_notify_pause_train(self, gen: _Generation) -> str | None:
+    def _h_notify_pause_train(self, gen: Generation) -> str | None:
         """``handleNotifyPauseTrain``: new uuid, ``stopTrain``/``pause_train``."""
         with self._cond:
             gen.uuid = new_event_id()
             self._enqueue_or_fail(gen, self._signal(gen, P.STOP_TRAIN, [P.PAUSE_TRAIN_ACTION]))
         return None
 
-    def _h_wait_pause_complete(self, gen: _Generation) -> str | None:
+    def _h_wait_pause_complete(self, gen: Generation) -> str | None:
         """``handleWaitPauseTrainComplete``: 499 fails; any other code counts as paused."""
         with self._cond:
             report = self._take(gen, "stop_report", self.settings.report_timeout_s)
@@ -1021,7 +831,7 @@ class JobController:
                 return P.SWITCH_NIC_RECV_PAUSE
             return None  # empty nicOps: isSwitchingNic() is false, the flow stalls here
 
-    def _h_notify_switch_nic(self, gen: _Generation) -> str | None:
+    def _h_notify_switch_nic(self, gen: Generation) -> str | None:
         """``notifySwitchNic``: the list into the one-slot channel (1 s, else 504 and a reset).
 
         No timeout after that: the state waits for a subscriber's successful send
@@ -1032,12 +842,12 @@ class JobController:
         with self._cond:
             rank_list = pb.SwitchRankList(rankID=gen.switch_ranks, op=gen.switch_ops, jobId=self.job_id)
             if not self._wait(gen, lambda: gen.rank_list is None, self.settings.enqueue_timeout_s):
-                raise _TriggerError(P.SIGNAL_QUEUE_BUSY, P.SIGNAL_TIMEOUT_MSG.format(job=self.job_id))
+                raise TriggerError(P.SIGNAL_QUEUE_BUSY, P.SIGNAL_TIMEOUT_MSG.format(job=self.job_id))
             gen.rank_list = rank_list
             self._changed()
         return None
 
-    def _h_wait_switch_nic_finish(self, gen: _Generation) -> str | None:
+    def _h_wait_switch_nic_finish(self, gen: Generation) -> str | None:
         """``handleWaitSwitchNicFinish`` (docs/clusterd.md#waiting-for-the-reply): reply, a 406 report, or the report
         timeout."""
         with self._cond:
@@ -1074,7 +884,7 @@ class JobController:
             finally:
                 gen.awaiting_reply = False
 
-    def _h_notify_continue_train(self, gen: _Generation) -> str | None:
+    def _h_notify_continue_train(self, gen: Generation) -> str | None:
         """``notifyContinueTrain``: same uuid, ``changeStrategy``/``continue``."""
         with self._cond:
             self._enqueue_or_fail(
@@ -1083,7 +893,7 @@ class JobController:
             )
         return None
 
-    def _h_wait_continue(self, gen: _Generation) -> str | None:
+    def _h_wait_continue(self, gen: Generation) -> str | None:
         """``handleDecideContinueTrainComplete``: 499 kills; anything else finishes the switch."""
         with self._cond:
             report = self._take(gen, "status_report", self.settings.report_timeout_s)
@@ -1096,14 +906,14 @@ class JobController:
                 return P.CONTINUE_TRAIN_FAIL
             return P.SWITCH_NIC_RECV_CONTINUE if gen.switch_ranks else None
 
-    def _h_switch_nic_finish(self, gen: _Generation) -> str | None:
+    def _h_switch_nic_finish(self, gen: Generation) -> str | None:
         """``handleSwitchNicFinish``: "switch nic finish", then reset (every stream ends OK)."""
         with self._cond:
             self._reply_om(gen, P.OM_FINISH)
             self._reset("switch nic finish")
         return None
 
-    def _h_kill_job(self, gen: _Generation) -> str | None:
+    def _h_kill_job(self, gen: Generation) -> str | None:
         """``handleKillJob``: ``killMaster`` with the current uuid; its send adds ``finish``."""
         with self._cond:
             signal = pb.ProcessManageSignal(uuid=gen.uuid, jobId=self.job_id, signalType=P.KILL_MASTER)
@@ -1111,7 +921,7 @@ class JobController:
                 return None
             return P.FINISH
 
-    def _h_finish(self, gen: _Generation) -> str | None:
+    def _h_finish(self, gen: Generation) -> str | None:
         """``handleFinish``: reset."""
         with self._cond:
             self._reset(P.FINISH)
@@ -1119,14 +929,14 @@ class JobController:
 
     # ------------------------------------------------------------------ handlers: fault recovery
 
-    def _h_notify_stop_train(self, gen: _Generation) -> str | None:
+    def _h_notify_stop_train(self, gen: Generation) -> str | None:
         """``handleNotifyStopTrain``: a NEW uuid, ``stopTrain``/``stop_train`` (docs/clusterd.md#a-failed-switch)."""
         with self._cond:
             gen.uuid = new_event_id()
             self._enqueue_or_fail(gen, self._signal(gen, P.STOP_TRAIN, [P.STOP_TRAIN_ACTION]))
         return None
 
-    def _h_wait_stop_complete(self, gen: _Generation) -> str | None:
+    def _h_wait_stop_complete(self, gen: Generation) -> str | None:
         """``handleWaitReportStopComplete``: 404 kills the job; no other code is checked."""
         with self._cond:
             report = self._take(gen, "stop_report", self.settings.report_timeout_s)
@@ -1137,12 +947,12 @@ class JobController:
                 return P.PROCESS_NOT_READY_EVENT
             return P.RECEIVE_REPORT
 
-    def _h_wait_flush(self, gen: _Generation) -> str | None:
+    def _h_wait_flush(self, gen: Generation) -> str | None:
         """``handleWaitFlushFinish``: ``faultFlushSeconds``."""
         self._sleep(gen, self.settings.fault_flush_s)
         return P.FLUSH_FINISHED
 
-    def _h_notify_global_fault(self, gen: _Generation) -> str | None:
+    def _h_notify_global_fault(self, gen: Generation) -> str | None:
         """``handleNotifyGlobalFault``: ``dealWithForceRelease``'s sleep, then ``globalFault``."""
         self._sleep(gen, self.settings.force_release_s)
         with self._cond:
@@ -1151,7 +961,7 @@ class JobController:
             )
         return None
 
-    def _h_wait_strategy(self, gen: _Generation) -> str | None:
+    def _h_wait_strategy(self, gen: Generation) -> str | None:
         """``handleWaitReportRecoverStrategy``: remember what the agent offers."""
         with self._cond:
             report = self._take(gen, "strategy_report", self.settings.report_timeout_s)
@@ -1161,7 +971,7 @@ class JobController:
             gen.agent_strategies = list(report.strategies)
             return P.RECEIVE_REPORT
 
-    def _choose_strategy(self, gen: _Generation) -> str:
+    def _choose_strategy(self, gen: Generation) -> str:
         """``chooseStrategy`` for a job with no cached faults (the NIC-switch case).
 
         Upstream ``firstChooseStrategy`` picks ``retry`` whenever the annotation lists it; if the
@@ -1192,7 +1002,7 @@ class JobController:
             return for_recover_fail()
         return P.EXIT
 
-    def _h_notify_decided(self, gen: _Generation) -> str | None:
+    def _h_notify_decided(self, gen: Generation) -> str | None:
         """``handleNotifyDecidedStrategy``: ``changeStrategy`` with the pick, uuid unchanged.
 
         ``handleDecidedStrategyAfterChoose``: for a MindSpore job, ``dump`` becomes ``exit`` while
@@ -1209,7 +1019,7 @@ class JobController:
             )
         return None
 
-    def _decide_and_wait(self, gen: _Generation, strategy: str) -> str | None:
+    def _decide_and_wait(self, gen: Generation, strategy: str) -> str | None:
         """``handleDecideRetry/Recover/DumpStrategy``: wait for ``ReportRecoverStatus``."""
         with self._cond:
             gen.latest_strategy.append(strategy)
@@ -1220,27 +1030,27 @@ class JobController:
             gen.latest_results.append(report)
             return P.RECEIVE_REPORT
 
-    def _h_decide_retry(self, gen: _Generation) -> str | None:
+    def _h_decide_retry(self, gen: Generation) -> str | None:
         return self._decide_and_wait(gen, P.RETRY)
 
-    def _h_decide_recover(self, gen: _Generation) -> str | None:
+    def _h_decide_recover(self, gen: Generation) -> str | None:
         return self._decide_and_wait(gen, P.RECOVER)
 
-    def _h_decide_dump(self, gen: _Generation) -> str | None:
+    def _h_decide_dump(self, gen: Generation) -> str | None:
         return self._decide_and_wait(gen, P.DUMP)
 
-    def _h_decide_exit(self, gen: _Generation) -> str | None:
+    def _h_decide_exit(self, gen: Generation) -> str | None:
         """``handleDecideExitStrategy``: nothing is reported for exit."""
         with self._cond:
             gen.latest_strategy.append(P.EXIT)
         return P.CHECK_FINISH
 
-    def _h_check_result(self, gen: _Generation) -> str | None:
+    def _h_check_result(self, gen: Generation) -> str | None:
         """``handleCheckRecoverResult``: acts on the strategy named in the REPORT
         (docs/clusterd.md#failed-switch-and-fault-recovery)."""
         with self._cond:
             if not gen.latest_strategy:
-                raise _TriggerError(
+                raise TriggerError(
                     P.SERVER_INNER_ERROR, f"unexpected case, jobId={self.job_id}, have not decide strategy"
                 )
             if gen.latest_strategy[-1] == P.EXIT:
@@ -1263,11 +1073,11 @@ class JobController:
             if strategy == P.DUMP:
                 self._send_dump_exit(gen)
                 return P.CHECK_FINISH
-            raise _TriggerError(
+            raise TriggerError(
                 P.SERVER_INNER_ERROR, f"unexpected case, strategy={strategy} not support, jobId={self.job_id}"
             )
 
-    def _send_dump_exit(self, gen: _Generation) -> None:
+    def _send_dump_exit(self, gen: Generation) -> None:
         """``sendDumpExit``: informational ``changeStrategy exit`` + ``extraParams: dump_exit``."""
         with self._cond:
             signal = self._signal(
@@ -1276,26 +1086,26 @@ class JobController:
             if not self._signal_enqueue(gen, signal, self.settings.enqueue_timeout_s):
                 logger.error("jobId=%s failed to signalEnqueue dump_exit", self.job_id)
 
-    def _h_kill_pod(self, gen: _Generation) -> str | None:
+    def _h_kill_pod(self, gen: Generation) -> str | None:
         return P.FINISH_KILL_POD
 
-    def _h_listen_schedule(self, gen: _Generation) -> str | None:
+    def _h_listen_schedule(self, gen: Generation) -> str | None:
         """``handleListenScheduleResult``: one ``SleepSecondBeforeCheckPGRunning``, job running."""
         self._sleep(gen, self.settings.schedule_wait_s)
         return P.SCHEDULE_SUCCESS
 
-    def _h_restart_all(self, gen: _Generation) -> str | None:
+    def _h_restart_all(self, gen: Generation) -> str | None:
         return P.NOTIFY_SUCCESS
 
-    def _h_wait_restart_all(self, gen: _Generation) -> str | None:
+    def _h_wait_restart_all(self, gen: Generation) -> str | None:
         """``handleWaitRestartAllProcess``: one minute upstream."""
         self._sleep(gen, self.settings.restart_wait_s)
         return P.RESTART_FINISH
 
-    def _h_fault_clear(self, gen: _Generation) -> str | None:
+    def _h_fault_clear(self, gen: Generation) -> str | None:
         return P.CLEAR_SUCCESS
 
-    def _h_fault_retry(self, gen: _Generation) -> str | None:
+    def _h_fault_retry(self, gen: Generation) -> str | None:
         """``handleFaultRetry``: ``dump_exit``, then a ``SleepSecondBeforeCheckPGRunning``, finish."""
         self._send_dump_exit(gen)
         self._sleep(gen, self.settings.schedule_wait_s)
@@ -1304,8 +1114,3 @@ class JobController:
 
 def _param_invalid(info: str) -> pb.Status:
     return pb.Status(code=P.OM_PARAM_INVALID, info=info)
-
-
-def _discard(waiters: deque[StreamToken], token: StreamToken) -> None:
-    if token in waiters:
-        waiters.remove(token)
