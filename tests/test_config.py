@@ -43,6 +43,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
         "status_interval_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
+        "node_store_timeout_s",
     ])
 
 
@@ -615,3 +616,23 @@ def test_conflict_settings_are_checked(env: dict[str, str], message: str) -> Non
 def test_conflict_settings_from_env() -> None:
     cfg = from_env({"NICSWITCH_CONFLICT_RESETS": "5", "NICSWITCH_CONFLICT_BACKOFF_MAX_S": "60"}, **BASE)
     assert (cfg.conflict_resets, cfg.conflict_backoff_max_s) == (5, 60.0)
+
+
+# -- node-local fan-out ---------------------------------------------------------------------------
+
+
+def test_local_world_size_comes_from_torchruns_env_and_nicswitch_wins() -> None:
+    env = {"MINDX_SERVER_IP": "10.1.2.3", "MINDX_TASK_ID": "j", "LOCAL_WORLD_SIZE": "8"}
+    assert from_env(env).local_world_size == 8
+    assert from_env({**env, "NICSWITCH_LOCAL_WORLD_SIZE": "4"}).local_world_size == 4  # the launcher's export
+    assert from_env(env).fan_out == "auto"
+
+
+@pytest.mark.parametrize(("overrides", "match"), [
+    ({"fan_out": "tree"}, "fan_out='tree' is not supported; choose one of auto, node, flat"),
+    ({"local_world_size": 0}, "local_world_size=0 must be a positive integer"),
+    ({"local_world_size": True}, "local_world_size=True must be a positive integer"),
+    ({"node_store_timeout_s": 0}, "node_store_timeout_s=0 must be positive"),
+])
+def test_fan_out_settings_are_checked(overrides: dict[str, Any], match: str) -> None:
+    refused(re.escape(match), **overrides)

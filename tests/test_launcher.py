@@ -430,7 +430,13 @@ def test_node_role_and_store_address() -> None:
     other = plan(["--", torchrun[0], "--node-rank", "1", *torchrun[1:]])
     assert not other.hosts_leader and other.world_size is None
     assert other.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_STORE_ADDRESS": "10.0.0.1:29501",
-                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NICSWITCH_LOCAL_WORLD_SIZE": "8"}
+    # The ranks are told the ranks per node the leader is told (node-local fan-out must agree) ...
+    assert first.local_world_size == 8 and first.env["NICSWITCH_LOCAL_WORLD_SIZE"] == "8"
+    # ... and where the launcher cannot tell, every rank coordinates flat, as the leader does.
+    assert plan(["--world-size", "2", "--", "python", "t.py"]).env["NICSWITCH_FAN_OUT"] == "flat"
+    assert "NICSWITCH_FAN_OUT" not in plan(["--world-size", "2", "--", "python", "t.py"],
+                                           {"NICSWITCH_FAN_OUT": "node"}).env
     env = {"NODE_RANK": "2", "MASTER_ADDR": "fd00::1", "MASTER_PORT": "40000"}
     assert plan(["--", "python", "t.py"], env).env["NICSWITCH_STORE_ADDRESS"] == "[fd00::1]:40001"
     assert plan(["--node-rank", "0", "--world-size", "2", "--", "python", "t.py"], env).hosts_leader

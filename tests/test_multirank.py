@@ -1,7 +1,9 @@
 """Several ranks as threads, one agent each, coordinating through one in-process Store.
 
 Rank 0 leads (the only ClusterD client); every rank is a member that parks its own training
-thread. The training threads also meet at a barrier every step, like a collective, so a rank that
+thread. Every job test runs twice: every rank on the job's Store (``flat``), and with node-local
+fan-out (``node``: 2 nodes of 2 ranks, local rank 0 of each relaying for its node over a Store of
+the node's own). The training threads also meet at a barrier every step, like a collective, so a rank that
 ran past the pause step while another parked would deadlock the test instead of passing it.
 """
 
@@ -95,11 +97,31 @@ class Hook:
         return self.results.pop(0) if self.results else True
 
 
+class RecordingStore(InProcessStore):
+    """The job's Store, recording every key written to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: set[str] = set()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.written.add(key)
+        super().set(key, value)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.written.update(keys)
+        super().multi_set(keys, values)
+
+    def add(self, key: str, value: int) -> int:
+        self.written.add(key)
+        return super().add(key, value)
+
+
 class Job:
     def __init__(self, sim: Simulator, pause: str = "agent", hooks: dict[int, dict[str, Any]] | None = None,
                  **settings: Any) -> None:
         self.sim = sim
-        self.store = InProcessStore()
+        self.store = RecordingStore()
         self.calls: list[tuple[Any, ...]] = []
         self.lock = threading.Lock()
         self.collective = Collective(WORLD)
@@ -159,12 +181,15 @@ def sim() -> Iterator[Simulator]:
     simulator.stop()
 
 
-@pytest.fixture
-def make_job(sim: Simulator) -> Iterator[Any]:
+FAN_OUTS = {"flat": {"fan_out": "flat"}, "node": {"fan_out": "node", "local_world_size": 2}}
+
+
+@pytest.fixture(params=sorted(FAN_OUTS))
+def make_job(sim: Simulator, request: pytest.FixtureRequest) -> Iterator[Any]:
     jobs: list[Job] = []
 
     def make(**kwargs: Any) -> Job:
-        job = Job(sim, **kwargs)
+        job = Job(sim, **FAN_OUTS[request.param], **kwargs)
         jobs.append(job)
         return job
 
@@ -205,6 +230,35 @@ def test_all_ranks_park_at_one_step_and_switch_with_identical_arguments(sim: Sim
     assert view.open_streams.get("SubscribeNotifySwitch", 0) == 1
     assert view.open_streams.get("SubscribeProcessManageSignal", 0) == 1
     assert all(r.agent.status()["process_manage"] is None for r in job.ranks[1:])
+
+
+@pytest.mark.parametrize("pause", ["agent", "external"])
+def test_with_node_fan_out_the_jobs_store_sees_nodes_not_ranks(sim: Simulator, pause: str) -> None:
+    job = Job(sim, pause=pause, fan_out="node", local_world_size=2)
+    standin = None
+    if pause == "external":
+        from nicswitch_agent.sim import MindIOStandIn
+
+        standin = MindIOStandIn(sim.address, JOB)
+        standin.start()
+        assert standin.ready.wait(10)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-1", ["1", "0"], [True, True]) == "switch nic finish"
+        assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
+        assert len({(c[2], c[3]) for c in job.calls}) == 1
+        # Queues, pause answers and results on the job's Store: one per node (0 and 1), none per rank.
+        per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
+        units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
+        units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
+        assert units <= {"0", "1", "n"}, sorted(units)
+        assert {"0", "1"} <= units
+        assert job.ranks[0].agent._relay is not None and job.ranks[2].agent._relay is not None
+        assert job.ranks[1].agent._relay is None and job.ranks[3].agent._relay is None
+    finally:
+        if standin is not None:
+            standin.stop()
+        job.close()
 
 
 @pytest.mark.parametrize("pause", ["agent", "external"])

@@ -104,6 +104,10 @@ class Job:
     def result(self, rank: int) -> dict[str, Any]:
         return dict(json.loads((self.out / f"rank{rank}.result.json").read_text(encoding="utf-8")))
 
+    def log(self, rank: int) -> str:
+        path = self.out / f"rank{rank}.stderr"
+        return path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+
     def last_step(self, rank: int) -> int:
         steps = self.steps(rank)
         return int(steps[-1]["step"]) if steps else 0
@@ -574,11 +578,16 @@ def test_one_rank_failing_then_hanging_its_hook_gives_reply_false_within_the_tim
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("pause", "world"), [("agent", 3), ("external", 2)])
-def test_a_killed_member_gives_false_not_a_hang(cluster: Cluster, pause: str, world: int) -> None:
+@pytest.mark.parametrize(("pause", "world", "local_world"), [
+    ("agent", 3, None), ("external", 2, None),
+    # Node-local fan-out (2 nodes of 2 ranks): rank 1 is a member behind node 0's relay (rank 0).
+    ("agent", 4, 2), ("external", 4, 2),
+])
+def test_a_killed_member_gives_false_not_a_hang(cluster: Cluster, pause: str, world: int,
+                                                local_world: int | None) -> None:
     # NSW_PG_TIMEOUT_S: a survivor that waits on the dead rank in the ring (rather than reading
     # from its closed socket) only notices when its all_reduce times out.
-    job = cluster.job(world, pause=pause, env={
+    job = cluster.job(world, pause=pause, local_world=local_world, env={
         "NSW_ON_PEER_LOSS": "continue", "NSW_PG_TIMEOUT_S": "5", "NICSWITCH_PAUSE_TIMEOUT_S": "3",
         "NICSWITCH_SWITCH_TIMEOUT_S": "2", "NICSWITCH_GUARD_TIMEOUT_S": "2"})
     sim, operator = cluster.sim, cluster.op
@@ -599,6 +608,8 @@ def test_a_killed_member_gives_false_not_a_hang(cluster: Cluster, pause: str, wo
         assert took < 3 + 7, f"killMaster {took:.1f} s after the request (pause_timeout_s=3)"
         assert sim.job_view(JOB).replies == []
         assert "om failed, pause train failed" in sim.job_view(JOB).om_messages
+        if local_world is not None:  # the relay said which of its ranks did not answer
+            assert "node 0: no answer to the pause from rank(s) 1" in job.log(0), job.log(0)[-2000:]
         assert job.wait_exit(20, ranks=[0]) == [EXIT_STOPPED]
         # Rank 2 got the stop too (its exit is then delayed: see test_a_member_stops_promptly_...).
         assert poll(lambda: (job.out / "rank2.result.json").exists(), 20)

@@ -35,6 +35,7 @@ from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology
 from nicswitch_agent.coordination.hook_runner import Execution
 from nicswitch_agent.coordination.parking import ParkingLot
+from nicswitch_agent.coordination.relay import NodeRelay
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.executor import Executor, OwedReply
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, require_callable
@@ -108,10 +109,13 @@ class SwitchAgent:
         "_lock",
         "_member",
         "_metrics",
+        "_node_server",
         "_on_stop",
         "_parking",
         "_pause_reason",
         "_pid",
+        "_ranks_per_node",
+        "_relay",
         "_seq",
         "_session",
         "_started_mono",
@@ -201,6 +205,9 @@ class SwitchAgent:
         self._coordinator: Coordinator | None = None
         self._coordination_stop = threading.Event()  # cuts the leader's waits short on stop()
         self._member: Member | None = None
+        self._relay: NodeRelay | None = None  # local rank 0 with node-local fan-out (coordination/relay.py)
+        self._node_server: Any = None  # the node-local Store this rank hosts, kept alive with the agent
+        self._ranks_per_node: int | None = None  # None: every rank on the job's Store (flat)
         self.rank = 0
         self.world_size = 1
 
@@ -236,10 +243,11 @@ class SwitchAgent:
         """Undo a start() that failed half way, so nothing keeps running and start() may be retried."""
         if self._session is not None:
             self._session.abort()
-        if self._member is not None:
-            self._member.stop()
+        for stop in (self._member, self._relay):
+            if stop is not None:
+                stop.stop()
         self._executor.abandon()
-        self._session = self._member = self._coordinator = None
+        self._session = self._member = self._relay = self._coordinator = None
         with self._lock:
             self._state = CREATED
         self._stop_observers()  # the status file's last word: "created"
@@ -250,17 +258,28 @@ class SwitchAgent:
         self.rank, self.world_size = topology.rank_and_world(self.config, leader_only=self._leader_only)
         kv = topology.coordination_kv(self.config, self.world_size, store=self._store, leader_only=self._leader_only)
         leads = self._leader_only or (cfg.leader == "rank0" and self.rank == 0)
+        self._ranks_per_node = topology.choose_ranks_per_node(cfg, self.world_size)
         self._start_observers(leads)
         if self._leader_only:
             return self._start_leader(kv)
+        member_kv, slot = kv, None
+        if self._ranks_per_node is not None:  # this rank's keys live on its node's Store
+            node, slot = divmod(self.rank, self._ranks_per_node)
+            member_kv, self._node_server = topology.node_kv(kv, node, slot, cfg.node_store_timeout_s)
+            if slot == 0:
+                first = node * self._ranks_per_node
+                self._relay = NodeRelay(kv.clone(), kv, member_kv.clone(), node,
+                                        list(range(first, first + self._ranks_per_node)),
+                                        stop_timeout_s=cfg.stop_timeout_s)
+                self._relay.start()
         rank_map = RankMap.from_env(rank=self.rank)
         self._member = Member(
-            kv.clone(), self.rank, self._parking,
+            member_kv.clone(), self.rank, self._parking,
             MemberHooks(switch_hook=self._switch_hook, checkpoint_hook=self._checkpoint_hook,
                         guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
                         dry_run=cfg.dry_run, local_ranks=rank_map.local_ranks),
             lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
-            on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail),
+            on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail), slot=slot,
         )
         self._member.start()
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
@@ -302,7 +321,9 @@ class SwitchAgent:
         from nicswitch_agent.clusterd.session import LeaderSession, SessionCallbacks
 
         cfg = self.config
-        self._coordinator = Coordinator(kv.clone(), self.world_size, stop=self._coordination_stop)
+        per_node = self._ranks_per_node
+        self._coordinator = Coordinator(kv.clone(), self.world_size // per_node if per_node else self.world_size,
+                                        stop=self._coordination_stop, ranks_per_node=per_node)
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -407,6 +428,8 @@ class SwitchAgent:
                 logger.warning("could not release the members", exc_info=True)
         if self._member is not None:
             self._member.stop()
+        if self._relay is not None:
+            self._relay.stop()  # after the member: the release above still reaches the node's ranks
         self._parking.release()  # never leave training parked behind a stopped agent
         if not self._parking.wait_unparked(self.config.stop_timeout_s):
             logger.warning("training still parked %.1f s after stop (a hook is running on it)",

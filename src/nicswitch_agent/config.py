@@ -38,6 +38,7 @@ CLUSTERD_MIN_PING_INTERVAL_S = 3.0
 LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
 LEADER_PLACES = ("rank0", "launcher")
+FAN_OUTS = ("auto", "node", "flat")
 ENV_PREFIX = "NICSWITCH_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -125,6 +126,18 @@ class AgentConfig:
     store_address: str | None = None
     """``host:port`` of a TCPStore to coordinate through instead of the job's default store (the
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
+    fan_out: str = "auto"
+    """How ranks reach the job's Store: ``node`` (one rank per node relays for its node over a
+    node-local Store, so the job's Store sees nodes, not ranks), ``flat`` (every rank on the job's
+    Store), or ``auto`` (``node`` when the job spans more than one node of ``local_world_size``
+    ranks). Every rank and the leader must choose alike: leave it to ``auto`` and torchrun's
+    LOCAL_WORLD_SIZE (``nicswitch-agent launch`` exports its choice to the training command)."""
+    local_world_size: int | None = None
+    """Ranks per node (env LOCAL_WORLD_SIZE, as torchrun sets it). Nodes are ``rank //
+    local_world_size``; every node must have the same number of ranks."""
+    node_store_timeout_s: float = 60.0
+    """With node-local fan-out, at start: how long a rank waits for its node's local rank 0 to
+    publish the node-local Store it hosts."""
     conflict_resets: int = 3
     """Pause mode agent: this many clean ends of the process-manage stream with no signal between
     them, within ``conflict_window_s``, mean another process-manage client (MindIO/TaskD, ``sim
@@ -206,6 +219,9 @@ class AgentConfig:
             values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
         if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
             values["world_size"] = _parse("world_size", names["world_size"], env["WORLD_SIZE"].strip(), "WORLD_SIZE")
+        if "local_world_size" not in values and env.get("LOCAL_WORLD_SIZE", "").strip():
+            values["local_world_size"] = _parse("local_world_size", names["local_world_size"],
+                                                env["LOCAL_WORLD_SIZE"].strip(), "LOCAL_WORLD_SIZE")
         if "rank" not in values and env.get("RANK", "").strip():
             values["rank"] = _parse("rank", names["rank"], env["RANK"].strip(), "RANK")
         return cls(**values)
@@ -276,7 +292,8 @@ class AgentConfig:
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
-                    "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s")
+                    "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
+                    "node_store_timeout_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")
@@ -318,6 +335,12 @@ class AgentConfig:
             raise ConfigError(f"rank={self.rank!r} must be a non-negative integer")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size!r}")
+        if self.fan_out not in FAN_OUTS:
+            raise ConfigError(f"fan_out={self.fan_out!r} is not supported; choose one of {', '.join(FAN_OUTS)}")
+        if self.local_world_size is not None and (
+                isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
+                or self.local_world_size < 1):
+            raise ConfigError(f"local_world_size={self.local_world_size!r} must be a positive integer")
         for name in ("max_ranks", "max_message_bytes", "max_pending_lists"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -40,14 +40,23 @@ class RunOutcome:
 
 
 class Coordinator:
-    """Publishes events to every member and gathers their answers."""
+    """Publishes events to every member and gathers their answers.
 
-    def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None) -> None:
+    ``world_size`` counts who answers on this Store: ranks, or, with node-local fan-out
+    (``ranks_per_node`` given), nodes, each answering for its ranks through its relay (relay.py).
+    """
+
+    def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
+                 ranks_per_node: int | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
+        if ranks_per_node is not None and ranks_per_node < 1:
+            raise ValueError(f"ranks_per_node={ranks_per_node} must be positive")
         self.kv = kv
         self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
         self._stop = stop or threading.Event()
+        self._cleanup_kv: KV | None = None  # one connection for every cleanup, opened on first use
         self._lock = threading.Lock()  # one operation at a time; guards the fields below
         self._n = 0  # events published (each member's queue index)
         self._epoch = 0
@@ -76,7 +85,9 @@ class Coordinator:
             # Off the switch's path: one delete per key (the Store has no multi-delete) is a round
             # trip per rank per key kind, seconds at tens of thousands of ranks.
             garbage, self._garbage = self._garbage, []
-            threading.Thread(target=_delete_keys, args=(self.kv, garbage), name="nicswitch-store-cleanup",
+            if self._cleanup_kv is None:
+                self._cleanup_kv = self.kv.clone()
+            threading.Thread(target=_delete_keys, args=(self._cleanup_kv, garbage), name="nicswitch-store-cleanup",
                              daemon=True).start()
         self._epoch += 1
         return self._epoch
@@ -89,12 +100,13 @@ class Coordinator:
             started = time.monotonic()
             deadline = started + timeout_s
             epoch = self._new_epoch()
-            self._publish({"t": p.PAUSE, "e": epoch})
+            self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
             self._garbage += [*c_keys, p.c_counter_key(epoch)]
             if self.kv.poll_count(p.c_counter_key(epoch), self.world_size, deadline, self._stop) < self.world_size:
                 missing = self._missing(c_keys)
-                return self._abandon(epoch, started, f"no answer to the pause from rank(s) {_ranks(missing)}")
+                why = self._nodes_say_why(epoch, missing) or f"no answer to the pause from rank(s) {_ranks(missing)}"
+                return self._abandon(epoch, started, why)
             target = max(int(v) for v in self.kv.get_many(c_keys)) + 1
             self._publish({"t": p.TARGET, "e": epoch, "S": target,
                            "timeout": max(0.0, deadline - time.monotonic())})
@@ -107,12 +119,32 @@ class Coordinator:
             self._paused = True
             outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
             self.last_pause = outcome
-            logger.info("all %d rank(s) parked at step %d in %.1f ms", self.world_size, target,
-                        outcome.duration_s * 1000)
+            logger.info("all %s parked at step %d in %.1f ms", self._who(), target, outcome.duration_s * 1000)
             return outcome
+
+    def _nodes_say_why(self, epoch: int, missing: list[str]) -> str:
+        """With node-local fan-out: what the silent nodes' relays said, or which nodes were silent
+        (their relay is gone); "" without fan-out."""
+        if self.ranks_per_node is None:
+            return ""
+        reasons = []
+        for node in (int(k.rsplit("/", 1)[-1]) for k in missing):
+            if self.kv.check([p.why_key(epoch, node)]):
+                reasons.append(f"node {node}: {self.kv.get(p.why_key(epoch, node))}")
+                self._garbage.append(p.why_key(epoch, node))
+            else:
+                first = node * self.ranks_per_node
+                reasons.append(f"node {node} (ranks {first}-{first + self.ranks_per_node - 1}) did not answer")
+        return "; ".join(reasons[:8]) + (f" (+{len(reasons) - 8} more nodes)" if len(reasons) > 8 else "")
 
     def _why_not_parked(self, epoch: int, missing: list[str], target: int) -> str:
         """Why the pause failed, in words; names the ranks whose step() was never called."""
+        if self.ranks_per_node is not None:
+            nostep_all = all(self.kv.check([p.nostep_key(epoch, int(k.rsplit("/", 1)[-1]))]) for k in missing)
+            if nostep_all and len(missing) == self.world_size:
+                return ("no rank reached a step boundary: step() was never called (is agent.step() called in the "
+                        "training loop?)")
+            return self._nodes_say_why(epoch, missing)
         ranks = [int(k.rsplit("/", 1)[-1]) for k in missing]
         nostep = [f"{r}" for r in ranks if self.kv.check([p.nostep_key(epoch, r)])]
         self._garbage += [p.nostep_key(epoch, int(r)) for r in nostep]
@@ -123,6 +155,11 @@ class Coordinator:
         if nostep:
             reason += f"; step() was never called on rank(s) {_ranks(nostep)}"
         return reason
+
+    def _who(self) -> str:
+        if self.ranks_per_node is None:
+            return f"{self.world_size} rank(s)"
+        return f"{self.world_size * self.ranks_per_node} rank(s) on {self.world_size} node(s)"
 
     def _missing(self, keys: list[str]) -> list[str]:
         """Which of ``keys`` are missing (the failure path only: one round trip per key)."""
@@ -174,7 +211,9 @@ class Coordinator:
             keys = [p.result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
             # A member counts first, then writes its result: wait for the keys themselves too.
             if count <= seen or self.kv.poll_all(keys, deadline, self._stop):
-                return RunOutcome(False, f"{self.world_size - seen} rank(s) did not answer within the budget",
+                silent = self.world_size - seen
+                who = f"{silent} node(s)" if self.ranks_per_node is not None else f"{silent} rank(s)"
+                return RunOutcome(False, f"{who} did not answer within the budget",
                                   attempted=True, duration_s=time.monotonic() - started)
             for text in self.kv.get_many(keys):
                 seen += 1

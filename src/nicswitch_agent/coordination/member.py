@@ -72,9 +72,13 @@ class Member:
         stop_timeout_s: float = 1.0,
         on_lost: Callable[[str], None] | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
+        slot: int | None = None,
     ) -> None:
         self.kv = kv
         self.rank = rank
+        # Where this member's keys live on its Store: its global rank, or with node-local fan-out
+        # its local rank on the node's Store (relay.py). Results always name the global rank.
+        self.slot = rank if slot is None else slot
         self.lot = lot
         self.hooks = hooks
         self._last_step = last_step
@@ -118,7 +122,7 @@ class Member:
             logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
             if self._wake_kv is not None and not self.lost:
-                self._wake_kv.set(p.queue_key(self.rank, self._next), p.encode({"t": p.WAKE}))
+                self._wake_kv.set(p.queue_key(self.slot, self._next), p.encode({"t": p.WAKE}))
         except Exception:
             logger.debug("could not wake the member thread", exc_info=True)
         thread = self._thread
@@ -153,7 +157,7 @@ class Member:
             self._coordination_lost(f"{type(exc).__name__}: {exc}")
             return
         while not self._stop.is_set():
-            key = p.queue_key(self.rank, self._next)
+            key = p.queue_key(self.slot, self._next)
             try:
                 timeout = self._max_parked_s if self.lot.parked else IDLE_WAIT_S
                 if not kv.wait([key], timeout):
@@ -204,8 +208,8 @@ class Member:
             self._local_epoch[epoch] = local
             completed = self._last_step()  # ... then the last completed step
             if completed is None:  # so that a pause that times out can say step() was never called
-                self.kv.set(p.nostep_key(epoch, self.rank), "1")
-            self.kv.set(p.c_key(epoch, self.rank), str(completed if completed is not None else 0))
+                self.kv.set(p.nostep_key(epoch, self.slot), "1")
+            self.kv.set(p.c_key(epoch, self.slot), str(completed if completed is not None else 0))
             self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
             self._emit("pause_requested", {"epoch": epoch, "completed_step": completed})
         elif kind == p.TARGET:
@@ -214,7 +218,7 @@ class Member:
                 return
             self.lot.set_target(target_epoch, int(message["S"]))
             if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
-                self.kv.set(p.parked_key(epoch, self.rank), str(self.lot.parked_step))
+                self.kv.set(p.parked_key(epoch, self.slot), str(self.lot.parked_step))
                 self.kv.add(p.parked_counter_key(epoch), 1)
         elif kind == p.ORDER:
             started = time.monotonic()
@@ -248,7 +252,7 @@ class Member:
         beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
         block for the Store's timeout). The leader publishes its next event only once it has
         decided this order, so a next event in our queue means nobody waits for our answer."""
-        moved_on = self.kv.check([p.queue_key(self.rank, self._next)])
+        moved_on = self.kv.check([p.queue_key(self.slot, self._next)])
         if moved_on or not self.kv.check([p.order_key(name)]):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)

@@ -5,7 +5,7 @@ across restarts, so a new incarnation must not read the old one's keys).
 
 Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read)::
 
-    q/<r>/<n>                  {"t": "pause", "e": E}
+    q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
                                 "budget": seconds}
@@ -24,6 +24,13 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
                                [, "interrupted": true]}
+
+With node-local fan-out (relay.py) the same keys carry nodes instead of ranks on the job's Store
+(``r`` is a node's index, a node's ``c`` is the largest of its ranks', its result the first
+failure or one success), and each node's ranks use them on the node's own Store::
+
+    e/<E>/why/<node>           why the node could not answer a phase (failure path only)
+    node/<node>/store          ``host:port`` of the node-local Store (written by its relay)
 
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
@@ -77,6 +84,14 @@ def c_counter_key(epoch: int) -> str:
 
 def parked_counter_key(epoch: int) -> str:
     return f"e/{epoch}/parked/n"
+
+
+def why_key(epoch: int, node: int) -> str:
+    return f"e/{epoch}/why/{node}"
+
+
+def node_store_key(node: int) -> str:
+    return f"node/{node}/store"
 
 
 def order_key(name: str) -> str:

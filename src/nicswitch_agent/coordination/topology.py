@@ -4,16 +4,23 @@ The rank and world size come from the config, else from an initialised ``torch.d
 else a single rank. The Store is the one the user passed, the launcher's (``store_address``), an
 in-process one for a single rank, or ``torch.distributed``'s default Store (torch imported lazily:
 a member-only process that never needs it never loads it).
+
+With node-local fan-out (relay.py) local rank 0 of each node hosts the node-local Store (a
+TCPStore on 127.0.0.1, or an in-process one when the job's Store is in process: ranks as threads)
+and publishes its address on the job's Store; the node's other ranks wait for it at start.
 """
 
 from __future__ import annotations
 
+import datetime
 import sys
+import threading
+import time
 from typing import Any
 
 from nicswitch_agent.config import AgentConfig
 from nicswitch_agent.coordination.kv import KV, InProcessStore
-from nicswitch_agent.coordination.messages import key_prefix
+from nicswitch_agent.coordination.messages import key_prefix, node_store_key
 from nicswitch_agent.errors import ConfigError
 
 
@@ -71,3 +78,49 @@ def connect_tcp_store(address: str, timeout_s: float) -> Any:
                         wait_for_workers=False)
     except RuntimeError as exc:
         raise ConfigError(f"store_address={address!r}: cannot reach the Store: {exc}") from exc
+
+
+def choose_ranks_per_node(cfg: AgentConfig, world_size: int) -> int | None:
+    """Ranks per node for node-local fan-out, or None for flat. Every rank and the leader decide
+    alike from the same settings (torchrun gives every rank the same LOCAL_WORLD_SIZE; the
+    launcher exports its choice to the training command)."""
+    per_node = cfg.local_world_size
+    if cfg.fan_out == "flat" or world_size == 1:
+        return None
+    if per_node is None or world_size % per_node:
+        if cfg.fan_out == "node":
+            raise ConfigError(f"fan_out='node' needs local_world_size (LOCAL_WORLD_SIZE) dividing world_size="
+                              f"{world_size}; got local_world_size={per_node!r}")
+        return None
+    if cfg.fan_out == "auto" and (per_node == 1 or per_node == world_size):
+        return None  # one rank per node, or one node: a relay would only add a hop
+    return per_node
+
+
+_in_process_node_stores: dict[tuple[int, str, int], InProcessStore] = {}
+_in_process_lock = threading.Lock()
+
+
+def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float) -> tuple[KV, Any]:
+    """(the node-local Store's KV, the server object to keep alive or None).
+
+    Local rank 0 hosts it and publishes its address on the job's Store; the node's other ranks
+    wait for the address (bounded) and connect to it.
+    """
+    if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
+        with _in_process_lock:
+            store = _in_process_node_stores.setdefault((id(kv.store), kv.prefix, node), InProcessStore())
+        return KV(store, kv.prefix), None
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
+    if local_rank == 0:
+        server: Any = TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
+        kv.set(node_store_key(node), f"127.0.0.1:{server.port}")
+        return KV(server, kv.prefix), server
+    if kv.poll_all([node_store_key(node)], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
+        raise ConfigError(f"node {node}'s relay (its local rank 0) did not publish the node-local Store within "
+                          f"node_store_timeout_s={timeout_s:g} s")
+    host, _, port = kv.get(node_store_key(node)).rpartition(":")
+    client: Any = TCPStore(host, int(port), None, False, timeout)
+    return KV(client, kv.prefix), None

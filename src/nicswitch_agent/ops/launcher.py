@@ -129,6 +129,15 @@ class TorchrunOptions:
     def single_node(self) -> bool:
         return self.standalone or self.node_range()[1] == 1
 
+    def local_world_size(self) -> int | None:
+        """nproc_per_node as torchrun resolves it (the LOCAL_WORLD_SIZE of its workers); None if unknown."""
+        from torch.distributed.run import determine_local_world_size
+
+        try:
+            return int(determine_local_world_size(self.nproc_per_node))
+        except ValueError:
+            return None
+
     def world_size(self) -> int:
         """nproc_per_node x nnodes, exactly as torchrun computes them; LaunchError if not fixed."""
         from torch.distributed.run import determine_local_world_size
@@ -240,6 +249,7 @@ class Plan:
     node_rank: int
     why: str  # one line for the log: why this node leads or passes through
     world_size: int | None  # first node only
+    local_world_size: int | None  # ranks per node (torchrun's nproc-per-node), None if unknown
     store_port: int  # 0: a free port (first node only)
     store_host: str  # the Store host exported to the child
     env: dict[str, str] = field(default_factory=dict)  # exported on top of the launcher's environment
@@ -289,8 +299,15 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
         host = _store_host(args, environ, torchrun)
     if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
         env["NICSWITCH_STORE_ADDRESS"] = _join_host_port(host, port)
+    # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
+    # the ranks per node the leader is told are the ones the training ranks are told.
+    per_node = torchrun.local_world_size() if torchrun is not None else None
+    if per_node is not None:
+        env["NICSWITCH_LOCAL_WORLD_SIZE"] = str(per_node)
+    elif "NICSWITCH_FAN_OUT" not in environ:
+        env["NICSWITCH_FAN_OUT"] = "flat"  # the leader cannot tell the nodes apart: nor may the ranks
     return Plan(command=command, hosts_leader=hosts_leader, node_rank=node_rank, why=why, world_size=world_size,
-                store_port=port, store_host=host, env=env)
+                local_world_size=per_node, store_port=port, store_host=host, env=env)
 
 
 def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
@@ -386,7 +403,8 @@ class HostedLeader:
         # handle_signals=False: the launcher forwards signals to the child and stops its leader
         # itself once the child has exited (the training ranks may still need it until then).
         config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
-                                      world_size=plan.world_size, rank=0, handle_signals=False)
+                                      world_size=plan.world_size, rank=0, handle_signals=False,
+                                      local_world_size=plan.local_world_size)
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:

@@ -1,0 +1,237 @@
+"""NodeRelay: one rank per node speaks to the job's Store for the whole node (node-local fan-out).
+
+Without it every rank follows the leader on the job's Store: tens of round trips per rank per
+switch, two sockets per rank on the Store's host, and a single-threaded Store server doing
+~0.45 ms of work per rank per switch (docs/performance.md). With it the job's Store sees nodes:
+
+- the leader's :class:`~nicswitch_agent.coordination.leader.Coordinator` counts nodes, not ranks
+  (one queue per node, one answer per node);
+- local rank 0 of each node runs this relay (``nicswitch-relay``): it reads its node's queue on
+  the job's Store and republishes every event, unchanged, to the node's ranks over a node-local
+  Store (a TCPStore on 127.0.0.1 that it hosts); the node's members run exactly as they do
+  without a relay, on that local Store;
+- it answers the leader once for the node: for a pause, the largest ``c_r`` of its ranks; for the
+  target, "parked" once every local rank parked; for an order, the first local failure at once,
+  or one success once every local rank succeeded (any rank attempted, every rank checkpointed).
+
+Why the step-aligned pause stays deadlock-free: each member still sets its flag before it reads
+its ``c_r``, and the leader's target is ``max`` over nodes of ``max`` over ranks, which is the
+same ``S = max(c_r) + 1`` over every rank (docs/architecture.md).
+
+Every local wait is bounded by the leader's own (the pause's and target's ``timeout``, the
+order's ``budget``), so a dead or hung local rank makes the node answer late or fail, never hang
+the relay; where a phase fails the relay writes why (``e/<E>/why/<node>``) for the leader's
+message. The relay handles one event at a time, as a member does.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.kv import KV
+
+logger = logging.getLogger("nicswitch_agent.coordination")
+
+IDLE_WAIT_S = 3600.0  # one blocking wait per hour when idle; stop() wakes it at once
+DEFAULT_PHASE_TIMEOUT_S = 60.0  # a leader of an earlier version sent no timeout with its pause
+ORDER_SLACK_S = 1.0  # the relay answers this long after the budget; the leader waits 2 s past it
+WHY_MARGIN_S = 0.5  # a failing phase is told this much before the leader's deadline, so it can say why
+
+
+class NodeRelay:
+    """The relay thread of one node (see the module docstring).
+
+    Args:
+        job_kv: a connection of its own to the job's Store (the relay blocks on it when idle).
+        wake_kv: a connection :meth:`stop` may write through (the rank's existing one: no socket
+            is opened for it).
+        local_kv: a connection of its own to the node-local Store.
+        node: the node's index (global rank // ranks per node): its queue on the job's Store.
+        ranks: the node's global ranks, in local-rank order (local rank i answers at slot i).
+    """
+
+    def __init__(self, job_kv: KV, wake_kv: KV, local_kv: KV, node: int, ranks: list[int], *,
+                 stop_timeout_s: float = 1.0) -> None:
+        if not ranks:
+            raise ValueError("a node relay needs at least one rank")
+        self.job, self.local, self._wake_kv = job_kv, local_kv, wake_kv
+        self.node, self.ranks = node, list(ranks)
+        self._stop = threading.Event()
+        self._stop_timeout_s = stop_timeout_s
+        self._next = 1  # the job queue index this relay waits for
+        self._local_n = 0  # events published to the local queues
+        self._garbage: list[str] = []  # local keys of the last epoch
+        self._thread: threading.Thread | None = None
+        self.events_relayed = 0
+        self.lost = ""
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("NodeRelay already started")
+        self._thread = threading.Thread(target=self._run, name="nicswitch-relay", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Stop the thread (bounded): wake its idle wait through ``wake_kv``."""
+        self._stop.set()
+        try:
+            if not self.lost:
+                self._wake_kv.set(p.queue_key(self.node, self._next), p.encode({"t": p.WAKE}))
+        except Exception:
+            logger.debug("could not wake the relay thread", exc_info=True)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(self._stop_timeout_s)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            if self.job.check([p.QUEUE_HEAD]):  # joining a leader that already published: start after it
+                self._next = int(self.job.get(p.QUEUE_HEAD)) + 1
+            while not self._stop.is_set():
+                key = p.queue_key(self.node, self._next)
+                if not self.job.wait([key], IDLE_WAIT_S):
+                    continue
+                text = self.job.get(key)
+                self.job.delete([key])
+                self._next += 1
+                try:
+                    message = p.decode(text)
+                except ValueError as exc:
+                    logger.error("node %d: ignoring a malformed coordination message: %s", self.node, exc)
+                    continue
+                if message["t"] == p.WAKE:
+                    continue
+                self._relay(message, text)
+                self.events_relayed += 1
+        except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
+            self.lost = f"{type(exc).__name__}: {exc}"
+            if not self._stop.is_set():
+                logger.error("node %d: coordination store lost (%s); switches cannot run on this node",
+                             self.node, self.lost)
+
+    def _relay(self, message: dict[str, Any], text: str) -> None:
+        kind, epoch = message["t"], int(message.get("e", 0))
+        if kind == p.ORDER:  # the order itself first: members read it when the event arrives
+            name = str(message["key"])
+            self.local.set(p.order_key(name), self.job.get(p.order_key(name)))
+            self._garbage.append(p.order_key(name))
+        self._publish_local(text)
+        if kind == p.PAUSE:
+            self._answer_pause(epoch, float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
+        elif kind == p.TARGET:
+            self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
+        elif kind == p.ORDER:
+            self._answer_order(epoch, str(message["key"]), float(message["budget"]))
+        elif kind == p.RELEASE:
+            self._clean_up()
+
+    def _publish_local(self, text: str) -> None:
+        self._local_n += 1
+        self.local.set_many([p.queue_key(slot, self._local_n) for slot in range(self.size)], [text] * self.size)
+        self.local.set(p.QUEUE_HEAD, str(self._local_n))
+
+    def _answer_pause(self, epoch: int, timeout_s: float) -> None:
+        keys = [p.c_key(epoch, slot) for slot in range(self.size)]
+        self._garbage += [*keys, p.c_counter_key(epoch), *(p.nostep_key(epoch, s) for s in range(self.size))]
+        deadline = time.monotonic() + _before_the_leader(timeout_s)
+        if self.local.poll_count(p.c_counter_key(epoch), self.size, deadline, self._stop) < self.size:
+            missing = self._missing(keys)
+            self._why(epoch, f"no answer to the pause from rank(s) {_listed(missing)}")
+            return
+        if len(self._never_stepped(epoch)) == self.size:  # for the leader's message, should the pause fail
+            self.job.set(p.nostep_key(epoch, self.node), "1")
+        highest = max(int(v) for v in self.local.get_many(keys))
+        self.job.set(p.c_key(epoch, self.node), str(highest))
+        self.job.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
+
+    def _answer_parked(self, epoch: int, target: int, timeout_s: float) -> None:
+        keys = [p.parked_key(epoch, slot) for slot in range(self.size)]
+        self._garbage += [*keys, p.parked_counter_key(epoch)]
+        deadline = time.monotonic() + _before_the_leader(timeout_s)
+        if self.local.poll_count(p.parked_counter_key(epoch), self.size, deadline, self._stop) < self.size:
+            missing = self._missing(keys)
+            reason = f"rank(s) {_listed(missing)} did not park at step {target}"
+            nostep = [str(rank) for rank in self._never_stepped(epoch)]
+            if nostep:
+                reason += f"; step() was never called on rank(s) {_listed(nostep)}"
+            self._why(epoch, reason)
+            return
+        self.job.set(p.parked_key(epoch, self.node), str(target))
+        self.job.add(p.parked_counter_key(epoch), 1)
+
+    def _answer_order(self, epoch: int, name: str, budget_s: float) -> None:
+        """Forward the first local failure at once; else one success once every rank succeeded."""
+        counter = p.result_counter_key(epoch, name)
+        self._garbage += [counter, *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
+        deadline = time.monotonic() + budget_s + ORDER_SLACK_S
+        attempted, guards, seen, answered = False, 0, 0, set()
+        while seen < self.size:
+            count = min(self.local.poll_count(counter, seen + 1, deadline, self._stop), self.size)
+            keys = [p.result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
+            if count <= seen or self.local.poll_all(keys, deadline, self._stop):
+                silent = [rank for rank in self.ranks if rank not in answered]
+                self._answer(epoch, name, p.MemberResult(
+                    silent[0] if silent else self.ranks[0], False,
+                    f"did not answer within the budget ({len(silent)} rank(s) of node {self.node}: "
+                    f"{_listed([str(r) for r in silent])})", attempted=True))
+                return
+            for text in self.local.get_many(keys):
+                seen += 1
+                result = p.MemberResult.decode(text)
+                answered.add(result.rank)
+                attempted = attempted or result.attempted
+                guards += int(result.guard_ok)
+                if not result.ok:
+                    self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
+                    return
+        self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
+                                                 guard_ok=guards == self.size))
+
+    def _answer(self, epoch: int, name: str, result: p.MemberResult) -> None:
+        index = self.job.add(p.result_counter_key(epoch, name), 1)
+        self.job.set(p.result_key(epoch, name, index), result.encode())
+
+    def _why(self, epoch: int, reason: str) -> None:
+        """Why this node cannot answer a phase, for the leader's message (failure path only)."""
+        logger.warning("node %d: %s", self.node, reason)
+        self.job.set(p.why_key(epoch, self.node), reason)
+
+    def _never_stepped(self, epoch: int) -> list[int]:
+        """The node's ranks whose step() had never been called when the pause came."""
+        return [rank for slot, rank in enumerate(self.ranks) if self.local.check([p.nostep_key(epoch, slot)])]
+
+    def _missing(self, keys: list[str]) -> list[str]:
+        """The global ranks whose key is missing (the failure path only: a round trip per key)."""
+        return [str(self.ranks[slot]) for slot, key in enumerate(keys) if not self.local.check([key])]
+
+    def _clean_up(self) -> None:
+        """Delete the epoch's local keys (the switch is over on this node; nobody reads them)."""
+        garbage, self._garbage = self._garbage, []
+        self.local.delete(garbage)
+
+
+def _before_the_leader(timeout_s: float) -> float:
+    """The relay's share of a phase the leader gives ``timeout_s``: it must answer (or say why)
+    before the leader stops reading."""
+    return max(0.0, timeout_s - min(WHY_MARGIN_S, timeout_s / 10))
+
+
+def _listed(ranks: list[str]) -> str:
+    return ", ".join(ranks[:16]) + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")
+
+
+__all__ = ["NodeRelay"]

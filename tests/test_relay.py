@@ -1,0 +1,158 @@
+"""NodeRelay (coordination/relay.py): one rank per node answers the leader for its node.
+
+The leader's side is the real Coordinator (counting nodes); the node's ranks are played by hand on
+the node's own Store, so each test decides exactly what every rank says and when. What the relay
+must keep: the pause target is the largest completed step over every rank of the node (anything
+smaller lets a rank pass the target: a deadlock in the next collective), a failure is forwarded at
+once and names its rank, a success only once every rank of the node succeeded, and a silent rank
+makes the node say which rank it was.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import support
+
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.relay import NodeRelay
+from nicswitch_agent.orders import SwitchOrder
+
+pytestmark = pytest.mark.timeout(60)
+
+PREFIX = "nicswitch/job-relay/0"
+ORDER = SwitchOrder(seq=1, job_id="job-relay", ranks=(2, 3), ops=(True, True))
+
+
+class Node:
+    """One node: its relay, and its ranks' keys on the node's Store, written by the test."""
+
+    def __init__(self, job_store: InProcessStore, node: int, ranks: list[int]) -> None:
+        self.local = KV(InProcessStore(), PREFIX)
+        self.relay = NodeRelay(KV(job_store, PREFIX), KV(job_store, PREFIX), self.local, node, ranks,
+                               stop_timeout_s=2.0)
+        self.ranks = ranks
+        self.read = [0] * len(ranks)  # the local queue index each rank has read
+
+    def next_event(self, slot: int, timeout: float = 10.0) -> dict[str, Any]:
+        """What the relay published to local rank ``slot`` next (as a member reads it)."""
+        self.read[slot] += 1
+        key = p.queue_key(slot, self.read[slot])
+        assert self.local.wait([key], timeout), f"no event {self.read[slot]} for slot {slot}"
+        return p.decode(self.local.get(key))
+
+    def completed(self, slot: int, epoch: int, step: int) -> None:
+        self.local.set(p.c_key(epoch, slot), str(step))
+        self.local.add(p.c_counter_key(epoch), 1)
+
+    def parked(self, slot: int, epoch: int, step: int) -> None:
+        self.local.set(p.parked_key(epoch, slot), str(step))
+        self.local.add(p.parked_counter_key(epoch), 1)
+
+    def result(self, slot: int, event: dict[str, Any], ok: bool, reason: str = "ok") -> None:
+        epoch, name = int(event["e"]), str(event["key"])
+        index = self.local.add(p.result_counter_key(epoch, name), 1)
+        self.local.set(p.result_key(epoch, name, index),
+                       p.MemberResult(self.ranks[slot], ok, reason, attempted=True, guard_ok=ok).encode())
+
+
+@pytest.fixture
+def job() -> Iterator[tuple[InProcessStore, Coordinator, list[Node], ThreadPoolExecutor]]:
+    store = InProcessStore()
+    nodes = [Node(store, 0, [0, 1]), Node(store, 1, [2, 3])]
+    for node in nodes:
+        node.relay.start()
+    leader = Coordinator(KV(store, PREFIX), 2, ranks_per_node=2)
+    pool = ThreadPoolExecutor(2)
+    yield store, leader, nodes, pool
+    pool.shutdown(wait=False, cancel_futures=True)
+    for node in nodes:
+        node.relay.stop()
+
+
+def pause_every_node(nodes: list[Node], steps: dict[int, int]) -> int:
+    """Every rank answers the pause with its completed step; returns the epoch."""
+    epoch = 0
+    for node in nodes:
+        for slot, rank in enumerate(node.ranks):
+            event = node.next_event(slot)
+            assert event["t"] == p.PAUSE
+            epoch = int(event["e"])
+            node.completed(slot, epoch, steps[rank])
+    return epoch
+
+
+def test_the_target_is_the_largest_completed_step_over_every_rank_of_every_node(job: Any) -> None:
+    _store, leader, nodes, pool = job
+    pausing: Future[Any] = pool.submit(leader.pause, 30.0)
+    steps = {0: 40, 1: 41, 2: 39, 3: 47}  # rank 3, second on its node, is furthest
+    epoch = pause_every_node(nodes, steps)
+    for node in nodes:
+        for slot in range(2):
+            target = node.next_event(slot)
+            assert target["t"] == p.TARGET and target["S"] == 48  # max over every rank, plus one
+            node.parked(slot, epoch, 48)
+    outcome = pausing.result(20)
+    assert outcome.ok and outcome.step == 48
+
+
+def test_a_failure_is_forwarded_at_once_and_names_its_rank(job: Any) -> None:
+    _store, leader, nodes, pool = job
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=300.0)
+    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
+    assert all(e["t"] == p.ORDER for pair in events for e in pair)
+    nodes[1].result(1, events[1][1], False, "switch hook returned False")  # rank 3; rank 2 never answers
+    outcome = running.result(20)  # long before the 300 s budget
+    assert not outcome.ok and outcome.reason == "rank 3: switch hook returned False"
+
+
+def test_a_node_succeeds_only_once_every_rank_of_it_succeeded(job: Any) -> None:
+    store, leader, nodes, pool = job
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=300.0)
+    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
+    for slot in range(2):
+        nodes[0].result(slot, events[0][slot], True)
+    nodes[1].result(0, events[1][0], True)  # rank 2 yes, rank 3 not yet
+    epoch, name = int(events[0][0]["e"]), str(events[0][0]["key"])
+    job_kv = KV(store, PREFIX)
+    # Node 0 answered once for both of its ranks; node 1 says nothing while rank 3 is still out.
+    assert support.wait_until(lambda: job_kv.count(p.result_counter_key(epoch, name)) == 1, 10)
+    assert not running.done()
+    assert job_kv.count(p.result_counter_key(epoch, name)) == 1
+    nodes[1].result(1, events[1][1], True)
+    outcome = running.result(20)
+    assert outcome.ok and outcome.guard_ok  # every rank of every node checkpointed
+
+
+def test_a_silent_rank_makes_its_node_say_which_rank_and_the_pause_fails_naming_it(job: Any) -> None:
+    _store, leader, nodes, pool = job
+    pausing: Future[Any] = pool.submit(leader.pause, 1.0)
+    for node in nodes:
+        for slot, rank in enumerate(node.ranks):
+            event = node.next_event(slot)
+            if rank != 3:  # rank 3's member is gone
+                node.completed(slot, int(event["e"]), 10)
+    outcome = pausing.result(20)
+    assert not outcome.ok
+    assert outcome.reason == "node 1: no answer to the pause from rank(s) 3"
+    for node in nodes:  # the pause is withdrawn on every rank
+        for slot in range(2):
+            assert node.next_event(slot)["t"] == p.RELEASE
+
+
+def test_a_node_whose_relay_is_gone_is_named_with_its_ranks(job: Any) -> None:
+    _store, leader, nodes, _pool = job
+    nodes[1].relay.stop()
+    pausing = threading.Thread(target=lambda: results.append(leader.pause(0.5)))
+    results: list[Any] = []
+    pausing.start()
+    for slot in range(2):
+        nodes[0].completed(slot, int(nodes[0].next_event(slot)["e"]), 5)
+    pausing.join(20)
+    assert results and not results[0].ok
+    assert results[0].reason == "node 1 (ranks 2-3) did not answer"
