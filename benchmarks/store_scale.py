@@ -76,6 +76,18 @@ EXTRAPOLATE_TO = 16_384
 STORE_PREFIX = "default_pg/0/"  # keys land under the default store's PrefixStore, as in a torch job
 SETUP_THREADS = 32  # per node process: connections are made in parallel, as separate ranks would
 THREAD_STACK = 512 * 1024  # thousands of threads per process: 512 KiB stacks instead of 8 MiB
+# Wait slices the library keeps short for one rank per process (a parked main thread must run
+# signal handlers; a member looks again for a hook that started): harmless there, but with a
+# thousand ranks in one interpreter every slice is a GIL hand-off, tens of thousands a second.
+# They touch no Store key, so raising them changes no request and no byte (see hosted_slices).
+HOSTED_SLICE_S = 30.0
+SLICES = (("ParkingLot", "WAIT_SLICE_S"), ("Member", "IDLE_SLICE_S"))
+# CPython: a thread waiting for the GIL wakes every switch interval (5 ms) to demand it. With
+# hundreds of rank threads of one process waiting at once (each Store reply wakes one) that is a
+# storm of futex calls that ate most of the 2 cores (1,024 ranks: 0.9 s of node CPU per process
+# per switch, 0.3 s with 0.5 s; 4,096 ranks never finished a pause). A rank per process has no
+# such storm. Threads that block in a Store call hand the GIL over at once either way.
+HOSTED_SWITCH_INTERVAL_S = 0.5
 
 
 def default_switches(ranks: int) -> int:
@@ -99,6 +111,13 @@ def proc_cpu_ticks_s(pid: int) -> float:
     """utime + stime of ``pid`` from /proc/<pid>/stat, in seconds (10 ms resolution)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_user_sys_s(pid: int) -> tuple[float, float]:
+    """User and system CPU of every thread of ``pid``, in seconds (10 ms resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def proc_io(pid: int) -> dict[str, int]:
@@ -287,6 +306,11 @@ def _reply(obj: dict[str, Any]) -> None:
 
 
 def _child_setup() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # die with the benchmark (Linux prctl PR_SET_PDEATHSIG)
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     import logging
 
@@ -329,6 +353,28 @@ def server_main(fd: int, timeout_s: float) -> None:
 # -- a node process: ranks as threads ----------------------------------------------------------------
 
 
+def hosted_slices() -> dict[str, list[float]]:
+    """Raise the library's wait slices (SLICES) and the interpreter's switch interval in this
+    process; returns {name: [was, now]}.
+
+    Found through the classes' own modules, so the patch follows the code wherever it lives.
+    """
+    import importlib
+
+    from nicswitch_agent.coordination import Member
+    from nicswitch_agent.pause import ParkingLot
+
+    classes = {"ParkingLot": ParkingLot, "Member": Member}
+    patched: dict[str, list[float]] = {"sys.switchinterval": [sys.getswitchinterval(), HOSTED_SWITCH_INTERVAL_S]}
+    sys.setswitchinterval(HOSTED_SWITCH_INTERVAL_S)
+    for cls_name, attr in SLICES:
+        module = importlib.import_module(classes[cls_name].__module__)
+        if hasattr(module, attr):
+            patched[f"{module.__name__}.{attr}"] = [getattr(module, attr), HOSTED_SLICE_S]
+            setattr(module, attr, HOSTED_SLICE_S)
+    return patched
+
+
 class RankThread:
     """One rank: its ParkingLot, its Member and a training thread doing what ``agent.step()`` does.
 
@@ -346,7 +392,10 @@ class RankThread:
         self.armed = False
         self.go = threading.Event()
         self.quit = False
-        self.lot = ParkingLot(on_event=self._on_lot_event, on_armed=self._set_armed)
+        # align_timeout_s: a rank waiting for S gives up after it (60 s by default); thousands of
+        # ranks on 2 cores can take longer than that to publish their steps.
+        self.lot = ParkingLot(on_event=self._on_lot_event, on_armed=self._set_armed,
+                              align_timeout_s=node.timeout_s)
         self.thread = threading.Thread(target=self._train, name=f"train-{rank}", daemon=True)
 
     def _set_armed(self, armed: bool) -> None:  # the agent's _set_armed, plus waking the idle loop
@@ -382,7 +431,9 @@ class RankThread:
 class NodeProcess:
     """K ranks of one node, as threads of this process."""
 
-    def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float) -> None:
+    def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
+                 as_is: bool = False) -> None:
+        self.slices = {} if as_is else hosted_slices()
         self.port, self.node, self.nodes, self.world, self.timeout_s = port, node, nodes, world, timeout_s
         self.local_world = math.ceil(world / nodes)
         self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
@@ -433,7 +484,8 @@ class NodeProcess:
         while any(r.last_step is None for r in self.rank_threads) and time.monotonic() < deadline:
             time.sleep(0.01)
         return {"ready": True, "ranks": len(self.ranks), "setup_s": time.monotonic() - started,
-                "connect_s": connected - started, "since_exec_s": time.monotonic() - EXEC_STARTED,
+                "connect_s": connected - started, "slices": self.slices,
+                "since_exec_s": time.monotonic() - EXEC_STARTED,
                 "connections": self.registry.totals()["connections"], "threads": threading.active_count()}
 
     def wait_for(self, kind: str, count: int, timeout_s: float) -> dict[str, Any]:
@@ -449,9 +501,9 @@ class NodeProcess:
                 "lost": [m.rank for m in self.members if m.lost]}
 
 
-def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float) -> None:
+def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool) -> None:
     _child_setup()
-    proc = NodeProcess(port, node, nodes, world, timeout_s)
+    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is)
     _reply(proc.start())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -614,8 +666,8 @@ class SizeRun:
     switches: list[dict[str, Any]] = field(default_factory=list)
 
 
-def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, timeout_s: float,
-             idle_s: float, log_dir: Path) -> SizeRun:
+def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
+             timeout_s: float, idle_s: float, log_dir: Path) -> SizeRun:
     """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
     result = SizeRun(ranks, nodes)
     children: list[Child] = []
@@ -628,7 +680,8 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         children.append(server)
         # Nodes and leader start with the server: their connections wait in the listen backlog.
         node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
-                                "--world", str(ranks), "--timeout", str(timeout_s)], f"node{i}-{ranks}", log_dir)
+                                "--world", str(ranks), "--timeout", str(timeout_s),
+                                *(["--as-is"] if as_is else [])], f"node{i}-{ranks}", log_dir)
                          for i in range(nodes)]
         children += node_children
         leader = Child(["--role", "leader", "--port", str(port), "--world", str(ranks), "--listed", str(listed),
@@ -646,6 +699,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             "node_base_connections": nodes, "leader_connections": leader_ready["connections"],
             "member_per_rank": member_conns / ranks,
             "node_setup_s": max(r["setup_s"] for r in ready),
+            "slices": ready[0].get("slices", {}),
             "node_ready_since_exec_s": max(r["since_exec_s"] for r in ready),
         }
         # Idle: everything started, nobody switching.
@@ -659,6 +713,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             node_before = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             lead_before = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
             s0 = server_snapshot(spid)
+            cpu0 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
             answer = leader.ask({"cmd": "switch", "seq": i + 1}, timeout_s)
             if not answer.get("ok"):
                 raise RuntimeError(f"switch {i + 1} at {ranks} ranks failed: {answer.get('why')}")
@@ -670,6 +725,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                 raise RuntimeError(f"switch {i + 1} at {ranks} ranks: not every rank resumed")
             lead_after = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
             s1 = server_snapshot(spid)
+            cpu1 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
             node_after = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             last_resumed = max(r["last"] for r in resumed)
             members = _store_diff(_sum_store([s["store"] for s in node_after]),
@@ -688,6 +744,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                 "server_rchar": s1["rchar"] - s0["rchar"], "server_wchar": s1["wchar"] - s0["wchar"],
                 "server_syscr": s1["syscr"] - s0["syscr"], "server_syscw": s1["syscw"] - s0["syscw"],
                 "window_s": s1["t"] - s0["t"],
+                "cpu_user_sys_s": {k: [round(cpu1[k][j] - cpu0[k][j], 2) for j in (0, 1)] for k in cpu0},
                 "members": members, "leader": lead, "lost": sum(len(s["lost"]) for s in node_after),
             })
         # The server's own sockets (its listener, its in-process client and that client's accepted
@@ -738,7 +795,7 @@ def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
 
 
 def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
-        switches: int | None = None, listed: int = 16, dual_stack: bool = False,
+        switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
         timeout_s: float = 600.0) -> BenchResult:
     result = BenchResult("store_scale", "7. one switch (pause mode agent) at 64-16,384 ranks over one real TCPStore: "
                                         "phases, Store requests, bytes, server CPU, sockets")
@@ -758,7 +815,8 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                 continue
             t0 = time.monotonic()
             m = switches or settings.pick(1, default_switches(n))
-            runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, timeout_s=timeout_s, idle_s=idle_s,
+            runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
+                                 timeout_s=timeout_s, idle_s=idle_s,
                                  log_dir=Path(tmp)))
             print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
                   f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
@@ -834,6 +892,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                                  note="on this 2-core machine, all ranks' Python sharing it"))
     result.details = {
         "fd_limit": limits_fd, "host_limits": limits, "nodes": nodes, "listed": listed, "dual_stack": dual_stack,
+        "as_is": as_is,
         "sizes": [r.__dict__ for r in runs],
     }
     result.limits = (
@@ -854,6 +913,8 @@ def _cli() -> None:
     parser.add_argument("--switches", type=int, default=0, help="measured switches per size (default: 3/2/1)")
     parser.add_argument("--listed", type=int, default=16, help="ranks in the order (0: every rank)")
     parser.add_argument("--dual-stack", action="store_true", help="torch's default listener (reverse DNS per client)")
+    parser.add_argument("--as-is", action="store_true",
+                        help="leave the library's wait slices and the switch interval as they are (see hosted_slices)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-wait bound in seconds")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
@@ -867,7 +928,7 @@ def _cli() -> None:
     if args.role == "server":
         server_main(args.fd, args.timeout)
     elif args.role == "node":
-        node_main(args.port, args.node, args.nodes, args.world, args.timeout)
+        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is)
     elif args.role == "leader":
         leader_main(args.port, args.world, args.listed, args.timeout)
     else:
@@ -884,7 +945,7 @@ def main_standalone(args: argparse.Namespace) -> None:
     host = machine()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     result = run(Settings(quick=args.quick), sizes=sizes, processes=args.processes, switches=args.switches or None,
-                 listed=args.listed, dual_stack=args.dual_stack, timeout_s=args.timeout)
+                 listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout)
     result.duration_s = time.monotonic() - started
     host["load_average_end"] = machine()["load_average"]
     document = {
