@@ -41,7 +41,12 @@ dual-stack listener makes the server's one event-loop thread reverse-resolve eve
 (``::ffff:127.0.0.1`` is in no hosts file), and where the resolver drops a query that freezes the
 whole Store for 5 s: resolver time, not coordination time. ``--dual-stack`` measures with it.
 
-``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``).
+Thousands of ranks in one interpreter need two adjustments that touch no Store key (see
+:func:`hosted_slices`; ``--as-is`` turns them off): the library's short wait slices and the
+interpreter's 5 ms switch interval are raised in the node processes, or GIL hand-offs eat the cores.
+
+``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
+docs/performance.md has the method, the numbers and the exact command.
 """
 
 from __future__ import annotations
@@ -92,7 +97,7 @@ HOSTED_SWITCH_INTERVAL_S = 0.5
 
 def default_switches(ranks: int) -> int:
     """Measured switches per size (after one warm-up): fewer where one switch takes seconds."""
-    return 3 if ranks <= 1024 else 2 if ranks <= 4096 else 1
+    return 3 if ranks <= 4096 else 2
 
 
 # -- /proc readings (the Store server's process) ---------------------------------------------------
@@ -855,11 +860,12 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             leader_calls.update(s["leader"]["calls"])
         member_rt = sum(member_calls.values()) / per / r.ranks
         leader_rt = sum(leader_calls.values()) / per
-        result.add(single_metric(f"{label}: Store requests per rank per switch (members + leader)",
+        result.add(single_metric(f"{label}: Store requests per rank per switch (members + leader/ranks)",
                                  member_rt + leader_rt / r.ranks, "",
                                  note=f"members {member_rt:.1f} ({_per_rank_calls(dict(member_calls), per * r.ranks)});"
                                       f" leader {leader_rt:.0f} per switch "
-                                      f"({_per_rank_calls(dict(leader_calls), per)})"))
+                                      f"({_per_rank_calls(dict(leader_calls), per)}); a TCPStore get is 2 exchanges "
+                                      "(wait, then get)"))
         wire = [(s["server_rchar"] + s["server_wchar"]) / r.ranks for s in sw]
         result.add(rounds_metric(f"{label}: bytes on the wire at the Store per rank per switch", wire, "B",
                                  note="server read+write (/proc io); "
@@ -884,6 +890,11 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
         result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: Store server CPU per switch",
                                  a + b * EXTRAPOLATE_TO, "s", target="grows with nodes only", ok=lambda v: False,
                                  note="the fit above; one server thread does this work"))
+        _, k, r2k = fit([math.log(x) for x in xs], [math.log(y) for y in cpu]) if min(cpu) > 0 else (0, 0, 0)
+        result.add(single_metric("Store server CPU per switch grows as ranks^k, k", k, "",
+                                 note=f"log-log fit, R^2 {r2k:.3f}; per rank: " + ", ".join(
+                                     f"{int(x):,}: {y / x * 1e6:.0f} us" for x, y in zip(xs, cpu, strict=True))
+                                 + "; k > 1: the linear fit's extrapolation is a lower bound"))
         a, b, r2 = fit(xs, wall)
         result.add(single_metric("fit: coordination wall time per switch, per rank", b * 1e6, "us",
                                  note=f"{a * 1e3:.1f} ms + {b * 1e6:.0f} us x ranks, R^2 {r2:.3f}"))
@@ -910,7 +921,8 @@ def _cli() -> None:
     parser.add_argument("--role", choices=("main", "server", "node", "leader"), default="main", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default=",".join(map(str, FULL_SIZES)), help="comma-separated rank counts")
     parser.add_argument("--processes", type=int, default=4, help="node processes (ranks are threads of these)")
-    parser.add_argument("--switches", type=int, default=0, help="measured switches per size (default: 3/2/1)")
+    parser.add_argument("--switches", type=int, default=0,
+                        help="measured switches per size (default: 3 up to 4,096 ranks, then 2)")
     parser.add_argument("--listed", type=int, default=16, help="ranks in the order (0: every rank)")
     parser.add_argument("--dual-stack", action="store_true", help="torch's default listener (reverse DNS per client)")
     parser.add_argument("--as-is", action="store_true",
