@@ -11,6 +11,9 @@ Benchmarks (one module each):
 - :mod:`benchmarks.e2e`: SwitchNicTrack accepted -> "switch nic finish", split into its parts
   (also the coordination time at 16 threads / 8 processes, and the pause alignment at 50 ms steps).
 - :mod:`benchmarks.scale`: a 65,536-rank list; the leader's Store round trips per rank.
+- :mod:`benchmarks.store_scale`: one switch at 64-16,384 ranks over one real TCPStore (the real
+  Coordinator and Members, ranks as threads of node processes): phases, Store requests, bytes, the
+  server's CPU and sockets, fitted per rank (``python -m benchmarks.store_scale --sizes ...``).
 """
 
 SCHEMA_VERSION = 1

@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale
+from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale
 from benchmarks._common import (
     RESULTS_DIR,
     BenchResult,
@@ -38,6 +38,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "resubscribe": (resubscribe.run, ("resubscribe",)),
     "e2e": (e2e.run, ("e2e_switch", "scale_coordination", "pause_alignment")),
     "scale": (scale.run, ("scale_list",)),
+    "store_scale": (store_scale.run, ("store_scale",)),
 }
 
 

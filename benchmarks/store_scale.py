@@ -1,0 +1,980 @@
+"""Benchmark 7: the real coordination at thousands of ranks over ONE real torch TCPStore.
+
+What one switch in pause mode ``agent`` costs the job's Store as the job grows: the library's own
+:class:`~nicswitch_agent.coordination.Coordinator` (the leader) and one
+:class:`~nicswitch_agent.coordination.Member` plus one ParkingLot and one training thread per rank,
+all on one ``torch.distributed.TCPStore`` whose server runs in a process of its own, so its CPU,
+its sockets and its bytes can be read from ``/proc/<pid>``.
+
+Processes (all children of the benchmark, all on CLOCK_MONOTONIC):
+
+- ``server``: the TCPStore server (libuv, as torch 2.x makes it), nothing else;
+- ``node`` x K: one "node" of ranks each (LOCAL_WORLD_SIZE = ranks / K, as torchrun would set it),
+  ranks as threads: per rank a Member (its Store connections made exactly as ``SwitchAgent`` makes
+  them: ``kv.clone()`` for the member, one more clone in ``Member.start()`` to wake it on stop), a
+  ParkingLot and a training thread that calls what ``agent.step()`` does;
+- ``leader``: the Coordinator on its own clone, as the leader's agent makes it.
+
+One switch = pause request -> all parked (``Coordinator.pause``), order out -> all results
+(``Coordinator.run``, which also publishes the outcome), release -> every training thread resumed
+(``Coordinator.release``; the resume is stamped on the training threads). The training threads are
+blocked between steps while idle and step at once when a pause arms them: the pause phase holds no
+wait for a step boundary, only coordination.
+
+Counted per switch (window: pause start -> every rank resumed and the leader's key cleanup done, so
+each window holds one cleanup, of the previous switch's keys; one warm-up switch comes first):
+
+- Store requests, by call, in every process (a wrapper around each Store client, clones included);
+- the server's ``read()``/``write()`` calls and bytes (``/proc/<pid>/io``: libuv reads and writes
+  TCP sockets with read/write, so ``rchar``/``wchar`` are the bytes on the wire at the server);
+- the server's CPU time (``/proc/<pid>/task/*/schedstat``, nanoseconds; ``/proc/<pid>/stat`` ticks
+  as a cross-check);
+- sockets: the server process's open sockets (``/proc/<pid>/fd``) minus its own before any client.
+
+Then a least-squares fit ``a + b x ranks`` of the server's CPU and of the wall time per switch,
+extrapolated to 16,384 ranks. The file-descriptor soft limit is raised to the hard limit first;
+sizes the machine cannot host (descriptors on the Store's host, thread ids, ephemeral ports) are
+skipped with the reason.
+
+The server listens on an IPv4 socket handed to TCPStore (``master_listen_fd``): torch's default
+dual-stack listener makes the server's one event-loop thread reverse-resolve every new client
+(``::ffff:127.0.0.1`` is in no hosts file), and where the resolver drops a query that freezes the
+whole Store for 5 s: resolver time, not coordination time. ``--dual-stack`` measures with it.
+
+Thousands of ranks in one interpreter need two adjustments that touch no Store key (see
+:func:`hosted_slices`; ``--as-is`` turns them off): the library's short wait slices and the
+interpreter's 5 ms switch interval are raised in the node processes, or GIL hand-offs eat the cores.
+
+``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
+docs/performance.md has the method, the numbers and the exact command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import resource
+import select
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import ROOT, BenchResult, Settings, median, rounds_metric, single_metric
+
+EXEC_STARTED = time.monotonic()
+JOB = "bench-store-scale"
+FULL_SIZES = (64, 1024, 4096, 8192, 16384)
+QUICK_SIZES = (8,)
+EXTRAPOLATE_TO = 16_384
+STORE_PREFIX = "default_pg/0/"  # keys land under the default store's PrefixStore, as in a torch job
+SETUP_THREADS = 32  # per node process: connections are made in parallel, as separate ranks would
+THREAD_STACK = 512 * 1024  # thousands of threads per process: 512 KiB stacks instead of 8 MiB
+# Wait slices the library keeps short for one rank per process (a parked main thread must run
+# signal handlers; a member looks again for a hook that started): harmless there, but with a
+# thousand ranks in one interpreter every slice is a GIL hand-off, tens of thousands a second.
+# They touch no Store key, so raising them changes no request and no byte (see hosted_slices).
+HOSTED_SLICE_S = 30.0
+SLICES = (("ParkingLot", "WAIT_SLICE_S"), ("Member", "IDLE_SLICE_S"))
+# CPython: a thread waiting for the GIL wakes every switch interval (5 ms) to demand it. With
+# hundreds of rank threads of one process waiting at once (each Store reply wakes one) that is a
+# storm of futex calls that ate most of the 2 cores (1,024 ranks: 0.9 s of node CPU per process
+# per switch, 0.3 s with 0.5 s; 4,096 ranks never finished a pause). A rank per process has no
+# such storm. Threads that block in a Store call hand the GIL over at once either way.
+HOSTED_SWITCH_INTERVAL_S = 0.5
+
+
+def default_switches(ranks: int) -> int:
+    """Measured switches per size (after one warm-up): fewer where one switch takes seconds."""
+    return 3 if ranks <= 4096 else 2
+
+
+# -- /proc readings (the Store server's process) ---------------------------------------------------
+
+
+def proc_cpu_ns(pid: int) -> int:
+    """CPU time of every thread of ``pid`` in ns (schedstat: on-CPU time, nanosecond resolution)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that ended meanwhile
+            total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total
+
+
+def proc_cpu_ticks_s(pid: int) -> float:
+    """utime + stime of ``pid`` from /proc/<pid>/stat, in seconds (10 ms resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_user_sys_s(pid: int) -> tuple[float, float]:
+    """User and system CPU of every thread of ``pid``, in seconds (10 ms resolution)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def proc_io(pid: int) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        key, _, value = line.partition(":")
+        out[key.strip()] = int(value)
+    return out
+
+
+def proc_sockets(pid: int) -> int:
+    count = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:"):
+                count += 1
+        except OSError:
+            pass
+    return count
+
+
+def server_snapshot(pid: int) -> dict[str, float]:
+    io = proc_io(pid)
+    return {"cpu_ns": proc_cpu_ns(pid), "cpu_ticks_s": proc_cpu_ticks_s(pid), "rchar": io["rchar"],
+            "wchar": io["wchar"], "syscr": io["syscr"], "syscw": io["syscw"], "t": time.monotonic()}
+
+
+def raise_fd_limit() -> dict[str, int]:
+    """Raise this process's soft RLIMIT_NOFILE to the hard limit (children inherit it)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    new = hard if hard != resource.RLIM_INFINITY else max(soft, 1_048_576)
+    if new > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        except (ValueError, OSError):
+            new = soft
+    return {"soft_before": soft, "hard": hard, "soft": resource.getrlimit(resource.RLIMIT_NOFILE)[0]}
+
+
+def host_limits() -> dict[str, int]:
+    def read_int(path: str, default: int) -> int:
+        try:
+            return int(Path(path).read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return default
+
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    tasks = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                tasks += len(os.listdir(f"/proc/{entry}/task"))
+    return {"pid_max": read_int("/proc/sys/kernel/pid_max", 32768),
+            "threads_max": read_int("/proc/sys/kernel/threads-max", 1 << 20),
+            "tasks_now": tasks, "ephemeral_ports": high - low + 1}
+
+
+def feasible(ranks: int, nodes: int, fd_soft: int, limits: dict[str, int]) -> str:
+    """Why this machine cannot host ``ranks`` today ("" if it can). Today's design holds 2 Store
+    connections per rank: 2 descriptors on the server, 2 on the node, 2 local ports, 2 threads."""
+    server_fds = 2 * ranks + nodes + 2 + 32  # + the node bases, the leader's, the server's own
+    node_fds = 2 * math.ceil(ranks / nodes) + 64
+    threads = 2 * ranks + 64 * (nodes + 2)
+    if server_fds > fd_soft:
+        return (f"the Store's host needs {server_fds:,} descriptors (2 per rank), the limit is "
+                f"{fd_soft:,} (RLIMIT_NOFILE, raised to its hard limit)")
+    if node_fds > fd_soft:
+        return f"a node process needs {node_fds:,} descriptors, the limit is {fd_soft:,}"
+    if 2 * ranks + nodes + 8 > limits["ephemeral_ports"]:
+        return (f"{2 * ranks:,} client connections to one address need as many local ports; the ephemeral "
+                f"range has {limits['ephemeral_ports']:,}")
+    room = min(limits["pid_max"], limits["threads_max"]) - limits["tasks_now"]
+    if threads > room:
+        return (f"{threads:,} threads (a member and a training thread per rank) exceed the {room:,} thread ids "
+                f"free (pid_max {limits['pid_max']:,})")
+    return ""
+
+
+# -- counting Store wrapper (node and leader processes) ---------------------------------------------
+
+
+class Registry:
+    """Every CountingStore of a process. Each instance is used by one thread at a time (the
+    library's rule: a clone per thread), so its counters need no lock; the list has one."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stores: list[CountingStore] = []
+
+    def add(self, store: CountingStore) -> None:
+        with self.lock:
+            self.stores.append(store)
+
+    def totals(self) -> dict[str, Any]:
+        with self.lock:
+            stores = list(self.stores)
+        calls: Counter[str] = Counter()
+        sent: Counter[str] = Counter()
+        received: Counter[str] = Counter()
+        for s in stores:
+            calls.update(s.calls)
+            sent.update(s.sent)
+            received.update(s.received)
+        return {"connections": len(stores), "calls": dict(calls), "sent": dict(sent), "received": dict(received)}
+
+
+class CountingStore:
+    """Counts the calls (and their keys' and values' bytes) made on one Store client; calls through.
+
+    ``clone()`` returns a counting wrapper around the clone, registered too: every connection the
+    library opens is counted, the leader's per-switch cleanup connection included.
+    """
+
+    def __init__(self, store: Any, registry: Registry) -> None:
+        self._store = store
+        self._registry = registry
+        self.calls: Counter[str] = Counter()
+        self.sent: Counter[str] = Counter()  # key and value bytes (payload, no framing)
+        self.received: Counter[str] = Counter()
+        registry.add(self)
+
+    def clone(self) -> CountingStore:
+        return CountingStore(self._store.clone(), self._registry)
+
+    def set(self, key: str, value: str) -> None:
+        self.calls["set"] += 1
+        self.sent["set"] += len(key) + len(value)
+        self._store.set(key, value)
+
+    def get(self, key: str) -> bytes:
+        self.calls["get"] += 1
+        self.sent["get"] += len(key)
+        value: bytes = self._store.get(key)
+        self.received["get"] += len(value)
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        self.calls["check"] += 1
+        self.sent["check"] += sum(map(len, keys))
+        return bool(self._store.check(keys))
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        self.calls["wait"] += 1
+        self.sent["wait"] += sum(map(len, keys))
+        self._store.wait(keys, timeout)
+
+    def add(self, key: str, value: int) -> int:
+        self.calls["add"] += 1
+        self.sent["add"] += len(key) + 8
+        result: int = self._store.add(key, value)
+        return result
+
+    def delete_key(self, key: str) -> bool:
+        self.calls["delete_key"] += 1
+        self.sent["delete_key"] += len(key)
+        return bool(self._store.delete_key(key))
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self.calls["multi_set"] += 1
+        self.sent["multi_set"] += sum(map(len, keys)) + sum(map(len, values))
+        self._store.multi_set(keys, values)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.calls["multi_get"] += 1
+        self.sent["multi_get"] += sum(map(len, keys))
+        values: list[bytes] = self._store.multi_get(keys)
+        self.received["multi_get"] += sum(map(len, values))
+        return values
+
+
+def _connect(port: int, timeout_s: float) -> Any:
+    import torch.distributed as dist
+
+    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]
+    base = tcp_store("127.0.0.1", port, None, False, timeout=datetime.timedelta(seconds=timeout_s),
+                     wait_for_workers=False)
+    return dist.PrefixStore(STORE_PREFIX, base)  # type: ignore[attr-defined]
+
+
+def _reply(obj: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def _child_setup() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # die with the benchmark (Linux prctl PR_SET_PDEATHSIG)
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import logging
+
+    logging.getLogger("nicswitch_agent").setLevel(logging.ERROR)  # INFO per rank per park is not the subject
+    raise_fd_limit()
+    threading.stack_size(THREAD_STACK)
+
+
+# -- the server process ------------------------------------------------------------------------------
+
+
+def listening_socket(dual_stack: bool) -> socket.socket:
+    """The Store's listening socket, made here so every child can start at once (the server gets
+    it through ``master_listen_fd``). Dual stack is what torch binds by default: IPv4 clients then
+    arrive as ``::ffff:127.0.0.1``, which the server reverse-resolves on its event-loop thread."""
+    if dual_stack:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(("::", 0))
+    else:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+    sock.listen(min(4096, socket.SOMAXCONN * 32))
+    return sock
+
+
+def server_main(fd: int, timeout_s: float) -> None:
+    """Host a TCPStore server on the listening socket ``fd`` until stdin closes."""
+    _child_setup()
+    import torch.distributed as dist
+
+    tcp_store: Any = dist.TCPStore  # type: ignore[attr-defined]
+    port = socket.socket(fileno=os.dup(fd)).getsockname()[1]
+    store = tcp_store("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+                      wait_for_workers=False, master_listen_fd=fd)
+    _reply({"port": store.port, "pid": os.getpid(), "libuv": bool(getattr(store, "libuvBackend", False))})
+    sys.stdin.read()  # until the benchmark closes our stdin
+
+
+# -- a node process: ranks as threads ----------------------------------------------------------------
+
+
+def hosted_slices() -> dict[str, list[float]]:
+    """Raise the library's wait slices (SLICES) and the interpreter's switch interval in this
+    process; returns {name: [was, now]}.
+
+    Found through the classes' own modules, so the patch follows the code wherever it lives.
+    """
+    import importlib
+
+    from nicswitch_agent.coordination import Member
+    from nicswitch_agent.pause import ParkingLot
+
+    classes = {"ParkingLot": ParkingLot, "Member": Member}
+    patched: dict[str, list[float]] = {"sys.switchinterval": [sys.getswitchinterval(), HOSTED_SWITCH_INTERVAL_S]}
+    sys.setswitchinterval(HOSTED_SWITCH_INTERVAL_S)
+    for cls_name, attr in SLICES:
+        module = importlib.import_module(classes[cls_name].__module__)
+        if hasattr(module, attr):
+            patched[f"{module.__name__}.{attr}"] = [getattr(module, attr), HOSTED_SLICE_S]
+            setattr(module, attr, HOSTED_SLICE_S)
+    return patched
+
+
+class RankThread:
+    """One rank: its ParkingLot, its Member and a training thread doing what ``agent.step()`` does.
+
+    The training thread is blocked between steps while idle (no CPU, like a rank inside a long
+    step) and steps at once while a pause request is pending, so every rank reaches its boundary
+    as soon as it can: the pause measures coordination, not a training step.
+    """
+
+    def __init__(self, rank: int, node: NodeProcess) -> None:
+        from nicswitch_agent.pause import ParkingLot
+
+        self.rank = rank
+        self.node = node
+        self.last_step: int | None = None
+        self.armed = False
+        self.go = threading.Event()
+        self.quit = False
+        # align_timeout_s: a rank waiting for S gives up after it (60 s by default); thousands of
+        # ranks on 2 cores can take longer than that to publish their steps.
+        self.lot = ParkingLot(on_event=self._on_lot_event, on_armed=self._set_armed,
+                              align_timeout_s=node.timeout_s)
+        self.thread = threading.Thread(target=self._train, name=f"train-{rank}", daemon=True)
+
+    def _set_armed(self, armed: bool) -> None:  # the agent's _set_armed, plus waking the idle loop
+        self.armed = armed
+        if armed:
+            self.go.set()
+        else:
+            self.go.clear()
+
+    def _on_lot_event(self, kind: str, detail: dict[str, Any]) -> None:
+        if kind == "parked":
+            self.node.stamp("parked")
+        elif kind == "resumed":
+            self.node.stamp("resumed")
+
+    def _train(self) -> None:
+        from nicswitch_agent import TrainingStopped
+
+        step = 0
+        while True:
+            step += 1
+            self.last_step = step  # agent.step(step): record the step, then check the flag
+            if self.armed:
+                try:
+                    self.lot.at_step_boundary(step)
+                except TrainingStopped:
+                    return
+            self.go.wait()
+            if self.quit:
+                return
+
+
+class NodeProcess:
+    """K ranks of one node, as threads of this process."""
+
+    def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
+                 as_is: bool = False) -> None:
+        self.slices = {} if as_is else hosted_slices()
+        self.port, self.node, self.nodes, self.world, self.timeout_s = port, node, nodes, world, timeout_s
+        self.local_world = math.ceil(world / nodes)
+        self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
+        self.registry = Registry()
+        self._cond = threading.Condition()
+        self.counts: Counter[str] = Counter()
+        self.last: dict[str, float] = {}
+        self.members: list[Any] = []
+        self.rank_threads: list[RankThread] = []
+
+    def stamp(self, kind: str) -> None:
+        now = time.monotonic()
+        with self._cond:
+            self.counts[kind] += 1
+            self.last[kind] = now
+            self._cond.notify_all()
+
+    def start(self) -> dict[str, Any]:
+        from concurrent.futures import ThreadPoolExecutor
+
+        from nicswitch_agent.coordination import KV, Member, MemberHooks, key_prefix
+        from nicswitch_agent.orders import RankMap
+
+        started = time.monotonic()
+        kv = KV(CountingStore(_connect(self.port, self.timeout_s), self.registry), key_prefix(JOB, "0"))
+        connected = time.monotonic()
+        rank_map = RankMap(self.local_world, self.node)
+
+        def hook(order: Any) -> bool:
+            return True
+
+        def start_rank(rank: int) -> tuple[RankThread, Any]:
+            r = RankThread(rank, self)
+            member = Member(kv.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of the job's store
+                            MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=60.0,
+                                        switch_timeout_s=60.0, dry_run=False, local_ranks=rank_map.local_ranks),
+                            lambda: r.last_step, max_parked_s=1800.0, stop_timeout_s=1.0)
+            r.thread.start()
+            member.start()  # opens the connection stop() wakes it with
+            return r, member
+
+        with ThreadPoolExecutor(SETUP_THREADS) as pool:
+            for r, member in pool.map(start_rank, self.ranks):
+                self.rank_threads.append(r)
+                self.members.append(member)
+        # Every training thread has recorded its first step and waits (idle) before we say ready.
+        deadline = time.monotonic() + self.timeout_s
+        while any(r.last_step is None for r in self.rank_threads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return {"ready": True, "ranks": len(self.ranks), "setup_s": time.monotonic() - started,
+                "connect_s": connected - started, "slices": self.slices,
+                "since_exec_s": time.monotonic() - EXEC_STARTED,
+                "connections": self.registry.totals()["connections"], "threads": threading.active_count()}
+
+    def wait_for(self, kind: str, count: int, timeout_s: float) -> dict[str, Any]:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: self.counts[kind] >= count, timeout_s)
+            return {"ok": ok, "count": self.counts[kind], "last": self.last.get(kind)}
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._cond:
+            counts = dict(self.counts)
+        return {"store": self.registry.totals(), "counts": counts,
+                "events": sum(m.events_handled for m in self.members),
+                "lost": [m.rank for m in self.members if m.lost]}
+
+
+def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool) -> None:
+    _child_setup()
+    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is)
+    _reply(proc.start())
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "snap":
+            _reply(proc.snapshot())
+        elif cmd["cmd"] == "wait":
+            _reply(proc.wait_for(cmd["kind"], int(cmd["count"]), float(cmd["timeout"])))
+        elif cmd["cmd"] == "exit":
+            break
+    sys.stdout.flush()
+    os._exit(0)  # thousands of daemon threads blocked in Store waits: no orderly teardown needed
+
+
+# -- the leader process ------------------------------------------------------------------------------
+
+
+def leader_main(port: int, world: int, listed: int, timeout_s: float) -> None:
+    _child_setup()
+    from nicswitch_agent import SwitchOrder
+    from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, key_prefix
+
+    registry = Registry()
+    kv = KV(CountingStore(_connect(port, timeout_s), registry), key_prefix(JOB, "0"))
+    coordinator = Coordinator(kv.clone(), world)  # as SwitchAgent._start_leader
+    _reply({"ready": True, "connections": registry.totals()["connections"]})
+    n = min(listed, world) if listed > 0 else world
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "switch":
+            seq = int(cmd["seq"])
+            # The job's last ``n`` ranks (one node's worth by default): the order every member reads.
+            order = SwitchOrder(seq=seq, job_id=JOB, ranks=tuple(range(world - n, world)),
+                                ops=tuple(seq % 2 == 1 for _ in range(n)))
+            t0 = time.monotonic()
+            paused = coordinator.pause(timeout_s)
+            t1 = time.monotonic()
+            if not paused.ok:
+                _reply({"ok": False, "why": f"pause: {paused.reason}"})
+                continue
+            outcome = coordinator.run(order, kind=KIND_SWITCH, budget_s=timeout_s)
+            t2 = time.monotonic()
+            coordinator.release()
+            t3 = time.monotonic()
+            _reply({"ok": outcome.ok, "why": outcome.reason, "t_pause": t0, "t_parked": t1, "t_results": t2,
+                    "t_released": t3, "step": paused.step})
+        elif cmd["cmd"] == "quiesce":
+            # The previous switch's keys are deleted on a thread the pause started: wait for it.
+            for thread in threading.enumerate():
+                if thread.name == "nicswitch-store-cleanup":
+                    thread.join(timeout_s)
+            _reply({"store": registry.totals()})
+        elif cmd["cmd"] == "exit":
+            break
+    os._exit(0)
+
+
+# -- the benchmark (parent) side ------------------------------------------------------------------
+
+
+class Child:
+    """A child process spoken to in JSON lines on stdin/stdout; stderr goes to a file."""
+
+    def __init__(self, args: list[str], name: str, log_dir: Path, pass_fds: tuple[int, ...] = ()) -> None:
+        self.name = name
+        self.log = log_dir / f"{name}.log"
+        # RES_OPTIONS: torch's client reverse-resolves the address of every connection it opens
+        # (here ::ffff:127.0.0.1, in no hosts file); where the resolver drops the query that
+        # stalls 5 s. It bounds the stall to 1 s: setup time only, no Store traffic changes.
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   TORCH_CPP_LOG_LEVEL="ERROR", RES_OPTIONS="timeout:1 attempts:1")
+        self._log_file = self.log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "benchmarks.store_scale", *args], cwd=ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file, text=True,
+                                     pass_fds=pass_fds)
+        self._buf = ""
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def send(self, obj: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(obj) + "\n")
+        self.proc.stdin.flush()
+
+    def read(self, timeout_s: float) -> dict[str, Any]:
+        out = self.proc.stdout
+        assert out is not None
+        deadline = time.monotonic() + timeout_s
+        while "\n" not in self._buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{self.name}: no answer within {timeout_s:.0f} s; log: {self._tail()}")
+            ready, _, _ = select.select([out], [], [], remaining)
+            if ready:
+                chunk = os.read(out.fileno(), 65536).decode()
+                if not chunk:
+                    raise RuntimeError(f"{self.name} exited ({self.proc.poll()}); log: {self._tail()}")
+                self._buf += chunk
+        line, self._buf = self._buf.split("\n", 1)
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
+    def ask(self, obj: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        self.send(obj)
+        return self.read(timeout_s)
+
+    def _tail(self) -> str:
+        try:
+            return self.log.read_text()[-1500:]
+        except OSError:
+            return ""
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        try:
+            if self.proc.poll() is None:
+                try:
+                    self.send({"cmd": "exit"})
+                    assert self.proc.stdin is not None
+                    self.proc.stdin.close()
+                except (BrokenPipeError, OSError):
+                    pass
+                try:
+                    self.proc.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(5)
+        finally:
+            self._log_file.close()
+
+
+def _diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, float]:
+    keys = set(after) | set(before)
+    return {k: after.get(k, 0) - before.get(k, 0) for k in keys}
+
+
+def _sum_store(snaps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"connections": 0, "calls": Counter(), "sent": Counter(), "received": Counter()}
+    for s in snaps:
+        out["connections"] += s["connections"]
+        for key in ("calls", "sent", "received"):
+            out[key].update(s[key])
+    return {k: dict(v) if isinstance(v, Counter) else v for k, v in out.items()}
+
+
+def _store_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    return {"connections": after["connections"] - before["connections"],
+            **{key: _diff(after[key], before[key]) for key in ("calls", "sent", "received")}}
+
+
+@dataclass
+class SizeRun:
+    ranks: int
+    nodes: int
+    skipped: str = ""
+    error: str = ""
+    setup_s: float = 0.0
+    sockets: dict[str, float] = field(default_factory=dict)
+    idle: dict[str, float] = field(default_factory=dict)
+    switches: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
+             timeout_s: float, idle_s: float, log_dir: Path) -> SizeRun:
+    """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
+    result = SizeRun(ranks, nodes)
+    children: list[Child] = []
+    try:
+        listener = listening_socket(dual_stack)
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        server = Child(["--role", "server", "--fd", str(listener.fileno()), "--timeout", str(timeout_s)],
+                       f"server-{ranks}", log_dir, pass_fds=(listener.fileno(),))
+        children.append(server)
+        # Nodes and leader start with the server: their connections wait in the listen backlog.
+        node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
+                                "--world", str(ranks), "--timeout", str(timeout_s),
+                                *(["--as-is"] if as_is else [])], f"node{i}-{ranks}", log_dir)
+                         for i in range(nodes)]
+        children += node_children
+        leader = Child(["--role", "leader", "--port", str(port), "--world", str(ranks), "--listed", str(listed),
+                        "--timeout", str(timeout_s)], f"leader-{ranks}", log_dir)
+        children.append(leader)
+        listener.close()  # the server holds it now
+        spid = int(server.read(timeout_s)["pid"])
+        ready = [c.read(timeout_s) for c in node_children]
+        leader_ready = leader.read(timeout_s)
+        result.setup_s = time.monotonic() - started
+        total_sockets = proc_sockets(spid)
+        member_conns = sum(r["connections"] for r in ready) - nodes  # minus each node's base connection
+        result.sockets = {
+            "server_total": total_sockets, "member_connections": member_conns,
+            "node_base_connections": nodes, "leader_connections": leader_ready["connections"],
+            "member_per_rank": member_conns / ranks,
+            "node_setup_s": max(r["setup_s"] for r in ready),
+            "slices": ready[0].get("slices", {}),
+            "node_ready_since_exec_s": max(r["since_exec_s"] for r in ready),
+        }
+        # Idle: everything started, nobody switching.
+        time.sleep(min(1.0, idle_s))
+        s0 = server_snapshot(spid)
+        time.sleep(idle_s)
+        s1 = server_snapshot(spid)
+        result.idle = {"seconds": s1["t"] - s0["t"], "cpu_s": (s1["cpu_ns"] - s0["cpu_ns"]) / 1e9,
+                       "bytes": (s1["rchar"] - s0["rchar"]) + (s1["wchar"] - s0["wchar"])}
+        for i in range(switches + 1):  # the first is the warm-up: afterwards each window holds one cleanup
+            node_before = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
+            lead_before = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
+            s0 = server_snapshot(spid)
+            cpu0 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
+            answer = leader.ask({"cmd": "switch", "seq": i + 1}, timeout_s)
+            if not answer.get("ok"):
+                raise RuntimeError(f"switch {i + 1} at {ranks} ranks failed: {answer.get('why')}")
+            target = [snap["counts"].get("resumed", 0) + len(range(*_slice(n, nodes, ranks)))
+                      for n, snap in enumerate(node_before)]
+            resumed = [c.ask({"cmd": "wait", "kind": "resumed", "count": t, "timeout": timeout_s}, timeout_s + 5)
+                       for c, t in zip(node_children, target, strict=True)]
+            if not all(r["ok"] for r in resumed):
+                raise RuntimeError(f"switch {i + 1} at {ranks} ranks: not every rank resumed")
+            lead_after = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
+            s1 = server_snapshot(spid)
+            cpu1 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
+            node_after = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
+            last_resumed = max(r["last"] for r in resumed)
+            members = _store_diff(_sum_store([s["store"] for s in node_after]),
+                                  _sum_store([s["store"] for s in node_before]))
+            lead = _store_diff(lead_after, lead_before)
+            if i == 0:
+                continue
+            result.switches.append({
+                "pause_s": answer["t_parked"] - answer["t_pause"],
+                "order_s": answer["t_results"] - answer["t_parked"],
+                "release_s": last_resumed - answer["t_results"],
+                "release_publish_s": answer["t_released"] - answer["t_results"],
+                "total_s": last_resumed - answer["t_pause"],
+                "server_cpu_s": (s1["cpu_ns"] - s0["cpu_ns"]) / 1e9,
+                "server_cpu_ticks_s": s1["cpu_ticks_s"] - s0["cpu_ticks_s"],
+                "server_rchar": s1["rchar"] - s0["rchar"], "server_wchar": s1["wchar"] - s0["wchar"],
+                "server_syscr": s1["syscr"] - s0["syscr"], "server_syscw": s1["syscw"] - s0["syscw"],
+                "window_s": s1["t"] - s0["t"],
+                "cpu_user_sys_s": {k: [round(cpu1[k][j] - cpu0[k][j], 2) for j in (0, 1)] for k in cpu0},
+                "members": members, "leader": lead, "lost": sum(len(s["lost"]) for s in node_after),
+            })
+        # The server's own sockets (its listener, its in-process client and that client's accepted
+        # end): what is left once every client process has gone.
+        for child in children[1:]:
+            child.close()
+        own = proc_sockets(spid)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = proc_sockets(spid)
+            if now == own:
+                break
+            own = now
+        result.sockets.update({"server_own": own, "clients": total_sockets - own,
+                               "per_rank": (total_sockets - own) / ranks})
+    except Exception as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        for child in reversed(children):
+            child.close()
+    return result
+
+
+def _slice(node: int, nodes: int, world: int) -> tuple[int, int]:
+    local = math.ceil(world / nodes)
+    return node * local, min(world, (node + 1) * local)
+
+
+def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x; returns (a, b, R^2)."""
+    n = len(xs)
+    if n < 2:
+        return math.nan, math.nan, math.nan
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return math.nan, math.nan, math.nan
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    ss_tot = sum((y - my) ** 2 for y in ys)
+    ss_res = sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True))
+    return a, b, 1 - ss_res / ss_tot if ss_tot else 1.0
+
+
+def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
+    return ", ".join(f"{k} {v / ranks:.2g}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v)
+
+
+def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
+        switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
+        timeout_s: float = 600.0) -> BenchResult:
+    result = BenchResult("store_scale", "7. one switch (pause mode agent) at 64-16,384 ranks over one real TCPStore: "
+                                        "phases, Store requests, bytes, server CPU, sockets")
+    sizes = tuple(sizes or settings.pick(QUICK_SIZES, FULL_SIZES))
+    nodes = processes or settings.pick(1, 4)
+    limits_fd = raise_fd_limit()
+    limits = host_limits()
+    idle_s = settings.pick(0.3, 2.0)
+    runs: list[SizeRun] = []
+    with tempfile.TemporaryDirectory(prefix="nicswitch-store-scale-") as tmp:
+        for n in sizes:
+            k = min(nodes, n)
+            why = feasible(n, k, limits_fd["soft"], host_limits())
+            if why:
+                runs.append(SizeRun(n, k, skipped=why))
+                print(f"   store_scale: {n:,} ranks skipped: {why}", file=sys.stderr, flush=True)
+                continue
+            t0 = time.monotonic()
+            m = switches or settings.pick(1, default_switches(n))
+            runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
+                                 timeout_s=timeout_s, idle_s=idle_s,
+                                 log_dir=Path(tmp)))
+            print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
+                  f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
+    errors = [f"{r.ranks} ranks: {r.error}" for r in runs if r.error]
+    if errors:
+        result.error = "; ".join(errors)
+    xs: list[float] = []
+    cpu: list[float] = []
+    wall: list[float] = []
+    for r in runs:
+        label = f"{r.ranks:,} ranks"
+        if r.skipped:
+            result.add(single_metric(f"{label}: not run on this machine", math.nan, "", note=r.skipped))
+            continue
+        if not r.switches:
+            continue
+        sw = r.switches
+        per = len(sw)
+
+        def col(key: str, sw: list[dict[str, Any]] = sw) -> list[float]:
+            return [float(s[key]) for s in sw]
+
+        total = col("total_s")
+        result.add(rounds_metric(f"{label}: one switch, coordination (pause start -> all resumed)", total, "s",
+                                 note=f"{r.nodes} node processes of {math.ceil(r.ranks / r.nodes):,} ranks"))
+        result.add(rounds_metric(f"{label}: pause request -> all parked", col("pause_s"), "s"))
+        result.add(rounds_metric(f"{label}: order out -> all results", col("order_s"), "s"))
+        result.add(rounds_metric(f"{label}: release -> all resumed", col("release_s"), "s"))
+        server_cpu = col("server_cpu_s")
+        result.add(rounds_metric(f"{label}: Store server CPU per switch", server_cpu, "s",
+                                 note=f"{median(server_cpu) / r.ranks * 1e6:.0f} us per rank"))
+        member_calls: Counter[str] = Counter()
+        leader_calls: Counter[str] = Counter()
+        for s in sw:
+            member_calls.update(s["members"]["calls"])
+            leader_calls.update(s["leader"]["calls"])
+        member_rt = sum(member_calls.values()) / per / r.ranks
+        leader_rt = sum(leader_calls.values()) / per
+        result.add(single_metric(f"{label}: Store requests per rank per switch (members + leader/ranks)",
+                                 member_rt + leader_rt / r.ranks, "",
+                                 note=f"members {member_rt:.1f} ({_per_rank_calls(dict(member_calls), per * r.ranks)});"
+                                      f" leader {leader_rt:.0f} per switch "
+                                      f"({_per_rank_calls(dict(leader_calls), per)}); a TCPStore get is 2 exchanges "
+                                      "(wait, then get)"))
+        wire = [(s["server_rchar"] + s["server_wchar"]) / r.ranks for s in sw]
+        result.add(rounds_metric(f"{label}: bytes on the wire at the Store per rank per switch", wire, "B",
+                                 note="server read+write (/proc io); "
+                                      f"{median([s['server_syscr'] / r.ranks for s in sw]):.1f} reads, "
+                                      f"{median([s['server_syscw'] / r.ranks for s in sw]):.1f} writes per rank"))
+        result.add(single_metric(f"{label}: Store sockets per rank on the Store's host", r.sockets["per_rank"], "",
+                                 target="<= 1", ok=lambda v: v <= 1.0,
+                                 note=f"{r.sockets['clients']:,} client sockets: members "
+                                      f"{r.sockets['member_connections']:,}, {r.nodes} node and "
+                                      f"{r.sockets['leader_connections']} leader connections; "
+                                      f"torch's own (one per rank) not included"))
+        result.add(single_metric(f"{label}: idle Store traffic", r.idle["bytes"] / max(r.idle["seconds"], 1e-9), "B/s",
+                                 note=f"server CPU {r.idle['cpu_s'] * 1e3:.1f} ms over {r.idle['seconds']:.1f} s"))
+        xs.append(r.ranks)
+        cpu.append(median(server_cpu))
+        wall.append(median(total))
+    if len(xs) >= 2:
+        a, b, r2 = fit(xs, cpu)
+        result.add(single_metric("fit: Store server CPU per switch, per rank", b * 1e6, "us",
+                                 note=f"{a * 1e3:.1f} ms + {b * 1e6:.0f} us x ranks, R^2 {r2:.3f}, over "
+                                      f"{', '.join(f'{int(x):,}' for x in xs)}"))
+        result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: Store server CPU per switch",
+                                 a + b * EXTRAPOLATE_TO, "s", target="grows with nodes only", ok=lambda v: False,
+                                 note="the fit above; one server thread does this work"))
+        _, k, r2k = fit([math.log(x) for x in xs], [math.log(y) for y in cpu]) if min(cpu) > 0 else (0, 0, 0)
+        result.add(single_metric("Store server CPU per switch grows as ranks^k, k", k, "",
+                                 note=f"log-log fit, R^2 {r2k:.3f}; per rank: " + ", ".join(
+                                     f"{int(x):,}: {y / x * 1e6:.0f} us" for x, y in zip(xs, cpu, strict=True))
+                                 + "; k > 1: the linear fit's extrapolation is a lower bound"))
+        a, b, r2 = fit(xs, wall)
+        result.add(single_metric("fit: coordination wall time per switch, per rank", b * 1e6, "us",
+                                 note=f"{a * 1e3:.1f} ms + {b * 1e6:.0f} us x ranks, R^2 {r2:.3f}"))
+        result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: coordination per switch",
+                                 a + b * EXTRAPOLATE_TO, "s", target="< 1 s", ok=lambda v: v < 1.0,
+                                 note="on this 2-core machine, all ranks' Python sharing it"))
+    result.details = {
+        "fd_limit": limits_fd, "host_limits": limits, "nodes": nodes, "listed": listed, "dual_stack": dual_stack,
+        "as_is": as_is,
+        "sizes": [r.__dict__ for r in runs],
+    }
+    result.limits = (
+        f"RLIMIT_NOFILE soft {limits_fd['soft_before']:,} raised to {limits_fd['soft']:,} "
+        f"(hard {limits_fd['hard']:,}). "
+        "Every rank of every node shares this machine's cores (the Store server, the leader and all ranks' Python): "
+        "wall times are those of a saturated host, the server's CPU and the request counts are not."
+    )
+    return result
+
+
+def _cli() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.store_scale",
+                                     description="The real coordination at scale over one TCPStore (benchmark 7).")
+    parser.add_argument("--role", choices=("main", "server", "node", "leader"), default="main", help=argparse.SUPPRESS)
+    parser.add_argument("--sizes", default=",".join(map(str, FULL_SIZES)), help="comma-separated rank counts")
+    parser.add_argument("--processes", type=int, default=4, help="node processes (ranks are threads of these)")
+    parser.add_argument("--switches", type=int, default=0,
+                        help="measured switches per size (default: 3 up to 4,096 ranks, then 2)")
+    parser.add_argument("--listed", type=int, default=16, help="ranks in the order (0: every rank)")
+    parser.add_argument("--dual-stack", action="store_true", help="torch's default listener (reverse DNS per client)")
+    parser.add_argument("--as-is", action="store_true",
+                        help="leave the library's wait slices and the switch interval as they are (see hosted_slices)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="per-wait bound in seconds")
+    parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
+    parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--fd", type=int, default=-1, help=argparse.SUPPRESS)
+    parser.add_argument("--node", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role == "server":
+        server_main(args.fd, args.timeout)
+    elif args.role == "node":
+        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is)
+    elif args.role == "leader":
+        leader_main(args.port, args.world, args.listed, args.timeout)
+    else:
+        main_standalone(args)
+
+
+def main_standalone(args: argparse.Namespace) -> None:
+    from benchmarks import SCHEMA_VERSION
+    from benchmarks._common import machine, quiet_logging, render_markdown, render_table
+
+    quiet_logging()
+    started_wall = datetime.datetime.now(datetime.timezone.utc)
+    started = time.monotonic()
+    host = machine()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    result = run(Settings(quick=args.quick), sizes=sizes, processes=args.processes, switches=args.switches or None,
+                 listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout)
+    result.duration_s = time.monotonic() - started
+    host["load_average_end"] = machine()["load_average"]
+    document = {
+        "schema": SCHEMA_VERSION, "mode": "quick" if args.quick else "full",
+        "started": started_wall.isoformat(timespec="seconds"), "duration_s": round(result.duration_s, 1),
+        "machine": host, "command": " ".join(["python -m benchmarks.store_scale", *sys.argv[1:]]), "runs": 1,
+        "benchmarks": {result.name: result.as_dict()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    print(render_table([result]))
+    if args.markdown is not None:
+        args.markdown.write_text(render_markdown([result]) + "\n", encoding="utf-8")
+    print(f"\n{result.duration_s:.1f} s on {host['nproc']} CPU(s); load average {host['load_average']} -> "
+          f"{host['load_average_end']}; JSON: {args.out}")
+    sys.exit(1 if result.error else 0)
+
+
+if __name__ == "__main__":
+    _cli()
