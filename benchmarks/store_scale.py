@@ -367,7 +367,7 @@ def hosted_slices() -> dict[str, list[float]]:
     import importlib
 
     from nicswitch_agent.coordination import Member
-    from nicswitch_agent.pause import ParkingLot
+    from nicswitch_agent.coordination.parking import ParkingLot
 
     classes = {"ParkingLot": ParkingLot, "Member": Member}
     patched: dict[str, list[float]] = {"sys.switchinterval": [sys.getswitchinterval(), HOSTED_SWITCH_INTERVAL_S]}
@@ -389,7 +389,7 @@ class RankThread:
     """
 
     def __init__(self, rank: int, node: NodeProcess) -> None:
-        from nicswitch_agent.pause import ParkingLot
+        from nicswitch_agent.coordination.parking import ParkingLot
 
         self.rank = rank
         self.node = node
