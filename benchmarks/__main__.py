@@ -39,6 +39,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "e2e": (e2e.run, ("e2e_switch", "scale_coordination", "pause_alignment")),
     "scale": (scale.run, ("scale_list",)),
     "store_scale": (store_scale.run, ("store_scale",)),
+    "store_scale_node": (store_scale.run_node, ("store_scale_node",)),
 }
 
 

@@ -183,9 +183,26 @@ def host_limits() -> dict[str, int]:
             "tasks_now": tasks, "ephemeral_ports": high - low + 1}
 
 
-def feasible(ranks: int, nodes: int, fd_soft: int, limits: dict[str, int]) -> str:
-    """Why this machine cannot host ``ranks`` today ("" if it can). Today's design holds 2 Store
-    connections per rank: 2 descriptors on the server, 2 on the node, 2 local ports, 2 threads."""
+def feasible(ranks: int, nodes: int, fd_soft: int, limits: dict[str, int], per_node: int | None = None) -> str:
+    """Why this machine cannot host ``ranks`` ("" if it can). Flat, every rank holds 2 Store
+    connections: 2 descriptors on the server, 2 on the node, 2 local ports, 2 threads. With
+    node-local fan-out (``per_node``) the job's Store holds one connection per node; each rank's 2
+    connections go to its node's Store, whose server (and so both ends) is in the node process."""
+    if per_node is not None:
+        relays = ranks // per_node
+        server_fds = relays + nodes + 2 + 32
+        node_fds = 4 * math.ceil(ranks / nodes) + 3 * math.ceil(relays / nodes) + 64
+        threads = 2 * ranks + 2 * relays + 64 * (nodes + 2)
+        if server_fds > fd_soft:
+            return f"the Store's host needs {server_fds:,} descriptors, the limit is {fd_soft:,}"
+        if node_fds > fd_soft:
+            return f"a node process needs {node_fds:,} descriptors (both ends of its nodes' Stores), the limit is " \
+                   f"{fd_soft:,}"
+        room = min(limits["pid_max"], limits["threads_max"]) - limits["tasks_now"]
+        if threads > room:
+            return (f"{threads:,} threads (a member and a training thread per rank, a relay and a Store server per "
+                    f"node) exceed the {room:,} thread ids free (pid_max {limits['pid_max']:,})")
+        return ""
     server_fds = 2 * ranks + nodes + 2 + 32  # + the node bases, the leader's, the server's own
     node_fds = 2 * math.ceil(ranks / nodes) + 64
     threads = 2 * ranks + 64 * (nodes + 2)
@@ -266,6 +283,9 @@ class CountingStore:
         self.calls["check"] += 1
         self.sent["check"] += sum(map(len, keys))
         return bool(self._store.check(keys))
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:  # the client's own setting: no request
+        self._store.set_timeout(timeout)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         self.calls["wait"] += 1
@@ -437,8 +457,11 @@ class NodeProcess:
     """K ranks of one node, as threads of this process."""
 
     def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
-                 as_is: bool = False) -> None:
+                 as_is: bool = False, per_node: int | None = None) -> None:
         self.slices = {} if as_is else hosted_slices()
+        self.per_node = per_node  # node-local fan-out: this process hosts several nodes of this many ranks
+        self.relays: list[Any] = []
+        self.local_servers: list[Any] = []
         self.port, self.node, self.nodes, self.world, self.timeout_s = port, node, nodes, world, timeout_s
         self.local_world = math.ceil(world / nodes)
         self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
@@ -470,12 +493,33 @@ class NodeProcess:
         def hook(order: Any) -> bool:
             return True
 
+        local_kv: dict[int, Any] = {}  # first rank of a node -> its node's Store (node-local fan-out)
+        if self.per_node is not None:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            from nicswitch_agent.coordination.relay import NodeRelay
+
+            for first in range(self.ranks[0], self.ranks[-1] + 1, self.per_node):
+                # As SwitchAgent._start on local rank 0: host the node's Store on 127.0.0.1, relay for it.
+                server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
+                                  wait_for_workers=False)
+                self.local_servers.append(server)
+                local_kv[first] = KV(server, key_prefix(JOB, "0"))
+                relay = NodeRelay(kv.clone(), kv, local_kv[first].clone(), first // self.per_node,
+                                  list(range(first, first + self.per_node)), stop_timeout_s=1.0)
+                relay.start()
+                self.relays.append(relay)
+
         def start_rank(rank: int) -> tuple[RankThread, Any]:
             r = RankThread(rank, self)
-            member = Member(kv.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of the job's store
+            base, slot = kv, None
+            if self.per_node is not None:  # its keys on its node's Store, at its local slot
+                slot = rank % self.per_node
+                base = local_kv[rank - slot]
+            member = Member(base.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of its store
                             MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=60.0,
                                         switch_timeout_s=60.0, dry_run=False, local_ranks=rank_map.local_ranks),
-                            lambda: r.last_step, max_parked_s=1800.0, stop_timeout_s=1.0)
+                            lambda: r.last_step, max_parked_s=1800.0, stop_timeout_s=1.0, slot=slot)
             r.thread.start()
             member.start()  # opens the connection stop() wakes it with
             return r, member
@@ -506,9 +550,10 @@ class NodeProcess:
                 "lost": [m.rank for m in self.members if m.lost]}
 
 
-def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool) -> None:
+def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool,
+              per_node: int | None) -> None:
     _child_setup()
-    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is)
+    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node)
     _reply(proc.start())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -525,14 +570,15 @@ def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as
 # -- the leader process ------------------------------------------------------------------------------
 
 
-def leader_main(port: int, world: int, listed: int, timeout_s: float) -> None:
+def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: int | None) -> None:
     _child_setup()
     from nicswitch_agent import SwitchOrder
     from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, key_prefix
 
     registry = Registry()
     kv = KV(CountingStore(_connect(port, timeout_s), registry), key_prefix(JOB, "0"))
-    coordinator = Coordinator(kv.clone(), world)  # as SwitchAgent._start_leader
+    # As SwitchAgent._start_leader: counting ranks, or nodes with node-local fan-out.
+    coordinator = Coordinator(kv.clone(), world // per_node if per_node else world, ranks_per_node=per_node)
     _reply({"ready": True, "connections": registry.totals()["connections"]})
     n = min(listed, world) if listed > 0 else world
     for line in sys.stdin:
@@ -672,7 +718,7 @@ class SizeRun:
 
 
 def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
-             timeout_s: float, idle_s: float, log_dir: Path) -> SizeRun:
+             timeout_s: float, idle_s: float, log_dir: Path, per_node: int | None = None) -> SizeRun:
     """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
     result = SizeRun(ranks, nodes)
     children: list[Child] = []
@@ -686,11 +732,14 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         # Nodes and leader start with the server: their connections wait in the listen backlog.
         node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
                                 "--world", str(ranks), "--timeout", str(timeout_s),
-                                *(["--as-is"] if as_is else [])], f"node{i}-{ranks}", log_dir)
+                                *(["--as-is"] if as_is else []),
+                                *(["--ranks-per-node", str(per_node)] if per_node else [])],
+                               f"node{i}-{ranks}", log_dir)
                          for i in range(nodes)]
         children += node_children
         leader = Child(["--role", "leader", "--port", str(port), "--world", str(ranks), "--listed", str(listed),
-                        "--timeout", str(timeout_s)], f"leader-{ranks}", log_dir)
+                        "--timeout", str(timeout_s), *(["--ranks-per-node", str(per_node)] if per_node else [])],
+                       f"leader-{ranks}", log_dir)
         children.append(leader)
         listener.close()  # the server holds it now
         spid = int(server.read(timeout_s)["pid"])
@@ -698,7 +747,9 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         leader_ready = leader.read(timeout_s)
         result.setup_s = time.monotonic() - started
         total_sockets = proc_sockets(spid)
-        member_conns = sum(r["connections"] for r in ready) - nodes  # minus each node's base connection
+        # Minus each node process's base connection; with fan-out these are the relays' (members'
+        # connections go to their node's Store, not counted here).
+        member_conns = sum(r["connections"] for r in ready) - nodes
         result.sockets = {
             "server_total": total_sockets, "member_connections": member_conns,
             "node_base_connections": nodes, "leader_connections": leader_ready["connections"],
@@ -801,9 +852,14 @@ def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
 
 def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
         switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
-        timeout_s: float = 600.0) -> BenchResult:
-    result = BenchResult("store_scale", "7. one switch (pause mode agent) at 64-16,384 ranks over one real TCPStore: "
-                                        "phases, Store requests, bytes, server CPU, sockets")
+        timeout_s: float = 600.0, per_node: int | None = None) -> BenchResult:
+    if per_node is None:
+        result = BenchResult("store_scale", "7. one switch (pause mode agent) at 64-16,384 ranks over one real "
+                                            "TCPStore, every rank on it (fan_out flat): phases, Store requests, bytes, "
+                                            "server CPU, sockets")
+    else:
+        result = BenchResult("store_scale_node", f"7b. the same with node-local fan-out ({per_node} ranks per node, "
+                                                 "a relay per node): the job's Store sees nodes")
     sizes = tuple(sizes or settings.pick(QUICK_SIZES, FULL_SIZES))
     nodes = processes or settings.pick(1, 4)
     limits_fd = raise_fd_limit()
@@ -813,7 +869,9 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
     with tempfile.TemporaryDirectory(prefix="nicswitch-store-scale-") as tmp:
         for n in sizes:
             k = min(nodes, n)
-            why = feasible(n, k, limits_fd["soft"], host_limits())
+            why = feasible(n, k, limits_fd["soft"], host_limits(), per_node)
+            if not why and per_node is not None and n % (k * per_node):
+                why = f"{n:,} ranks do not split into {k} processes of whole nodes of {per_node}"
             if why:
                 runs.append(SizeRun(n, k, skipped=why))
                 print(f"   store_scale: {n:,} ranks skipped: {why}", file=sys.stderr, flush=True)
@@ -822,7 +880,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             m = switches or settings.pick(1, default_switches(n))
             runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
                                  timeout_s=timeout_s, idle_s=idle_s,
-                                 log_dir=Path(tmp)))
+                                 log_dir=Path(tmp), per_node=per_node))
             print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
                   f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
     errors = [f"{r.ranks} ranks: {r.error}" for r in runs if r.error]
@@ -887,9 +945,21 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
         result.add(single_metric("fit: Store server CPU per switch, per rank", b * 1e6, "us",
                                  note=f"{a * 1e3:.1f} ms + {b * 1e6:.0f} us x ranks, R^2 {r2:.3f}, over "
                                       f"{', '.join(f'{int(x):,}' for x in xs)}"))
-        result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: Store server CPU per switch",
-                                 a + b * EXTRAPOLATE_TO, "s", target="grows with nodes only", ok=lambda v: False,
-                                 note="the fit above; one server thread does this work"))
+        if per_node is None:
+            result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: Store server CPU per switch",
+                                     a + b * EXTRAPOLATE_TO, "s", target="grows with nodes only", ok=lambda v: False,
+                                     note="the fit above: it grows with ranks; one server thread does this work"))
+        else:
+            nodes_x = [x / per_node for x in xs]
+            an, bn, r2n = fit(nodes_x, cpu)
+            result.add(single_metric("fit: Store server CPU per switch, per node", bn * 1e3, "ms",
+                                     note=f"{an * 1e3:.1f} ms + {bn * 1e3:.2f} ms x nodes, R^2 {r2n:.3f}, nodes of "
+                                          f"{per_node} ranks"))
+            many = f"{EXTRAPOLATE_TO:,} ranks ({EXTRAPOLATE_TO // per_node:,} nodes)"
+            result.add(single_metric(f"extrapolated to {many}: Store server CPU per switch",
+                                     an + bn * EXTRAPOLATE_TO / per_node, "s",
+                                     target="< 1 s", ok=lambda v: v < 1.0,
+                                     note="the fit over nodes; one server thread does this work"))
         _, k, r2k = fit([math.log(x) for x in xs], [math.log(y) for y in cpu]) if min(cpu) > 0 else (0, 0, 0)
         result.add(single_metric("Store server CPU per switch grows as ranks^k, k", k, "",
                                  note=f"log-log fit, R^2 {r2k:.3f}; per rank: " + ", ".join(
@@ -915,6 +985,15 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
     return result
 
 
+NODE_RANKS_PER_NODE = 16  # an Ascend node's 8 or 16 NPUs: 16 in the suite
+QUICK_RANKS_PER_NODE = 4  # the smoke run: 8 ranks = 2 nodes of 4
+
+
+def run_node(settings: Settings) -> BenchResult:
+    """The suite's benchmark 7b: :func:`run` with node-local fan-out."""
+    return run(settings, per_node=settings.pick(QUICK_RANKS_PER_NODE, NODE_RANKS_PER_NODE))
+
+
 def _cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store_scale",
                                      description="The real coordination at scale over one TCPStore (benchmark 7).")
@@ -928,6 +1007,8 @@ def _cli() -> None:
     parser.add_argument("--as-is", action="store_true",
                         help="leave the library's wait slices and the switch interval as they are (see hosted_slices)")
     parser.add_argument("--timeout", type=float, default=600.0, help="per-wait bound in seconds")
+    parser.add_argument("--ranks-per-node", type=int, default=0,
+                        help="node-local fan-out with this many ranks per node (0: every rank on the job's Store)")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
@@ -940,9 +1021,9 @@ def _cli() -> None:
     if args.role == "server":
         server_main(args.fd, args.timeout)
     elif args.role == "node":
-        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is)
+        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is, args.ranks_per_node or None)
     elif args.role == "leader":
-        leader_main(args.port, args.world, args.listed, args.timeout)
+        leader_main(args.port, args.world, args.listed, args.timeout, args.ranks_per_node or None)
     else:
         main_standalone(args)
 
@@ -957,7 +1038,8 @@ def main_standalone(args: argparse.Namespace) -> None:
     host = machine()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     result = run(Settings(quick=args.quick), sizes=sizes, processes=args.processes, switches=args.switches or None,
-                 listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout)
+                 listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout,
+                 per_node=args.ranks_per_node or None)
     result.duration_s = time.monotonic() - started
     host["load_average_end"] = machine()["load_average"]
     document = {

@@ -167,6 +167,24 @@ class KV:
                 raise
             return self.check(keys)  # a key set right at the boundary can still raise
 
+    def get_when_set(self, key: str, timeout_s: float) -> str | None:
+        """The value of ``key`` once it exists; None if ``timeout_s`` passes first.
+
+        On a torch Store this is one request: its ``get`` waits for the key itself, so a ``wait``
+        before it would be a round trip too many (on every event, on every relay or rank). The
+        client's timeout is set for it (a local setting of this connection: callers own theirs).
+        """
+        set_timeout = getattr(self.store, "set_timeout", None)
+        if set_timeout is None:  # InProcessStore (shared by every thread): wait, then get
+            return self.get(key) if self.wait([key], timeout_s) else None
+        set_timeout(datetime.timedelta(seconds=timeout_s))
+        try:
+            return self.get(key)
+        except RuntimeError as exc:
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+            return self.get(key) if self.check([key]) else None  # set right at the boundary
+
     def poll_count(self, key: str, target: int, deadline: float, stop: threading.Event | None = None,
                    interval_s: float = 0.0005, max_interval_s: float = 0.005) -> int:
         """Poll counter ``key`` until it reaches ``target`` or ``deadline`` (monotonic) passes;

@@ -160,13 +160,13 @@ class Member:
             key = p.queue_key(self.slot, self._next)
             try:
                 timeout = self._max_parked_s if self.lot.parked else IDLE_WAIT_S
-                if not kv.wait([key], timeout):
+                text = kv.get_when_set(key, timeout)
+                if text is None:
                     if self.lot.parked:
                         logger.error("parked for %.0f s without a word from the leader; letting training go on",
                                      self._max_parked_s)
                         self.lot.release()
                     continue
-                text = kv.get(key)
                 kv.delete([key])
             except RuntimeError as exc:  # DistNetworkError and friends: the Store is gone
                 self._coordination_lost(f"{type(exc).__name__}: {exc}")

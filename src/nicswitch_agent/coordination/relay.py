@@ -103,9 +103,9 @@ class NodeRelay:
                 self._next = int(self.job.get(p.QUEUE_HEAD)) + 1
             while not self._stop.is_set():
                 key = p.queue_key(self.node, self._next)
-                if not self.job.wait([key], IDLE_WAIT_S):
+                text = self.job.get_when_set(key, IDLE_WAIT_S)
+                if text is None:
                     continue
-                text = self.job.get(key)
                 self.job.delete([key])
                 self._next += 1
                 try:
