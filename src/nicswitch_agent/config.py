@@ -138,6 +138,10 @@ class AgentConfig:
     node_store_timeout_s: float = 60.0
     """With node-local fan-out, at start: how long a rank waits for its node's local rank 0 to
     publish the node-local Store it hosts."""
+    store_connect_timeout_s: float = 30.0
+    """How long opening a connection to the coordination Store may take before start() fails
+    (torch retries a refused one until then: a Store host out of file descriptors refuses them);
+    also the deadline of the Store calls that carry none of their own."""
     conflict_resets: int = 3
     """Pause mode agent: this many clean ends of the process-manage stream with no signal between
     them, within ``conflict_window_s``, mean another process-manage client (MindIO/TaskD, ``sim
@@ -292,6 +296,7 @@ class AgentConfig:
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
+                    "store_connect_timeout_s",
                     "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
                     "node_store_timeout_s")
         for name in positive:

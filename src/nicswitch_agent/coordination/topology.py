@@ -3,7 +3,10 @@
 The rank and world size come from the config, else from an initialised ``torch.distributed``,
 else a single rank. The Store is the one the user passed, the launcher's (``store_address``), an
 in-process one for a single rank, or ``torch.distributed``'s default Store (torch imported lazily:
-a member-only process that never needs it never loads it).
+a member-only process that never needs it never loads it). A TCPStore is reached through
+:class:`~nicswitch_agent.coordination.fd_budget.StoreClient`: its connections are made within
+``store_connect_timeout_s`` and a refused one says why (most often: the Store's host is out of
+file descriptors).
 
 With node-local fan-out (relay.py) local rank 0 of each node hosts the node-local Store (a
 TCPStore on 127.0.0.1, or an in-process one when the job's Store is in process: ranks as threads)
@@ -19,6 +22,7 @@ import time
 from typing import Any
 
 from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.coordination import fd_budget
 from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import key_prefix, node_store_key
 from nicswitch_agent.errors import ConfigError
@@ -49,7 +53,7 @@ def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, lea
     if store is not None:
         return KV(store, prefix)
     if cfg.store_address is not None:
-        return KV(connect_tcp_store(cfg.store_address, cfg.rpc_timeout_s), prefix)
+        return KV(connect_tcp_store(cfg.store_address, cfg.store_connect_timeout_s, world_size), prefix)
     if world_size == 1:
         return KV(InProcessStore(), prefix)
     dist = sys.modules.get("torch.distributed")
@@ -61,23 +65,20 @@ def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, lea
     from torch.distributed import distributed_c10d
 
     default_store: Any = distributed_c10d._get_default_store()  # clone() exists on every Store since torch 2.4
-    return KV(default_store, prefix)
+    # Our clients of its TCPStore, not its clone(): a clone would retry a refused connection for the
+    # process group's timeout (30 min by default).
+    client = fd_budget.client_of(default_store, cfg.store_connect_timeout_s, world_size)
+    return KV(default_store if client is None else client, prefix)
 
 
-def connect_tcp_store(address: str, timeout_s: float) -> Any:
-    """A client of the TCPStore at ``host:port`` (hosted by the launcher)."""
-    import datetime
-
+def connect_tcp_store(address: str, timeout_s: float, world_size: int) -> Any:
+    """A client of the TCPStore at ``host:port`` (hosted by the launcher); it connects on first use."""
     try:
-        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+        import torch.distributed  # noqa: F401
     except ImportError as exc:
         raise ConfigError(f"store_address={address!r} needs torch (pip install nicswitch-agent[torch])") from exc
     host, _, port = address.rpartition(":")
-    try:
-        return TCPStore(host.strip("[]"), int(port), None, False, datetime.timedelta(seconds=max(timeout_s, 30.0)),
-                        wait_for_workers=False)
-    except RuntimeError as exc:
-        raise ConfigError(f"store_address={address!r}: cannot reach the Store: {exc}") from exc
+    return fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, world_size)
 
 
 def choose_ranks_per_node(cfg: AgentConfig, world_size: int) -> int | None:

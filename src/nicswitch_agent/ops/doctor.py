@@ -11,8 +11,9 @@ ClusterD answering ``HealthCheck`` (within ``--timeout``, over TLS when it is on
 mismatch is named as such), the pause mode and who pauses
 training, torch, torch_npu, ``torch_npu.npu._comm_switch_nic``, ``HCCL_OP_RETRY_ENABLE`` enabling
 L2 (without it HCCL accepts a switch and does nothing), a way to map ClusterD's global ranks
-(torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), and the checkpoint
-directory (``--checkpoint-dir``: exists, writable, free space).
+(torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the file-descriptor limit
+the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and the
+checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
 
 The doctor only reads: its one call to ClusterD is ``HealthCheck``, which changes nothing there
 (``Init`` or a subscription would reset the job's controller), and the checkpoint directory gets
@@ -56,6 +57,7 @@ from nicswitch_agent.config import (
     tls_from_env,
     unknown_env_names,
 )
+from nicswitch_agent.coordination import fd_budget
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
@@ -117,6 +119,7 @@ class Inputs:
     tls: TlsSettings | None = None
     tls_error: str = ""
     tls_from_flags: bool = False
+    world_size: int | None = None  # --world-size; None: NICSWITCH_WORLD_SIZE, else WORLD_SIZE
 
     @property
     def dry_run(self) -> bool:
@@ -138,6 +141,7 @@ def gather_inputs(
     min_free_bytes: int = DEFAULT_MIN_FREE_BYTES,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     tls_options: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
 ) -> Inputs:
     """Resolve server, job and settings as the agent would (explicit > NICSWITCH_* > MindCluster env).
 
@@ -178,7 +182,7 @@ def gather_inputs(
         job_id=resolved_job, job_source=job_source, job_error=job_error, config=config, config_error=config_error,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls=tls, tls_error=tls_error,
-        tls_from_flags=bool(tls_given),
+        tls_from_flags=bool(tls_given), world_size=world_size,
     )
 
 
@@ -444,6 +448,14 @@ def check_rank_map(inp: Inputs) -> Check:
     return Check(name, True, "; ".join(parts))
 
 
+def check_file_descriptors(inp: Inputs) -> Check:
+    world = inp.world_size if inp.world_size is not None else _env_int(inp.env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
+    launcher = inp.env.get("NICSWITCH_LEADER", "").strip().lower() == "launcher" or bool(
+        inp.env.get("NICSWITCH_STORE_ADDRESS", "").strip())
+    ok, detail = fd_budget.assess(world if isinstance(world, int) else None, launcher=launcher)
+    return Check("file descriptors", ok, detail)
+
+
 def _env_int(env: Mapping[str, str], *names: str) -> int | str | None:
     """The first set variable as an int >= 0; an error text if it is not one; None if none is set."""
     for name in names:
@@ -545,6 +557,7 @@ CHECKS: tuple[Callable[[Inputs], Check], ...] = (
     check_switch_function,
     check_hccl_retry,
     check_rank_map,
+    check_file_descriptors,
     check_checkpoint_dir,
 )
 
@@ -559,6 +572,7 @@ def run_checks(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     on_check: Callable[[Check], None] | None = None,
     tls_options: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
 ) -> list[Check]:
     """Run every check in order; ``on_check`` sees each result as soon as it is known.
 
@@ -570,11 +584,13 @@ def run_checks(
         min_free_bytes: Free space the checkpoint directory must keep beyond the next checkpoint.
         timeout_s: Deadline of the HealthCheck call.
         tls_options: Explicit TLS settings (``tls``, ``tls_ca_file``, ...) over NICSWITCH_TLS*.
+        world_size: Ranks of the job, for the file-descriptor check; None: NICSWITCH_WORLD_SIZE, else WORLD_SIZE.
 
     A check that raises is reported as failed, never raised.
     """
     inputs = gather_inputs(server=server, job_id=job_id, env=env, checkpoint_dir=checkpoint_dir,
-                           min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls_options=tls_options)
+                           min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls_options=tls_options,
+                           world_size=world_size)
     results: list[Check] = []
     for check in CHECKS:
         try:
@@ -632,6 +648,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 1G, the guard's default)")
     parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="how long to wait for ClusterD's HealthCheck answer, seconds (default: %(default)g)")
+    parser.add_argument("--world-size", type=int, metavar="N", help="ranks of the job, to check the file-descriptor "
+                        "limit the Store's host needs (default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tls_arguments(parser)
     if parser.epilog is None:
@@ -649,7 +667,7 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
         print("nicswitch-agent doctor: is this pod ready for link switches?", flush=True)
     checks = run_checks(server=args.server, job_id=args.job, env=env, checkpoint_dir=args.checkpoint_dir,
                         min_free_bytes=args.min_free, timeout_s=args.timeout, on_check=None if args.json else say,
-                        tls_options=tls_overrides(args))
+                        tls_options=tls_overrides(args), world_size=getattr(args, "world_size", None))
     is_ready = ready(checks)
     failed = [c.name for c in checks if c.ok is False]
     warned = [c.name for c in checks if c.ok is None]

@@ -393,10 +393,12 @@ class HostedLeader:
 
         Raises:
             LaunchError: the port is taken, or torch is missing.
-            ConfigError: the agent's settings are incomplete (server, job id, ...).
+            ConfigError: the agent's settings are incomplete (server, job id, ...), or the file-descriptor
+                limit cannot be raised to what ``plan.world_size`` ranks need.
         """
         from nicswitch_agent.agent import SwitchAgent
         from nicswitch_agent.config import AgentConfig
+        from nicswitch_agent.coordination import fd_budget
 
         assert plan.world_size is not None
         # rank=0: a leader-only agent has no rank of its own; never read RANK from the launcher's env.
@@ -409,6 +411,10 @@ class HostedLeader:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:
             raise LaunchError("hosting the leader needs torch (pip install nicswitch-agent[torch])") from exc
+        # Every member holds sockets here: past the soft file-descriptor limit the Store drops new
+        # connections, so raise it now (the training command inherits it: torchrun's agent, which
+        # hosts the job's own Store, needs room too), or refuse to start if the hard limit is too low.
+        fd_budget.prepare_store_host(plan.world_size)
         timeout = datetime.timedelta(seconds=max(config.rpc_timeout_s, 30.0))
         try:
             store = TCPStore("0.0.0.0", plan.store_port, None, True, timeout, wait_for_workers=False)

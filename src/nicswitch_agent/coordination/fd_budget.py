@@ -1,0 +1,174 @@
+"""File descriptors on the Store's host: how many the job needs, and clients that say when they ran out.
+
+Every Store client is a socket, so a descriptor, in the process hosting the Store (the launcher,
+torchrun's agent, or rank 0). Past its soft ``RLIMIT_NOFILE`` (often 1,024) torch's Store server
+drops new connections, and a client retries for its whole timeout (30 min with the job's default
+Store) before a bare "Connection reset by peer" (docs/torch-store.md#a-store-host-out-of-file-descriptors).
+So the launcher raises its soft limit before hosting, and the agent's clients give up after
+``store_connect_timeout_s`` with the likely cause and the fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import resource
+from typing import Any
+
+from nicswitch_agent.errors import ConfigError
+
+logger = logging.getLogger("nicswitch_agent.coordination")
+
+# A member's connection and the one its stop() wakes it through. With node-local fan-out the job's
+# Store holds 2 per node (the relay's) plus one per rank while the ranks start (finding their node's
+# Store): 2 per rank stays the bound to plan for.
+STORE_SOCKETS_PER_RANK = 2
+TORCH_SOCKETS_PER_RANK = 1  # the process group's own connection, when the Store is the job's default one
+HOST_MARGIN = 128  # the host's own: listening socket, the leader's connections, gRPC, logs, libraries
+UNLIMITED = resource.RLIM_INFINITY
+_DROPPED = ("reset by peer", "broken pipe", "got 0 bytes", "was likely closed", "end of file")  # torch's words
+
+
+def per_rank(*, torch_store: bool = False) -> int:  # torch_store: the job's default Store
+    return STORE_SOCKETS_PER_RANK + (TORCH_SOCKETS_PER_RANK if torch_store else 0)
+
+
+def descriptors_needed(world_size: int, *, torch_store: bool = False) -> int:
+    return world_size * per_rank(torch_store=torch_store) + HOST_MARGIN
+
+
+def ranks_within(limit: int, *, torch_store: bool = False) -> int:  # a finite limit
+    return max(0, (limit - HOST_MARGIN) // per_rank(torch_store=torch_store))
+
+
+def nofile_limits() -> tuple[int, int]:  # (soft, hard), UNLIMITED for none
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return int(soft), int(hard)
+
+
+def show(limit: int) -> str:
+    return "unlimited" if limit == UNLIMITED else f"{limit:,}"
+
+
+def below(limit: int, needed: int) -> bool:
+    return limit != UNLIMITED and limit < needed
+
+
+def how_to_raise(needed: int, hard: int) -> str:
+    """What to do about a limit below ``needed``, given the ``hard`` limit that caps the soft one."""
+    if not below(hard, needed):
+        return (f"raise the soft limit where the Store is hosted: `ulimit -n {needed}` in the shell that starts it "
+                "(the hard limit allows it), or run under `nicswitch-agent launch`, which raises its own")
+    return (f"the hard limit is too low as well: raise the container's nofile limit to at least {needed} (docker run "
+            f"--ulimit nofile={needed}:{needed}; on Kubernetes, the container runtime's default ulimits), then "
+            f"`ulimit -n {needed}` where the Store is hosted")
+
+
+def prepare_store_host(world_size: int) -> None:
+    """Raise this process's soft limit to what hosting the Store for ``world_size`` ranks needs;
+    ConfigError (naming the limit, the need and the fix) if even the hard limit is too low."""
+    soft, hard = nofile_limits()
+    needed = descriptors_needed(world_size)
+    if not below(soft, needed):
+        return
+    if below(hard, needed):
+        raise ConfigError(
+            f"the Store for world_size={world_size} needs {needed:,} file descriptors ({STORE_SOCKETS_PER_RANK} "
+            f"per rank + {HOST_MARGIN}), but this process's limit (RLIMIT_NOFILE) is soft {show(soft)}, hard "
+            f"{show(hard)}: members would stop connecting after about {ranks_within(hard):,} ranks; "
+            + how_to_raise(needed, hard))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    logger.info("raised the soft file-descriptor limit (RLIMIT_NOFILE) from %s to %s (hard %s): the Store of %d "
+                "ranks needs %d per rank + %d", show(soft), show(needed), show(hard), world_size,
+                STORE_SOCKETS_PER_RANK, HOST_MARGIN)
+
+
+def assess(world_size: int | None, *, launcher: bool) -> tuple[bool, str]:
+    """``doctor``'s verdict on this process's limits for a Store host of ``world_size`` ranks (hosted by
+    the launcher, else the job's default Store): (enough?, in words with what to do)."""
+    soft, hard = nofile_limits()
+    limits = f"soft {show(soft)}, hard {show(hard)}"
+    if world_size is None or world_size < 1:
+        room = "any number of" if soft == UNLIMITED else f"about {ranks_within(soft, torch_store=True):,}"
+        return True, f"{limits}: a Store host takes {room} ranks; pass --world-size N to check a job"
+    needed = descriptors_needed(world_size, torch_store=not launcher)
+    host = f"the {'launcher' if launcher else 'job'}'s Store for {world_size:,} ranks needs {needed:,}"
+    if not below(soft, needed) or (launcher and not below(hard, needed)):
+        return True, f"{limits}: {host}" + (": the launcher raises its soft limit" if below(soft, needed) else "")
+    who = "the launcher" if launcher else "the process hosting it (torchrun's agent, or rank 0)"
+    room = f"{ranks_within(hard if launcher else soft, torch_store=not launcher):,}"  # the launcher raises soft
+    return False, (f"{limits}: {host} ({per_rank(torch_store=not launcher)} per rank + {HOST_MARGIN}), more than "
+                   f"{who} may open: agents would stop connecting after about {room} ranks; "
+                   + how_to_raise(needed, hard))
+
+
+def explain_connect_failure(exc: BaseException, address: str, timeout_s: float, world_size: int, *,
+                            torch_store: bool) -> str:
+    """Why a client could not connect to the Store at ``address``, in words, with what to do."""
+    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    which = "the job's torch Store" if torch_store else "the Store at store_address"
+    head = (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g} "
+            f"({type(exc).__name__}: {text})")
+    if "while trying to connect" in text or "refused" in text.lower():  # torch retries a refused connect
+        return f"{head}: nothing answered there (is the process hosting the Store up, and is the port right?)"
+    if not any(word in text.lower() for word in _DROPPED):
+        return head
+    needed = descriptors_needed(world_size, torch_store=torch_store)
+    soft, hard = nofile_limits()
+    return (f"{head}. The Store's host took the connection and dropped it at once: most likely it is out of file "
+            f"descriptors (RLIMIT_NOFILE). For {world_size:,} ranks it needs about {needed:,}; this process's limit "
+            f"is soft {show(soft)}, hard {show(hard)}, and processes started the same way (torchrun's agent, its "
+            f"ranks) usually have the same. To fix: " + how_to_raise(needed, hard) + " (docs/operations.md)")
+
+
+class StoreClient:
+    """A TCPStore client that connects within ``timeout_s`` and explains a connection it could not make.
+
+    It connects on first use and :meth:`clone` returns a connected one (as torch's does), so the
+    object clones come from costs the Store's host no socket. Other calls are passed through.
+    """
+
+    def __init__(self, host: str, port: int, timeout_s: float, world_size: int, *, torch_store: bool = False,
+                 connect: bool = False) -> None:
+        self.host, self.port, self.timeout_s, self.world_size = host, port, timeout_s, world_size
+        self._torch_store = torch_store
+        self._store: Any = None
+        if connect:
+            self._connected()
+
+    def clone(self) -> StoreClient:
+        return StoreClient(self.host, self.port, self.timeout_s, self.world_size, torch_store=self._torch_store,
+                           connect=True)
+
+    def _connected(self) -> Any:
+        if self._store is None:
+            from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            try:
+                self._store = TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False)
+            except RuntimeError as exc:
+                address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+                raise ConfigError(explain_connect_failure(exc, address, self.timeout_s, self.world_size,
+                                                          torch_store=self._torch_store)) from exc
+        return self._store
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:  # connects on the first call, not on hasattr()
+            return getattr(self._connected(), name)(*args, **kwargs)
+
+        return call
+
+
+def client_of(store: Any, timeout_s: float, world_size: int) -> StoreClient | None:
+    """A :class:`StoreClient` of the TCPStore under ``store`` (the job's default Store), else None.
+    Its clones connect within ``timeout_s``; torch's ``clone()`` would retry for the process group's
+    timeout (30 min by default), which only the shared base store can change."""
+    base = getattr(store, "_underlying_non_prefix_store", store)
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    if type(base).__name__ != "TCPStore" or not isinstance(host, str) or not isinstance(port, int):
+        return None
+    return StoreClient(host, port, timeout_s, world_size, torch_store=True)
