@@ -310,7 +310,7 @@ class PageRun:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{block.where}: no {block.background} within {block.timeout_s:g} s:\n"
                                      f"{tail(log)}")
-            time.sleep(0.1)
+            time.sleep(0.02)
 
     def check(self, block: Block, result: subprocess.CompletedProcess[bytes]) -> None:
         output = (result.stdout or b"").decode(errors="replace") + (result.stderr or b"").decode(errors="replace")

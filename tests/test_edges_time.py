@@ -130,14 +130,14 @@ def test_a_switch_hook_that_never_returns_is_answered_false_within_its_own_timeo
     rollback = LogLine("rollback of order #1")
     logging.getLogger("nicswitch_agent.controller").addHandler(rollback)
     try:
-        agent, trainer = job([hook], switch_hook=hook, switch_timeout_s=3.0, on_event=events)
+        agent, trainer = job([hook], switch_hook=hook, switch_timeout_s=1.0, on_event=events)
         assert trainer.wait_step(2)
         switch(sim)
         assert hook.entered.wait(10)
         assert sim.wait_until(lambda s: len(s.job_view(JOB).replies) >= 1, GENEROUS_S), "no reply"
         assert sim.job_view(JOB).replies == [False]
         reason = events.wait("reply_sent", timeout=20)[0].detail["reason"]
-        assert "switch hook of order #1 did not finish within 3 s" in reason, reason
+        assert "switch hook of order #1 did not finish within 1 s" in reason, reason
         stuck = agent.status()["stuck_hook"]
         assert stuck is not None and "switch hook of order #1" in stuck and "parked" in stuck
         # ClusterD's recovery: the rollback must not run next to the stuck hook.
@@ -156,14 +156,14 @@ def test_a_switch_hook_that_never_returns_is_answered_false_within_its_own_timeo
 def test_a_guard_that_overruns_is_answered_false_within_its_timeout_and_the_switch_never_runs(
         sim: Simulator, job: Any) -> None:
     guard, switch_hook, events = Hanging(), Recording(), Events()
-    _agent, trainer = job([guard], switch_hook=switch_hook, checkpoint_hook=guard, guard_timeout_s=2.0,
+    _agent, trainer = job([guard], switch_hook=switch_hook, checkpoint_hook=guard, guard_timeout_s=1.0,
                           on_event=events)
     assert trainer.wait_step(2)
     switch(sim)
     assert guard.entered.wait(10)
     assert sim.wait_until(lambda s: len(s.job_view(JOB).replies) >= 1, GENEROUS_S), "no reply"
     reason = events.wait("reply_sent", timeout=20)[0].detail["reason"]
-    assert "checkpoint hook of order #1 did not finish within 2 s" in reason, reason
+    assert "checkpoint hook of order #1 did not finish within 1 s" in reason, reason
     guard.release.set()  # the guard returns late ...
     assert events.wait("guard_done", timeout=20), "the order's work never ended on the training thread"
     assert switch_hook.calls == 0  # ... and the switch it guarded does not run after the false reply
@@ -174,7 +174,7 @@ def test_the_leader_waits_for_a_silent_rank_only_the_budget_of_the_hooks_that_ex
     not after guard_timeout_s + switch_timeout_s: this job has no checkpoint hook."""
     clusterd.script(Send(rank_list(["0"], [True], job_id="job-1")))
     agent = SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", switch_hook=Recording(),
-                        store=InProcessStore(), rank=0, world_size=2, switch_timeout_s=2.0, guard_timeout_s=300.0,
+                        store=InProcessStore(), rank=0, world_size=2, switch_timeout_s=1.0, guard_timeout_s=300.0,
                         reconnect_initial_s=0.02, reconnect_max_s=0.1)
     events = Events()
     agent.add_listener(events)
