@@ -15,6 +15,7 @@ resets the job when it does.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -200,10 +201,21 @@ class LeaderSession:
             self.controller.stop(timeout)
 
     def close(self) -> None:
-        """Close the replier, the watch and the channel (after the streams have stopped)."""
+        """Close the replier, then the watch and the channel (after the streams have stopped).
+
+        The channel is closed on a thread of its own (``nicswitch-channel-close``): gRPC's
+        connectivity thread must let go of it first, which takes up to its 0.2 s poll
+        (ConnectivityWatch.close), and nothing is sent on the channel any more, so ``stop()``
+        need not wait for that.
+        """
         self.replier.close()
-        self.watch.close()
-        self.channel.close()
+        threading.Thread(target=self._close_channel, name="nicswitch-channel-close", daemon=True).start()
+
+    def _close_channel(self) -> None:
+        try:
+            self.watch.close()
+        finally:
+            self.channel.close()
 
     def abort(self) -> None:
         """Undo a start that failed half way: everything stopped and closed, nothing waits."""
