@@ -156,3 +156,15 @@ def test_a_node_whose_relay_is_gone_is_named_with_its_ranks(job: Any) -> None:
     pausing.join(20)
     assert results and not results[0].ok
     assert results[0].reason == "node 1 (ranks 2-3) did not answer"
+
+
+def test_a_rank_silent_during_an_order_fails_its_node_within_the_budget_naming_the_rank(job: Any) -> None:
+    _store, leader, nodes, pool = job
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=0.2)
+    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
+    for slot in range(2):
+        nodes[0].result(slot, events[0][slot], True)
+    nodes[1].result(0, events[1][0], True)  # rank 3 never answers (its member is gone)
+    outcome = running.result(20)
+    assert not outcome.ok
+    assert outcome.reason == "rank 3: did not answer within the budget (1 rank(s) of node 1: 3)"

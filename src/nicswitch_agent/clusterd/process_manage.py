@@ -503,10 +503,10 @@ class ProcessManageClient(StreamThread):
             return True  # still fighting after a pause: pause longer
         s = self._settings
         text = CONFLICT_CAUSE.format(job=s.job_id, resets=s.conflict_resets, window=s.conflict_window_s)
+        logger.warning("%s", text)  # first: whoever sees the state can find the line that explains it
         with self._lock:
             self.conflict = text
             self.last_error = text
-        logger.warning("%s", text)
         if self._on_conflict is not None:
             try:
                 self._on_conflict(text)
