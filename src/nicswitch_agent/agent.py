@@ -286,8 +286,8 @@ class SwitchAgent:
             with self._lock:
                 self._state = RUNNING
             process_hooks.register(self)
-            logger.info("nicswitch-agent started as member: rank %d of %d, job=%s, leader=%s", self.rank,
-                        self.world_size, cfg.job_id, cfg.leader)
+            logger.info("nicswitch-agent started as member: rank %d of %d, job=%s, leader=%s%s", self.rank,
+                        self.world_size, cfg.job_id, cfg.leader, self._layout())
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
             return self
         return self._start_leader(kv)
@@ -341,9 +341,9 @@ class SwitchAgent:
         if failed_during_start:
             self._start_failure_teardown()
         process_hooks.register(self)
-        logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s",
+        logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s%s",
                     self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
-                    " (dry run)" if cfg.dry_run else "")
+                    " (dry run)" if cfg.dry_run else "", self._layout())
         self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run,
                                              "rank": self.rank, "role": "leader", "world_size": self.world_size})
         return self
@@ -435,6 +435,18 @@ class SwitchAgent:
             logger.warning("training still parked %.1f s after stop (a hook is running on it)",
                            self.config.stop_timeout_s)
         self._executor.stop()
+
+    def _layout(self) -> str:
+        """For the start line: the node-local fan-out, if any ("" when every rank is on the job's Store)."""
+        per_node = self._ranks_per_node
+        if per_node is None:
+            return ""
+        nodes = self.world_size // per_node
+        if self._member is None:  # a leader-only process
+            return f"; node-local fan-out: {nodes} node(s) of {per_node}"
+        node, local = divmod(self.rank, per_node)
+        role = "relays for its node" if local == 0 else f"local rank {local}"
+        return f"; node-local fan-out: node {node} of {nodes}, {role}"
 
     @property
     def handles_signals(self) -> bool:
