@@ -87,8 +87,11 @@ class NodeRelay:
         """Stop the thread (bounded): wake its idle wait through ``wake_kv``."""
         self._stop.set()
         try:
-            if not self.lost:
-                self._wake_kv.set(p.queue_key(self.node, self._next), p.encode({"t": p.WAKE}))
+            key = p.queue_key(self.node, self._next)
+            # An event already there (a release published just before this stop) wakes it anyway,
+            # and is relayed first: a wake written over it would lose it for the node's ranks.
+            if not self.lost and not self._wake_kv.check([key]):
+                self._wake_kv.set(key, p.encode({"t": p.WAKE}))
         except Exception:
             logger.debug("could not wake the relay thread", exc_info=True)
         thread = self._thread
