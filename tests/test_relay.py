@@ -168,3 +168,16 @@ def test_a_rank_silent_during_an_order_fails_its_node_within_the_budget_naming_t
     outcome = running.result(20)
     assert not outcome.ok
     assert outcome.reason == "rank 3: did not answer within the budget (1 rank(s) of node 1: 3)"
+
+
+def test_an_order_the_leader_already_decided_is_skipped_not_waited_for(job: Any) -> None:
+    """A relay an epoch behind reads an order event whose key the leader has deleted since: it
+    must go on to the next event at once (a get would wait an hour for the key)."""
+    store, _leader, nodes, _pool = job
+    kv = KV(store, PREFIX)
+    node = nodes[1]
+    stale = {"t": p.ORDER, "e": 9, "key": "9.7.switch", "kind": KIND_SWITCH, "budget": 300.0}
+    after = {"t": p.RELEASE, "e": 9, "stop": None, "cancel": False}
+    kv.set(p.queue_key(1, 1), p.encode(stale))  # no o/9.7.switch: deleted with its epoch
+    kv.set(p.queue_key(1, 2), p.encode(after))
+    assert node.next_event(0, timeout=10)["t"] == p.RELEASE  # the stale order never reached the ranks

@@ -39,6 +39,7 @@ logger = logging.getLogger("nicswitch_agent.coordination")
 IDLE_WAIT_S = 3600.0  # one blocking wait per hour when idle; stop() wakes it at once
 DEFAULT_PHASE_TIMEOUT_S = 60.0  # a leader of an earlier version sent no timeout with its pause
 ORDER_SLACK_S = 1.0  # the relay answers this long after the budget; the leader waits 2 s past it
+ORDER_READ_S = 10.0  # reading an order whose key was there a moment ago
 WHY_MARGIN_S = 0.5  # a failing phase is told this much before the leader's deadline, so it can say why
 
 
@@ -130,7 +131,16 @@ class NodeRelay:
         kind, epoch = message["t"], int(message.get("e", 0))
         if kind == p.ORDER:  # the order itself first: members read it when the event arrives
             name = str(message["key"])
-            self.local.set(p.order_key(name), self.job.get(p.order_key(name)))
+            # A relay that fell an epoch behind (busy past a budget) finds the order deleted: the
+            # leader has decided it without this node. A plain get would wait for the key for the
+            # connection's timeout (an hour, the idle wait's).
+            order = self.job.get_when_set(p.order_key(name), ORDER_READ_S) \
+                if self.job.check([p.order_key(name)]) else None
+            if order is None:
+                logger.warning("node %d: skipping order %s: the leader has decided it without this node", self.node,
+                               name)
+                return
+            self.local.set(p.order_key(name), order)
             self._garbage.append(p.order_key(name))
         self._publish_local(text)
         if kind == p.PAUSE:
