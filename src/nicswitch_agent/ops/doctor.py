@@ -62,7 +62,7 @@ from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
-from nicswitch_agent.ops.om_cli import add_tls_arguments, tls_overrides
+from nicswitch_agent.ops.om_cli import add_tls_arguments, positive_float, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
@@ -626,16 +626,6 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * 1024**power)
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent doctor``."""
     parser.add_argument("--server", metavar="HOST:PORT",
@@ -646,7 +636,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-free", type=parse_size, default=DEFAULT_MIN_FREE_BYTES, metavar="SIZE",
                         help="free space the checkpoint directory must keep beyond the next checkpoint "
                              "(default: 1G, the guard's default)")
-    parser.add_argument("--timeout", type=_positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="how long to wait for ClusterD's HealthCheck answer, seconds (default: %(default)g)")
     parser.add_argument("--world-size", type=int, metavar="N", help="ranks of the job, to check the file-descriptor "
                         "limit the Store's host needs (default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")

@@ -165,7 +165,8 @@ class _NicFlag(argparse.Action):
         setattr(namespace, self.dest, flags)
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type: a number above 0 (seconds)."""
     try:
         value = float(text)
     except ValueError:
@@ -197,14 +198,14 @@ def _add_common(parser: argparse.ArgumentParser, *, watch: bool = False) -> None
     parser.add_argument("--server", metavar="HOST:PORT", help=_SERVER_HELP)
     parser.add_argument("--job", metavar="JOB_ID", help=_JOB_HELP)
     if watch:
-        parser.add_argument("--timeout", type=_positive_float, default=None, metavar="S",
+        parser.add_argument("--timeout", type=positive_float, default=None, metavar="S",
                             help="stop watching after S seconds (default: no limit; Ctrl-C stops it)")
         parser.add_argument("--json", action="store_true",
                             help="print one JSON object per line: one per result, then one summary")
     else:
         parser.add_argument(
             "--timeout",
-            type=_positive_float,
+            type=positive_float,
             default=DEFAULT_FOLLOW_TIMEOUT_S,
             metavar="S",
             help="how long to wait for the result, seconds (default: %(default)g, "
@@ -258,7 +259,7 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rpc-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=DEFAULT_RPC_TIMEOUT_S,
         metavar="S",
         help="deadline of the SwitchNicTrack call, seconds (default: %(default)g)",
@@ -272,7 +273,7 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser, watch=True)
     parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
                         help="stop after N results (default: no limit)")
-    parser.add_argument("--poll", type=_positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
+    parser.add_argument("--poll", type=positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
                         help="while no switch runs, ask ClusterD every S seconds (default: %(default)g); a "
                              "switch shorter than this can be missed")
     _adopt_help(parser, WATCH_EPILOG)
