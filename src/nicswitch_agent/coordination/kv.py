@@ -163,7 +163,7 @@ class KV:
             self.store.wait([self._k(k) for k in keys], datetime.timedelta(seconds=timeout_s))
             return True
         except RuntimeError as exc:
-            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            if not _timed_out(exc):
                 raise
             return self.check(keys)  # a key set right at the boundary can still raise
 
@@ -181,7 +181,7 @@ class KV:
         try:
             return self.get(key)
         except RuntimeError as exc:
-            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+            if not _timed_out(exc):
                 raise
             return self.get(key) if self.check([key]) else None  # set right at the boundary
 
@@ -216,6 +216,12 @@ class KV:
             if not _pause(deadline, stop, interval):
                 return pending
             interval = min(max_interval_s, interval * 2)
+
+
+def _timed_out(exc: RuntimeError) -> bool:
+    """torch raises DistStoreError (a RuntimeError) for a wait that timed out and for a lost Store alike."""
+    text = str(exc).lower()
+    return "timeout" in text or "timed out" in text
 
 
 def _pause(deadline: float, stop: threading.Event | None, interval: float) -> bool:

@@ -202,31 +202,24 @@ class Coordinator:
             logger.debug("could not publish the outcome of %s", name, exc_info=True)
 
     def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
-        """Read the results as they arrive, in batches: one counter poll, one check and one
-        multi_get per batch, however many ranks answered in it."""
+        """Read the results as they arrive; the first failure decides at once."""
         attempted, guards, seen = False, 0, 0
-        counter = p.result_counter_key(epoch, name)
-        while seen < self.world_size:
-            count = min(self.kv.poll_count(counter, seen + 1, deadline, self._stop), self.world_size)
-            keys = [p.result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
-            # A member counts first, then writes its result: wait for the keys themselves too.
-            if count <= seen or self.kv.poll_all(keys, deadline, self._stop):
-                silent = self.world_size - seen
-                who = f"{silent} node(s)" if self.ranks_per_node is not None else f"{silent} rank(s)"
-                return RunOutcome(False, f"{who} did not answer within the budget",
-                                  attempted=True, duration_s=time.monotonic() - started)
-            for text in self.kv.get_many(keys):
-                seen += 1
-                result = p.MemberResult.decode(text)
-                attempted = attempted or result.attempted
-                guards += int(result.guard_ok)
-                if not result.ok:
-                    # Known only if every rank answered: a guard that checkpointed everywhere counts
-                    # for a later dump (otherwise the guard is asked again and skips a step it has).
-                    everyone = seen == self.world_size and guards == self.world_size
-                    return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
-                                      guard_ok=everyone, duration_s=time.monotonic() - started,
-                                      interrupted=result.rank if result.interrupted else None)
+        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop):
+            seen += 1
+            attempted = attempted or result.attempted
+            guards += int(result.guard_ok)
+            if not result.ok:
+                # Known only if every rank answered: a guard that checkpointed everywhere counts
+                # for a later dump (otherwise the guard is asked again and skips a step it has).
+                everyone = seen == self.world_size and guards == self.world_size
+                return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
+                                  guard_ok=everyone, duration_s=time.monotonic() - started,
+                                  interrupted=result.rank if result.interrupted else None)
+        if seen < self.world_size:
+            silent = self.world_size - seen
+            who = f"{silent} node(s)" if self.ranks_per_node is not None else f"{silent} rank(s)"
+            return RunOutcome(False, f"{who} did not answer within the budget",
+                              attempted=True, duration_s=time.monotonic() - started)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started)
 

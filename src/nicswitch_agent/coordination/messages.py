@@ -45,10 +45,16 @@ import base64
 import json
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.orders import SwitchOrder
+
+if TYPE_CHECKING:
+    import threading
+
+    from nicswitch_agent.coordination.kv import KV
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
@@ -171,3 +177,21 @@ class MemberResult:
         v = decode(text)
         return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
                    bool(v.get("interrupted", False)))
+
+
+def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
+                     stop: threading.Event | None = None) -> Iterator[MemberResult]:
+    """The results of order ``name`` as they arrive, read in batches: one counter poll, one check
+    and one multi_get per batch, however many answered in it. Ends after ``expected`` results, or
+    early when ``deadline`` (monotonic) passes first; the caller counts what it got."""
+    counter = result_counter_key(epoch, name)
+    seen = 0
+    while seen < expected:
+        count = min(kv.poll_count(counter, seen + 1, deadline, stop), expected)
+        keys = [result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
+        # A member counts first, then writes its result: wait for the keys themselves too.
+        if count <= seen or kv.poll_all(keys, deadline, stop):
+            return
+        for text in kv.get_many(keys):
+            seen += 1
+            yield MemberResult.decode(text)

@@ -188,29 +188,25 @@ class NodeRelay:
 
     def _answer_order(self, epoch: int, name: str, budget_s: float) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
-        counter = p.result_counter_key(epoch, name)
-        self._garbage += [counter, *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
+        self._garbage += [p.result_counter_key(epoch, name),
+                          *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + ORDER_SLACK_S
         attempted, guards, seen, answered = False, 0, 0, set()
-        while seen < self.size:
-            count = min(self.local.poll_count(counter, seen + 1, deadline, self._stop), self.size)
-            keys = [p.result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
-            if count <= seen or self.local.poll_all(keys, deadline, self._stop):
-                silent = [rank for rank in self.ranks if rank not in answered]
-                self._answer(epoch, name, p.MemberResult(
-                    silent[0] if silent else self.ranks[0], False,
-                    f"did not answer within the budget ({len(silent)} rank(s) of node {self.node}: "
-                    f"{_listed([str(r) for r in silent])})", attempted=True))
+        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop):
+            seen += 1
+            answered.add(result.rank)
+            attempted = attempted or result.attempted
+            guards += int(result.guard_ok)
+            if not result.ok:
+                self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
                 return
-            for text in self.local.get_many(keys):
-                seen += 1
-                result = p.MemberResult.decode(text)
-                answered.add(result.rank)
-                attempted = attempted or result.attempted
-                guards += int(result.guard_ok)
-                if not result.ok:
-                    self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
-                    return
+        if seen < self.size:
+            silent = [rank for rank in self.ranks if rank not in answered]
+            self._answer(epoch, name, p.MemberResult(
+                silent[0] if silent else self.ranks[0], False,
+                f"did not answer within the budget ({len(silent)} rank(s) of node {self.node}: "
+                f"{_listed([str(r) for r in silent])})", attempted=True))
+            return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size))
 
