@@ -207,6 +207,8 @@ def test_pause_agent_next_to_a_standin_detects_the_fight_warns_and_backs_off(
         for needle in ("MindIO/TaskD", "--standin", 'pause="external"', "stop the other client"):
             assert needle in warned[0].getMessage()
 
+        # The status file is rewritten on its writer's thread once the conflict is known: wait for it.
+        assert wait_until(lambda: "fights for the job's stream" in status_command(status_file)[1], 10)
         code, text = status_command(status_file)
         assert code == NOT_CONNECTED and "fights for the job's stream" in text, text
 
