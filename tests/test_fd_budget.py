@@ -11,8 +11,10 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -128,6 +130,35 @@ def test_a_store_nobody_serves_is_named_as_such() -> None:
     with pytest.raises(ConfigError, match=r"within store_connect_timeout_s=0.5 .*: nothing answered there") as caught:
         fd_budget.StoreClient("127.0.0.1", free_port(), 0.5, 2, connect=True)
     assert "file descriptors" not in str(caught.value)
+
+
+def test_a_connect_that_timed_out_against_a_listening_host_names_the_descriptor_limit() -> None:
+    """Under load, a full host's resets land inside torch's connect loop, which retries them and then
+    says "timed out ... while trying to connect", the words it also uses when nothing listens (seen in
+    CI). A plain TCP connect tells the two apart: here torch's real words, and a host that listens."""
+    with pytest.raises(RuntimeError, match="while trying to connect") as refused:
+        torch.distributed.TCPStore("127.0.0.1", free_port(), None, False, datetime.timedelta(seconds=0.3),
+                                   wait_for_workers=False)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        message = fd_budget.explain_store_connect_failure(refused.value, "127.0.0.1", port, 0.3, 500,
+                                                          torch_store=False)
+    assert "Something listens there but the Store did not answer" in message
+    assert "out of file descriptors (RLIMIT_NOFILE)" in message and "For 500 ranks it needs about 1,128" in message
+
+
+def test_a_host_that_accepts_and_never_answers_is_given_up_on_within_the_bound() -> None:
+    """torch bounds the connect, not the exchange after it: without the bounded dial, start() hangs."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)  # the kernel completes the handshake; nobody accepts, nobody answers
+        with pytest.raises(ConfigError, match=r"within store_connect_timeout_s=0.5: something accepted the "
+                                              r"connection but never answered"):
+            fd_budget.StoreClient("127.0.0.1", listener.getsockname()[1], 0.5, 2, connect=True)
+    # Closing the listener resets the abandoned dial, whose thread then ends (not at interpreter exit).
+    assert poll(lambda: not any(t.name == "nicswitch-store-dial" for t in threading.enumerate()), 30)
 
 
 # -- the launcher -----------------------------------------------------------------------------

@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import resource
+import socket
+import threading
 from typing import Any
 
 from nicswitch_agent.errors import ConfigError
@@ -26,6 +28,8 @@ STORE_SOCKETS_PER_RANK = 2
 TORCH_SOCKETS_PER_RANK = 1  # the process group's own connection, when the Store is the job's default one
 HOST_MARGIN = 128  # the host's own: listening socket, the leader's connections, gRPC, logs, libraries
 UNLIMITED = resource.RLIM_INFINITY
+DIAL_GRACE_S = 1.0  # past store_connect_timeout_s, for torch's own retries to end
+PROBE_TIMEOUT_S = 2.0  # the plain TCP connect that tells "nothing listens" from "listens, cannot answer"
 _DROPPED = ("reset by peer", "broken pipe", "got 0 bytes", "was likely closed", "end of file")  # torch's words
 
 
@@ -102,23 +106,58 @@ def assess(world_size: int | None, *, launcher: bool) -> tuple[bool, str]:
                    + how_to_raise(needed, hard))
 
 
-def explain_connect_failure(exc: BaseException, address: str, timeout_s: float, world_size: int, *,
-                            torch_store: bool) -> str:
-    """Why a client could not connect to the Store at ``address``, in words, with what to do."""
+def listening(host: str, port: int, timeout_s: float) -> bool | None:
+    """Whether a TCP connect to ``host:port`` completes: True (something listens; the kernel accepts
+    into the listen backlog even when the process cannot take the connection), False (refused,
+    unreachable), None (no answer within ``timeout_s``: a dropped SYN, a full backlog, a firewall)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except TimeoutError:
+        return None
+    except OSError:
+        return False
+
+
+def explain_store_connect_failure(exc: BaseException, host: str, port: int, timeout_s: float, world_size: int, *,
+                                  torch_store: bool) -> str:
+    """Why a client could not connect to the Store at ``host:port``, in words, with what to do.
+
+    torch says "timed out ... while trying to connect" both when nothing listens (it retries a refused
+    connect) and when the host accepted but never answered (out of descriptors, or slow to close the
+    connection it could not take): a plain TCP connect tells the two apart.
+    """
     text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     which = "the job's torch Store" if torch_store else "the Store at store_address"
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     head = (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g} "
             f"({type(exc).__name__}: {text})")
-    if "while trying to connect" in text or "refused" in text.lower():  # torch retries a refused connect
-        return f"{head}: nothing answered there (is the process hosting the Store up, and is the port right?)"
-    if not any(word in text.lower() for word in _DROPPED):
-        return head
     needed = descriptors_needed(world_size, torch_store=torch_store)
     soft, hard = nofile_limits()
-    return (f"{head}. The Store's host took the connection and dropped it at once: most likely it is out of file "
-            f"descriptors (RLIMIT_NOFILE). For {world_size:,} ranks it needs about {needed:,}; this process's limit "
-            f"is soft {show(soft)}, hard {show(hard)}, and processes started the same way (torchrun's agent, its "
-            f"ranks) usually have the same. To fix: " + how_to_raise(needed, hard) + " (docs/operations.md)")
+    fix = (f"For {world_size:,} ranks it needs about {needed:,}; this process's limit is soft {show(soft)}, hard "
+           f"{show(hard)}, and processes started the same way (torchrun's agent, its ranks) usually have the "
+           f"same. To fix: " + how_to_raise(needed, hard) + " (docs/operations.md)")
+    if any(word in text.lower() for word in _DROPPED):
+        return (f"{head}. The Store's host took the connection and dropped it at once: most likely it is out of "
+                f"file descriptors (RLIMIT_NOFILE). " + fix)
+    if "while trying to connect" not in text and "refused" not in text.lower():
+        return head
+    reachable = listening(host, port, min(timeout_s, PROBE_TIMEOUT_S))
+    if reachable is False:
+        return f"{head}: nothing answered there (is the process hosting the Store up, and is the port right?)"
+    if reachable is None:
+        return (f"{head}: no answer at all (a wrong host, a firewall, or a Store host too busy to accept; is the "
+                f"process hosting the Store up?)")
+    return (f"{head}. Something listens there but the Store did not answer: most likely its host is out of file "
+            f"descriptors (RLIMIT_NOFILE), or too loaded to answer in time. " + fix)
+
+
+def explain_silent_store(host: str, port: int, timeout_s: float, *, torch_store: bool) -> str:
+    which = "the job's torch Store" if torch_store else "the Store at store_address"
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g}: something "
+            f"accepted the connection but never answered (a Store host that is frozen or stopped, or a port that "
+            f"is not a torch Store's; is the address right?)")
 
 
 class StoreClient:
@@ -145,12 +184,31 @@ class StoreClient:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
             timeout = datetime.timedelta(seconds=self.timeout_s)
-            try:
-                self._store = TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False)
-            except RuntimeError as exc:
-                address = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-                raise ConfigError(explain_connect_failure(exc, address, self.timeout_s, self.world_size,
-                                                          torch_store=self._torch_store)) from exc
+            dialled: list[Any] = []
+            failed: list[BaseException] = []
+
+            def dial() -> None:
+                try:
+                    dialled.append(TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False))
+                except BaseException as exc:  # handed to the caller below
+                    failed.append(exc)
+
+            # torch bounds the connect but not the first exchange after it: a host that accepts and never
+            # answers (frozen, stopped, or not a Store) would block start() forever. The dial runs on a
+            # thread given up on after the bound; it stays blocked until that host closes the socket.
+            dialler = threading.Thread(target=dial, name="nicswitch-store-dial", daemon=True)
+            dialler.start()
+            dialler.join(self.timeout_s + DIAL_GRACE_S)
+            if failed and isinstance(failed[0], RuntimeError):
+                raise ConfigError(explain_store_connect_failure(failed[0], self.host, self.port, self.timeout_s,
+                                                                self.world_size, torch_store=self._torch_store)) \
+                    from failed[0]
+            if failed:
+                raise failed[0]
+            if not dialled:
+                raise ConfigError(explain_silent_store(self.host, self.port, self.timeout_s,
+                                                       torch_store=self._torch_store))
+            self._store = dialled[0]
         return self._store
 
     def __getattr__(self, name: str) -> Any:
