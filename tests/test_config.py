@@ -44,7 +44,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
         "status_interval_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
         "node_store_timeout_s",
-        "store_connect_timeout_s",
+        "store_connect_timeout_s", "notify_reopen_wait_s",
     ])
 
 

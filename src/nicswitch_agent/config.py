@@ -89,6 +89,10 @@ class AgentConfig:
     resubscribe_after_eof_s: float = 0.0
     """Delay before resubscribing after a clean end of stream (ClusterD ends it after every
     switch); reopening is still throttled if the server keeps ending it at once."""
+    notify_reopen_wait_s: float = 5.0
+    """Pause mode agent: after ClusterD ends the notify stream cleanly (it reset the job, which ends
+    the process-manage stream too), how long the notify stream waits for the process-manage stream
+    to be reopened before it reopens anyway. Reopened earlier, the reset would end it again."""
 
     pause_timeout_s: float = 300.0
     """Pause mode agent: how long training may take to reach a step boundary after ClusterD's
@@ -298,7 +302,7 @@ class AgentConfig:
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
                     "store_connect_timeout_s",
                     "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
-                    "node_store_timeout_s")
+                    "node_store_timeout_s", "notify_reopen_wait_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")

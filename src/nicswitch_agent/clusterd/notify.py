@@ -57,9 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nicswitch_agent.subscriber")
 
-# After a clean end, how long to wait for the process-manage stream to be reopened (pause mode
-# agent) before opening anyway: a notify-only end (no reset) must not block the subscription.
-GATE_REOPEN_WAIT_S = 1.0
 # The window of SubscriberSettings.eof_burst (see rpc_policy.EndsAtOnce).
 EOF_BURST_WINDOW_S = 1.0
 
@@ -76,6 +73,9 @@ class SubscriberSettings:
     eof_burst: int = 5
     # A stream in flight on a READY channel for this long, with no error, counts as established.
     establish_s: float = 0.5
+    # After a clean end (ClusterD reset the job): how long to wait for the process-manage stream
+    # to be reopened (a newer gate generation) before opening anyway.
+    reopen_wait_s: float = 5.0
 
 
 class NotifySubscriber(StreamThread):
@@ -232,7 +232,7 @@ class NotifySubscriber(StreamThread):
                 # A clean end means ClusterD reset the job (which also ends the process-manage
                 # stream): wait for it to be reopened, briefly, then for it to be open at all.
                 if ended_cleanly:
-                    self._wait_gate(gate, used_generation, GATE_REOPEN_WAIT_S)
+                    self._wait_gate(gate, used_generation, settings.reopen_wait_s)
                 self._wait_gate(gate, None, None)
                 if self._stop.is_set():
                     return

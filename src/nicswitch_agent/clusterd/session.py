@@ -102,7 +102,7 @@ class LeaderSession:
                 SubscriberSettings(
                     job_id=cfg.job_id, role=cfg.role, reconnect_initial_s=cfg.reconnect_initial_s,
                     reconnect_max_s=cfg.reconnect_max_s, resubscribe_after_eof_s=cfg.resubscribe_after_eof_s,
-                    stop_timeout_s=cfg.stop_timeout_s,
+                    stop_timeout_s=cfg.stop_timeout_s, reopen_wait_s=cfg.notify_reopen_wait_s,
                 ),
                 callbacks.on_list,
                 on_fatal=callbacks.on_fatal,
