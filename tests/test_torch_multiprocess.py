@@ -315,13 +315,22 @@ def switch_calls_by_seq(job: Job, ranks: list[int] | None = None) -> dict[int, d
 # -- the tests -----------------------------------------------------------------------------------
 
 
+# The agents' nodes are of one rank (ClusterD's view stays one node of four devices).
+GROUPS = {"NICSWITCH_FAN_OUT": "group", "NICSWITCH_NODES_PER_GROUP": "2", "NICSWITCH_LOCAL_WORLD_SIZE": "1"}
+
+
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("pause", "world"), [("agent", 3), ("external", 2)])
+@pytest.mark.parametrize(("pause", "world", "env"), [
+    ("agent", 3, {}), ("external", 2, {}),
+    # Groups of nodes over real TCPStores: 4 nodes of one rank in 2 groups; ranks 0 and 2 host
+    # their group's Store (on all interfaces) and run its relay beside their node's.
+    ("agent", 4, GROUPS),
+])
 def test_a_switch_mid_training_parks_checkpoints_switches_and_training_goes_on(
-        cluster: Cluster, pause: str, world: int) -> None:
+        cluster: Cluster, pause: str, world: int, env: dict[str, str]) -> None:
     import torch
 
-    job = cluster.job(world, pause=pause)
+    job = cluster.job(world, pause=pause, env=env)
     sim, operator = cluster.sim, cluster.op
     ranks = list(range(world))
     job.wait_ready()
@@ -375,6 +384,10 @@ def test_a_switch_mid_training_parks_checkpoints_switches_and_training_goes_on(
                 assert saved == pytest.approx(steps[step - 1]["w"], rel=1e-12, abs=1e-12)
                 assert [e["detail"]["step"] for e in job.events(rank, "parked")][seq - 1] == step
     assert all(not job.result(r)["agent"]["parked"] for r in ranks)
+    if env is GROUPS:
+        for rank, group in ((0, 0), (2, 1)):
+            assert f"relays for its node and its group; group {group} of 2" in job.log(rank), job.log(rank)[-2000:]
+        assert "and its group" not in job.log(1) + job.log(3)
 
 
 @pytest.mark.timeout(120)

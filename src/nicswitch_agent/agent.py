@@ -33,9 +33,10 @@ from typing import TYPE_CHECKING, Any
 from nicswitch_agent import process_hooks
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology
+from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
 from nicswitch_agent.coordination.parking import ParkingLot
-from nicswitch_agent.coordination.relay import NodeRelay
+from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.executor import Executor, OwedReply
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, require_callable
@@ -105,17 +106,16 @@ class SwitchAgent:
         "_events",
         "_executor",
         "_failure_thread",
+        "_fan_out",
+        "_layout",
         "_leader_only",
         "_lock",
         "_member",
         "_metrics",
-        "_node_server",
         "_on_stop",
         "_parking",
         "_pause_reason",
         "_pid",
-        "_ranks_per_node",
-        "_relay",
         "_seq",
         "_session",
         "_started_mono",
@@ -205,9 +205,8 @@ class SwitchAgent:
         self._coordinator: Coordinator | None = None
         self._coordination_stop = threading.Event()  # cuts the leader's waits short on stop()
         self._member: Member | None = None
-        self._relay: NodeRelay | None = None  # local rank 0 with node-local fan-out (coordination/relay.py)
-        self._node_server: Any = None  # the node-local Store this rank hosts, kept alive with the agent
-        self._ranks_per_node: int | None = None  # None: every rank on the job's Store (flat)
+        self._fan_out: RankFanOut | None = None  # this rank's Stores and relays (coordination/fan_out.py)
+        self._layout = Layout(1)  # who answers on the job's Store (coordination/topology.py), set by start()
         self.rank = 0
         self.world_size = 1
 
@@ -243,11 +242,11 @@ class SwitchAgent:
         """Undo a start() that failed half way, so nothing keeps running and start() may be retried."""
         if self._session is not None:
             self._session.abort()
-        for stop in (self._member, self._relay):
+        for stop in (self._member, self._fan_out):
             if stop is not None:
                 stop.stop()
         self._executor.abandon()
-        self._session = self._member = self._relay = self._coordinator = None
+        self._session = self._member = self._fan_out = self._coordinator = None
         with self._lock:
             self._state = CREATED
         self._stop_observers()  # the status file's last word: "created"
@@ -258,20 +257,15 @@ class SwitchAgent:
         self.rank, self.world_size = topology.rank_and_world(self.config, leader_only=self._leader_only)
         kv = topology.coordination_kv(self.config, self.world_size, store=self._store, leader_only=self._leader_only)
         leads = self._leader_only or (cfg.leader == "rank0" and self.rank == 0)
-        self._ranks_per_node = topology.choose_ranks_per_node(cfg, self.world_size)
+        self._layout = topology.choose_layout(cfg, self.world_size)
         self._start_observers(leads)
         if self._leader_only:
             return self._start_leader(kv)
-        member_kv, slot = kv, None
-        if self._ranks_per_node is not None:  # this rank's keys live on its node's Store
-            node, slot = divmod(self.rank, self._ranks_per_node)
-            member_kv, self._node_server = topology.node_kv(kv, node, slot, cfg.node_store_timeout_s)
-            if slot == 0:
-                first = node * self._ranks_per_node
-                self._relay = NodeRelay(kv.clone(), kv, member_kv.clone(), node,
-                                        list(range(first, first + self._ranks_per_node)),
-                                        stop_timeout_s=cfg.stop_timeout_s)
-                self._relay.start()
+        # This rank's keys live on its node's Store with fan-out; local rank 0 relays for the node.
+        self._fan_out = RankFanOut(kv, self._layout, self.rank, node_store_timeout_s=cfg.node_store_timeout_s,
+                                   stop_timeout_s=cfg.stop_timeout_s)
+        self._fan_out.start()
+        member_kv, slot = self._fan_out.member_kv, self._fan_out.slot
         rank_map = RankMap.from_env(rank=self.rank)
         self._member = Member(
             member_kv.clone(), self.rank, self._parking,
@@ -287,7 +281,7 @@ class SwitchAgent:
                 self._state = RUNNING
             process_hooks.register(self)
             logger.info("nicswitch-agent started as member: rank %d of %d, job=%s, leader=%s%s", self.rank,
-                        self.world_size, cfg.job_id, cfg.leader, self._layout())
+                        self.world_size, cfg.job_id, cfg.leader, self._describe_layout())
             self._emit(ev.AGENT_STARTED, detail={"rank": self.rank, "role": "member"})
             return self
         return self._start_leader(kv)
@@ -321,9 +315,8 @@ class SwitchAgent:
         from nicswitch_agent.clusterd.session import LeaderSession, SessionCallbacks
 
         cfg = self.config
-        per_node = self._ranks_per_node
-        self._coordinator = Coordinator(kv.clone(), self.world_size // per_node if per_node else self.world_size,
-                                        stop=self._coordination_stop, ranks_per_node=per_node)
+        self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
+                                        layout=self._layout)
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -343,7 +336,7 @@ class SwitchAgent:
         process_hooks.register(self)
         logger.info("nicswitch-agent started as leader of %d rank(s): job=%s server=%s pause=%s (%s)%s%s",
                     self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
-                    " (dry run)" if cfg.dry_run else "", self._layout())
+                    " (dry run)" if cfg.dry_run else "", self._describe_layout())
         self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run,
                                              "rank": self.rank, "role": "leader", "world_size": self.world_size})
         return self
@@ -428,25 +421,19 @@ class SwitchAgent:
                 logger.warning("could not release the members", exc_info=True)
         if self._member is not None:
             self._member.stop()
-        if self._relay is not None:
-            self._relay.stop()  # after the member: the release above still reaches the node's ranks
+        if self._fan_out is not None:
+            self._fan_out.stop()  # after the member: the release above still reaches the node's ranks
         self._parking.release()  # never leave training parked behind a stopped agent
         if not self._parking.wait_unparked(self.config.stop_timeout_s):
             logger.warning("training still parked %.1f s after stop (a hook is running on it)",
                            self.config.stop_timeout_s)
         self._executor.stop()
 
-    def _layout(self) -> str:
-        """For the start line: the node-local fan-out, if any ("" when every rank is on the job's Store)."""
-        per_node = self._ranks_per_node
-        if per_node is None:
-            return ""
-        nodes = self.world_size // per_node
-        if self._member is None:  # a leader-only process
-            return f"; node-local fan-out: {nodes} node(s) of {per_node}"
-        node, local = divmod(self.rank, per_node)
-        role = "relays for its node" if local == 0 else f"local rank {local}"
-        return f"; node-local fan-out: node {node} of {nodes}, {role}"
+    def _describe_layout(self) -> str:
+        """For the start line: the fan-out, if any ("" when every rank is on the job's Store)."""
+        if self._fan_out is None:  # a leader-only process
+            return describe_for_leader(self._layout)
+        return self._fan_out.describe()
 
     @property
     def handles_signals(self) -> bool:

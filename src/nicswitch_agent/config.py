@@ -38,7 +38,8 @@ CLUSTERD_MIN_PING_INTERVAL_S = 3.0
 LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
 LEADER_PLACES = ("rank0", "launcher")
-FAN_OUTS = ("auto", "node", "flat")
+FAN_OUTS = ("auto", "group", "node", "flat")
+AUTO_GROUP_NODES = 128  # fan_out auto: above this many nodes, nodes answer through group relays
 ENV_PREFIX = "NICSWITCH_"
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -132,13 +133,20 @@ class AgentConfig:
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
     fan_out: str = "auto"
     """How ranks reach the job's Store: ``node`` (one rank per node relays for its node over a
-    node-local Store, so the job's Store sees nodes, not ranks), ``flat`` (every rank on the job's
-    Store), or ``auto`` (``node`` when the job spans more than one node of ``local_world_size``
-    ranks). Every rank and the leader must choose alike: leave it to ``auto`` and torchrun's
-    LOCAL_WORLD_SIZE (``nicswitch-agent launch`` exports its choice to the training command)."""
+    node-local Store, so the job's Store sees nodes, not ranks), ``group`` (as ``node``, and the
+    node relays of each group of ``nodes_per_group`` nodes answer through a group relay with a Store
+    of its own, so the job's Store sees groups), ``flat`` (every rank on the job's Store), or
+    ``auto`` (``node`` when the job spans more than one node of ``local_world_size`` ranks,
+    ``group`` above 128 nodes). Every rank and the leader must choose alike: leave it to ``auto``
+    and torchrun's LOCAL_WORLD_SIZE (``nicswitch-agent launch`` exports its choice to the training
+    command)."""
     local_world_size: int | None = None
     """Ranks per node (env LOCAL_WORLD_SIZE, as torchrun sets it). Nodes are ``rank //
     local_world_size``; every node must have the same number of ranks."""
+    nodes_per_group: int | None = None
+    """With fan_out ``group``: nodes per group (the last group may have fewer); by default the
+    square root of the number of nodes, rounded up, so the job's Store and each group's see about
+    as many answers."""
     node_store_timeout_s: float = 60.0
     """With node-local fan-out, at start: how long a rank waits for its node's local rank 0 to
     publish the node-local Store it hosts."""
@@ -350,6 +358,10 @@ class AgentConfig:
                 isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
                 or self.local_world_size < 1):
             raise ConfigError(f"local_world_size={self.local_world_size!r} must be a positive integer")
+        if self.nodes_per_group is not None and (
+                isinstance(self.nodes_per_group, bool) or not isinstance(self.nodes_per_group, int)
+                or self.nodes_per_group < 2):
+            raise ConfigError(f"nodes_per_group={self.nodes_per_group!r} must be an integer of at least 2")
         for name in ("max_ranks", "max_message_bytes", "max_pending_lists"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

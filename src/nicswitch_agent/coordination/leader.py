@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.coordination")
@@ -43,18 +44,24 @@ class Coordinator:
     """Publishes events to every member and gathers their answers.
 
     ``world_size`` counts who answers on this Store: ranks, or, with node-local fan-out
-    (``ranks_per_node`` given), nodes, each answering for its ranks through its relay (relay.py).
+    (``ranks_per_node`` given), nodes, each answering for its ranks through its relay (relay.py),
+    or, with groups of nodes (``layout`` given), groups.
     """
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None, layout: Layout | None = None) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be positive")
+        if layout is None:
+            layout = Layout(world_size * ranks_per_node, ranks_per_node) if ranks_per_node else Layout(world_size)
+        if layout.answerers != world_size:
+            raise ValueError(f"world_size={world_size} but the layout has {layout.answerers} {layout.unit}(s)")
         self.kv = kv
         self.world_size = world_size
-        self.ranks_per_node = ranks_per_node
+        self.layout = layout
+        self.ranks_per_node = layout.ranks_per_node
         self._stop = stop or threading.Event()
         self._cleanup_kv: KV | None = None  # one connection for every cleanup, opened on first use
         self._lock = threading.Lock()  # one operation at a time; guards the fields below
@@ -128,14 +135,15 @@ class Coordinator:
         if self.ranks_per_node is None:
             return ""
         reasons = []
-        for node in (int(k.rsplit("/", 1)[-1]) for k in missing):
-            if self.kv.check([p.why_key(epoch, node)]):
-                reasons.append(f"node {node}: {self.kv.get(p.why_key(epoch, node))}")
-                self._garbage.append(p.why_key(epoch, node))
+        unit = self.layout.unit
+        for index in (int(k.rsplit("/", 1)[-1]) for k in missing):
+            if self.kv.check([p.why_key(epoch, index)]):
+                reasons.append(f"{unit} {index}: {self.kv.get(p.why_key(epoch, index))}")
+                self._garbage.append(p.why_key(epoch, index))
             else:
-                first = node * self.ranks_per_node
-                reasons.append(f"node {node} (ranks {first}-{first + self.ranks_per_node - 1}) did not answer")
-        return "; ".join(reasons[:8]) + (f" (+{len(reasons) - 8} more nodes)" if len(reasons) > 8 else "")
+                ranks = self.layout.ranks_of(index)
+                reasons.append(f"{unit} {index} (ranks {ranks[0]}-{ranks[-1]}) did not answer")
+        return "; ".join(reasons[:8]) + (f" (+{len(reasons) - 8} more {unit}s)" if len(reasons) > 8 else "")
 
     def _why_not_parked(self, epoch: int, missing: list[str], target: int) -> str:
         """Why the pause failed, in words; names the ranks whose step() was never called."""
@@ -157,9 +165,11 @@ class Coordinator:
         return reason
 
     def _who(self) -> str:
-        if self.ranks_per_node is None:
+        layout = self.layout
+        if layout.ranks_per_node is None:
             return f"{self.world_size} rank(s)"
-        return f"{self.world_size * self.ranks_per_node} rank(s) on {self.world_size} node(s)"
+        groups = f" in {layout.groups} group(s)" if layout.nodes_per_group else ""
+        return f"{layout.world_size} rank(s) on {layout.nodes} node(s){groups}"
 
     def _missing(self, keys: list[str]) -> list[str]:
         """Which of ``keys`` are missing (the failure path only: one round trip per key)."""
@@ -217,7 +227,7 @@ class Coordinator:
                                   interrupted=result.rank if result.interrupted else None)
         if seen < self.world_size:
             silent = self.world_size - seen
-            who = f"{silent} node(s)" if self.ranks_per_node is not None else f"{silent} rank(s)"
+            who = f"{silent} {self.layout.unit}(s)"
             return RunOutcome(False, f"{who} did not answer within the budget",
                               attempted=True, duration_s=time.monotonic() - started)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,

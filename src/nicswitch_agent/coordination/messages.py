@@ -32,6 +32,12 @@ failure or one success), and each node's ranks use them on the node's own Store:
     e/<E>/why/<node>           why the node could not answer a phase (failure path only)
     node/<node>/store          ``host:port`` of the node-local Store (written by its relay)
 
+With groups of nodes, each group relay answers for its group on the job's Store (``r`` is a
+group's index) and each node relay of the group for its node on the group's Store (``r`` is the
+node's index within the group)::
+
+    group/<group>/store        ``host:port`` of the group's Store (written by its relay)
+
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
 old ones. A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
@@ -98,6 +104,10 @@ def why_key(epoch: int, node: int) -> str:
 
 def node_store_key(node: int) -> str:
     return f"node/{node}/store"
+
+
+def group_store_key(group: int) -> str:
+    return f"group/{group}/store"
 
 
 def order_key(name: str) -> str:

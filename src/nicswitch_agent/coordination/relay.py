@@ -53,14 +53,24 @@ class NodeRelay:
         local_kv: a connection of its own to the node-local Store.
         node: the node's index (global rank // ranks per node): its queue on the job's Store.
         ranks: the node's global ranks, in local-rank order (local rank i answers at slot i).
+        names, label: for messages. A group relay (the same class, one level up: ``job_kv`` the
+            job's Store, ``local_kv`` the group's, its slots the group's node relays) names its
+            slots by node and itself as a group; ``ranks`` are then each node's first rank.
     """
 
     def __init__(self, job_kv: KV, wake_kv: KV, local_kv: KV, node: int, ranks: list[int], *,
-                 stop_timeout_s: float = 1.0) -> None:
+                 stop_timeout_s: float = 1.0, names: list[str] | None = None, label: str = "node") -> None:
         if not ranks:
             raise ValueError("a node relay needs at least one rank")
+        if names is not None and len(names) != len(ranks):
+            raise ValueError(f"{len(names)} names for {len(ranks)} slots")
         self.job, self.local, self._wake_kv = job_kv, local_kv, wake_kv
         self.node, self.ranks = node, list(ranks)
+        # How messages name the slots ("rank(s) 17, 18", or for a group relay "node(s) 3 (ranks 48-63)")
+        # and this relay ("node 5", "group 2").
+        self._names = names or [str(rank) for rank in ranks]
+        self._slots_are = "rank(s)" if names is None else "node(s)"
+        self._label = f"{label} {node}"
         self._stop = threading.Event()
         self._stop_timeout_s = stop_timeout_s
         self._next = 1  # the job queue index this relay waits for
@@ -115,7 +125,7 @@ class NodeRelay:
                 try:
                     message = p.decode(text)
                 except ValueError as exc:
-                    logger.error("node %d: ignoring a malformed coordination message: %s", self.node, exc)
+                    logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
                     continue
                 if message["t"] == p.WAKE:
                     continue
@@ -124,8 +134,7 @@ class NodeRelay:
         except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
             self.lost = f"{type(exc).__name__}: {exc}"
             if not self._stop.is_set():
-                logger.error("node %d: coordination store lost (%s); switches cannot run on this node",
-                             self.node, self.lost)
+                logger.error("%s: coordination store lost (%s); switches cannot run there", self._label, self.lost)
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
@@ -137,18 +146,18 @@ class NodeRelay:
             order = self.job.get_when_set(p.order_key(name), ORDER_READ_S) \
                 if self.job.check([p.order_key(name)]) else None
             if order is None:
-                logger.warning("node %d: skipping order %s: the leader has decided it without this node", self.node,
-                               name)
+                logger.warning("%s: skipping order %s: the leader has decided it without it", self._label, name)
                 return
             self.local.set(p.order_key(name), order)
             self._garbage.append(p.order_key(name))
-        self._publish_local(text)
+        self._publish_local(_for_the_level_below(message, text))
         if kind == p.PAUSE:
             self._answer_pause(epoch, float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
         elif kind == p.TARGET:
             self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
         elif kind == p.ORDER:
-            self._answer_order(epoch, str(message["key"]), float(message["budget"]))
+            self._answer_order(epoch, str(message["key"]), float(message["budget"]),
+                               float(message.get("slack", ORDER_SLACK_S)))
         elif kind == p.RELEASE:
             self._clean_up()
 
@@ -163,7 +172,7 @@ class NodeRelay:
         deadline = time.monotonic() + _before_the_leader(timeout_s)
         if self.local.poll_count(p.c_counter_key(epoch), self.size, deadline, self._stop) < self.size:
             missing = self._missing(keys)
-            self._why(epoch, f"no answer to the pause from rank(s) {_listed(missing)}")
+            self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
             return
         if len(self._never_stepped(epoch)) == self.size:  # for the leader's message, should the pause fail
             self.job.set(p.nostep_key(epoch, self.node), "1")
@@ -177,20 +186,20 @@ class NodeRelay:
         deadline = time.monotonic() + _before_the_leader(timeout_s)
         if self.local.poll_count(p.parked_counter_key(epoch), self.size, deadline, self._stop) < self.size:
             missing = self._missing(keys)
-            reason = f"rank(s) {_listed(missing)} did not park at step {target}"
-            nostep = [str(rank) for rank in self._never_stepped(epoch)]
+            reason = f"{self._slots_are} {_listed(missing)} did not park at step {target}"
+            nostep = [self._names[slot] for slot in self._never_stepped(epoch)]
             if nostep:
-                reason += f"; step() was never called on rank(s) {_listed(nostep)}"
-            self._why(epoch, reason)
+                reason += f"; step() was never called on {self._slots_are} {_listed(nostep)}"
+            self._why(epoch, reason, missing)
             return
         self.job.set(p.parked_key(epoch, self.node), str(target))
         self.job.add(p.parked_counter_key(epoch), 1)
 
-    def _answer_order(self, epoch: int, name: str, budget_s: float) -> None:
+    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
         self._garbage += [p.result_counter_key(epoch, name),
                           *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
-        deadline = time.monotonic() + budget_s + ORDER_SLACK_S
+        deadline = time.monotonic() + budget_s + slack_s
         attempted, guards, seen, answered = False, 0, 0, set()
         for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop):
             seen += 1
@@ -201,11 +210,11 @@ class NodeRelay:
                 self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
                 return
         if seen < self.size:
-            silent = [rank for rank in self.ranks if rank not in answered]
+            silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
             self._answer(epoch, name, p.MemberResult(
-                silent[0] if silent else self.ranks[0], False,
-                f"did not answer within the budget ({len(silent)} rank(s) of node {self.node}: "
-                f"{_listed([str(r) for r in silent])})", attempted=True))
+                self.ranks[silent[0]] if silent else self.ranks[0], False,
+                f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
+                f"{_listed([self._names[slot] for slot in silent])})", attempted=True))
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size))
@@ -214,23 +223,41 @@ class NodeRelay:
         index = self.job.add(p.result_counter_key(epoch, name), 1)
         self.job.set(p.result_key(epoch, name, index), result.encode())
 
-    def _why(self, epoch: int, reason: str) -> None:
-        """Why this node cannot answer a phase, for the leader's message (failure path only)."""
-        logger.warning("node %d: %s", self.node, reason)
+    def _why(self, epoch: int, reason: str, missing: list[str]) -> None:
+        """Why this relay cannot answer a phase, for the leader's message (failure path only); with
+        what the silent slots' own relays said, when they are relays (a group's nodes)."""
+        said = []
+        for slot, name in enumerate(self._names):
+            if name in missing and self.local.check([p.why_key(epoch, slot)]):
+                said.append(f"node {name}: {self.local.get(p.why_key(epoch, slot))}")
+                self._garbage.append(p.why_key(epoch, slot))
+        if said:
+            reason += " (" + "; ".join(said[:8]) + (f"; +{len(said) - 8} more" if len(said) > 8 else "") + ")"
+        logger.warning("%s: %s", self._label, reason)
         self.job.set(p.why_key(epoch, self.node), reason)
 
     def _never_stepped(self, epoch: int) -> list[int]:
-        """The node's ranks whose step() had never been called when the pause came."""
-        return [rank for slot, rank in enumerate(self.ranks) if self.local.check([p.nostep_key(epoch, slot)])]
+        """The slots whose step() had never been called when the pause came (all ranks of a node)."""
+        return [slot for slot in range(self.size) if self.local.check([p.nostep_key(epoch, slot)])]
 
     def _missing(self, keys: list[str]) -> list[str]:
-        """The global ranks whose key is missing (the failure path only: a round trip per key)."""
-        return [str(self.ranks[slot]) for slot, key in enumerate(keys) if not self.local.check([key])]
+        """The names of the slots whose key is missing (the failure path only: a round trip per key)."""
+        return [self._names[slot] for slot, key in enumerate(keys) if not self.local.check([key])]
 
     def _clean_up(self) -> None:
         """Delete the epoch's local keys (the switch is over on this node; nobody reads them)."""
         garbage, self._garbage = self._garbage, []
         self.local.delete(garbage)
+
+
+def _for_the_level_below(message: dict[str, Any], text: str) -> str:
+    """The event as the slots get it: with the phase's time shortened to this relay's share, so a
+    relay below (a group's node relays) answers, or says why, before this one stops waiting."""
+    if message["t"] in (p.PAUSE, p.TARGET) and "timeout" in message:
+        return p.encode({**message, "timeout": _before_the_leader(float(message["timeout"]))})
+    if message["t"] == p.ORDER:
+        return p.encode({**message, "slack": float(message.get("slack", ORDER_SLACK_S)) / 2})
+    return text
 
 
 def _before_the_leader(timeout_s: float) -> float:
@@ -239,8 +266,8 @@ def _before_the_leader(timeout_s: float) -> float:
     return max(0.0, timeout_s - min(WHY_MARGIN_S, timeout_s / 10))
 
 
-def _listed(ranks: list[str]) -> str:
-    return ", ".join(ranks[:16]) + (f" (+{len(ranks) - 16} more)" if len(ranks) > 16 else "")
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:16]) + (f" (+{len(names) - 16} more)" if len(names) > 16 else "")
 
 
 __all__ = ["NodeRelay"]

@@ -16,15 +16,18 @@ and publishes its address on the job's Store; the node's other ranks wait for it
 from __future__ import annotations
 
 import datetime
+import math
+import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig
 from nicswitch_agent.coordination import fd_budget
 from nicswitch_agent.coordination.kv import KV, InProcessStore
-from nicswitch_agent.coordination.messages import key_prefix, node_store_key
+from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
 from nicswitch_agent.errors import ConfigError
 
 
@@ -81,17 +84,72 @@ def connect_tcp_store(address: str, timeout_s: float, world_size: int) -> Any:
     return fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, world_size)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Who answers the leader on the job's Store: ranks (flat), nodes, or groups of nodes.
+
+    Nodes are ``rank // ranks_per_node``; groups are ``node // nodes_per_group`` (the last group
+    may have fewer nodes). Every rank and the leader compute the same layout from the same settings.
+    """
+
+    world_size: int
+    ranks_per_node: int | None = None  # None: flat
+    nodes_per_group: int | None = None  # None: nodes answer the leader themselves
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node if self.ranks_per_node else self.world_size
+
+    @property
+    def groups(self) -> int:
+        return -(-self.nodes // self.nodes_per_group) if self.nodes_per_group else self.nodes
+
+    @property
+    def answerers(self) -> int:
+        """How many answer each phase on the job's Store (the leader's ``world_size``)."""
+        if self.ranks_per_node is None:
+            return self.world_size
+        return self.groups
+
+    @property
+    def unit(self) -> str:
+        return "group" if self.nodes_per_group else "node" if self.ranks_per_node else "rank"
+
+    def ranks_of(self, index: int) -> range:
+        """The global ranks behind answerer ``index`` on the job's Store."""
+        per = (self.ranks_per_node or 1) * (self.nodes_per_group or 1)
+        return range(index * per, min((index + 1) * per, self.world_size))
+
+    def nodes_of(self, group: int) -> range:
+        per = self.nodes_per_group or 1
+        return range(group * per, min((group + 1) * per, self.nodes))
+
+
+def choose_layout(cfg: AgentConfig, world_size: int) -> Layout:
+    """The fan-out every rank and the leader use (torchrun gives every rank the same
+    LOCAL_WORLD_SIZE; the launcher exports its choice to the training command)."""
+    per_node = choose_ranks_per_node(cfg, world_size)
+    if per_node is None:
+        return Layout(world_size)
+    nodes = world_size // per_node
+    wanted = cfg.fan_out == "group" or (cfg.fan_out == "auto" and nodes > AUTO_GROUP_NODES)
+    if not wanted or nodes < 2:
+        return Layout(world_size, per_node)
+    per_group = cfg.nodes_per_group or max(2, math.ceil(math.sqrt(nodes)))
+    if per_group >= nodes:  # one group: it would only add a hop
+        return Layout(world_size, per_node)
+    return Layout(world_size, per_node, per_group)
+
+
 def choose_ranks_per_node(cfg: AgentConfig, world_size: int) -> int | None:
-    """Ranks per node for node-local fan-out, or None for flat. Every rank and the leader decide
-    alike from the same settings (torchrun gives every rank the same LOCAL_WORLD_SIZE; the
-    launcher exports its choice to the training command)."""
+    """Ranks per node for node-local fan-out, or None for flat."""
     per_node = cfg.local_world_size
     if cfg.fan_out == "flat" or world_size == 1:
         return None
     if per_node is None or world_size % per_node:
-        if cfg.fan_out == "node":
-            raise ConfigError(f"fan_out='node' needs local_world_size (LOCAL_WORLD_SIZE) dividing world_size="
-                              f"{world_size}; got local_world_size={per_node!r}")
+        if cfg.fan_out in ("node", "group"):
+            raise ConfigError(f"fan_out={cfg.fan_out!r} needs local_world_size (LOCAL_WORLD_SIZE) dividing "
+                              f"world_size={world_size}; got local_world_size={per_node!r}")
         return None
     if cfg.fan_out == "auto" and (per_node == 1 or per_node == world_size):
         return None  # one rank per node, or one node: a relay would only add a hop
@@ -125,3 +183,47 @@ def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float) -> tuple[KV, A
     host, _, port = kv.get(node_store_key(node)).rpartition(":")
     client: Any = TCPStore(host, int(port), None, False, timeout)
     return KV(client, kv.prefix), None
+
+
+def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -> tuple[KV, Any]:
+    """(the group Store's KV, the server object to keep alive or None).
+
+    The group's first node relay hosts it (a TCPStore on all interfaces: the group's other nodes
+    are other hosts) and publishes ``host:port`` on the job's Store, ``host`` being the address this
+    host reaches the job's Store from; the group's other node relays wait for it (bounded).
+    """
+    if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
+        with _in_process_lock:
+            store = _in_process_node_stores.setdefault((id(kv.store), kv.prefix, -1 - group), InProcessStore())
+        return KV(store, kv.prefix), None
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
+    if hosts:
+        server: Any = TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
+        kv.set(group_store_key(group), f"{advertised_host(kv.store)}:{server.port}")
+        return KV(server, kv.prefix), server
+    if kv.poll_all([group_store_key(group)], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
+        raise ConfigError(f"group {group}'s relay (the local rank 0 of its first node) did not publish the group "
+                          f"Store within node_store_timeout_s={timeout_s:g} s")
+    host, _, port = kv.get(group_store_key(group)).rpartition(":")
+    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, nodes), kv.prefix), None
+
+
+def advertised_host(store: Any) -> str:
+    """The address other hosts can reach this one at: the local address of the route to the job's
+    Store (a UDP ``connect`` sends nothing); else the host name's address."""
+    base = getattr(store, "_underlying_non_prefix_store", store)
+    host, port = getattr(base, "host", None), getattr(base, "port", None)
+    if isinstance(host, str) and isinstance(port, int):
+        try:
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((host.strip("[]"), port))
+                address = str(probe.getsockname()[0])
+                return f"[{address}]" if ":" in address else address
+        except OSError:
+            pass
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
