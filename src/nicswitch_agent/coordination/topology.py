@@ -207,7 +207,9 @@ def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -
         raise ConfigError(f"group {group}'s relay (the local rank 0 of its first node) did not publish the group "
                           f"Store within node_store_timeout_s={timeout_s:g} s")
     host, _, port = kv.get(group_store_key(group)).rpartition(":")
-    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, nodes), kv.prefix), None
+    # Connected now: the relay's stop() wakes it through this connection, which must not be the
+    # first one to dial a group host that may be gone by then.
+    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, nodes, connect=True), kv.prefix), None
 
 
 def advertised_host(store: Any) -> str:
