@@ -321,10 +321,11 @@ GROUPS = {"NICSWITCH_FAN_OUT": "group", "NICSWITCH_NODES_PER_GROUP": "2", "NICSW
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(("pause", "world", "env"), [
-    ("agent", 3, {}), ("external", 2, {}),
+    ("agent", 3, {}),
     # Groups of nodes over real TCPStores: 4 nodes of one rank in 2 groups; ranks 0 and 2 host
-    # their group's Store (on all interfaces) and run its relay beside their node's.
-    ("agent", 4, GROUPS),
+    # their group's Store (on all interfaces) and run its relay beside their node's. (Flat in
+    # pause mode external: the other tests of this file.)
+    ("agent", 4, GROUPS), ("external", 4, GROUPS),
 ])
 def test_a_switch_mid_training_parks_checkpoints_switches_and_training_goes_on(
         cluster: Cluster, pause: str, world: int, env: dict[str, str]) -> None:

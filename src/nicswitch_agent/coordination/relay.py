@@ -59,7 +59,7 @@ class NodeRelay:
     """
 
     def __init__(self, job_kv: KV, wake_kv: KV, local_kv: KV, node: int, ranks: list[int], *,
-                 stop_timeout_s: float = 1.0, names: list[str] | None = None, label: str = "node") -> None:
+                 stop_timeout_s: float = 1.0, names: list[str] | None = None, label: str | None = None) -> None:
         if not ranks:
             raise ValueError("a node relay needs at least one rank")
         if names is not None and len(names) != len(ranks):
@@ -70,7 +70,7 @@ class NodeRelay:
         # and this relay ("node 5", "group 2").
         self._names = names or [str(rank) for rank in ranks]
         self._slots_are = "rank(s)" if names is None else "node(s)"
-        self._label = f"{label} {node}"
+        self._label = label or f"node {node}"
         self._stop = threading.Event()
         self._stop_timeout_s = stop_timeout_s
         self._next = 1  # the job queue index this relay waits for
