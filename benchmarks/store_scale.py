@@ -45,6 +45,12 @@ Thousands of ranks in one interpreter need two adjustments that touch no Store k
 :func:`hosted_slices`; ``--as-is`` turns them off): the library's short wait slices and the
 interpreter's 5 ms switch interval are raised in the node processes, or GIL hand-offs eat the cores.
 
+``--ranks-per-node P`` measures node-local fan-out (a relay and a 127.0.0.1 TCPStore per node, in
+its node process); ``--nodes-per-group G`` (``auto``: as ``fan_out=group`` picks) adds groups of
+nodes: each group's Store is a TCPStore in the node process hosting the group's first node, reached
+over loopback TCP from the others, and its requests and its server thread's CPU are counted per
+switch (counter polls apart: their number follows the wait, so this machine's load).
+
 ``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
 docs/performance.md has the method, the numbers and the exact command.
 """
