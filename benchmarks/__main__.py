@@ -40,6 +40,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "scale": (scale.run, ("scale_list",)),
     "store_scale": (store_scale.run, ("store_scale",)),
     "store_scale_node": (store_scale.run_node, ("store_scale_node",)),
+    "store_scale_group": (store_scale.run_group, ("store_scale_group",)),
 }
 
 

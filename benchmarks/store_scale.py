@@ -45,6 +45,12 @@ Thousands of ranks in one interpreter need two adjustments that touch no Store k
 :func:`hosted_slices`; ``--as-is`` turns them off): the library's short wait slices and the
 interpreter's 5 ms switch interval are raised in the node processes, or GIL hand-offs eat the cores.
 
+``--ranks-per-node P`` measures node-local fan-out (a relay and a 127.0.0.1 TCPStore per node, in
+its node process); ``--nodes-per-group G`` (``auto``: as ``fan_out=group`` picks) adds groups of
+nodes: each group's Store is a TCPStore in the node process hosting the group's first node, reached
+over loopback TCP from the others, and its requests and its server thread's CPU are counted per
+switch (counter polls apart: their number follows the wait, so this machine's load).
+
 ``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
 docs/performance.md has the method, the numbers and the exact command.
 """
@@ -144,6 +150,27 @@ def proc_sockets(pid: int) -> int:
     return count
 
 
+STORE_THREAD = "pt_tcpstore_uv"  # the name torch gives a TCPStore server's (libuv) event-loop thread
+
+
+def store_threads() -> set[int]:
+    """This process's TCPStore server threads (a node process hosts its nodes' and groups' Stores)."""
+    found = set()
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/self/task/{tid}/comm").read_text().strip() == STORE_THREAD:
+                found.add(int(tid))
+    return found
+
+
+def threads_cpu_ns(tids: set[int]) -> int:
+    total = 0
+    for tid in tids:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            total += int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+    return total
+
+
 def server_snapshot(pid: int) -> dict[str, float]:
     io = proc_io(pid)
     return {"cpu_ns": proc_cpu_ns(pid), "cpu_ticks_s": proc_cpu_ticks_s(pid), "rchar": io["rchar"],
@@ -183,16 +210,21 @@ def host_limits() -> dict[str, int]:
             "tasks_now": tasks, "ephemeral_ports": high - low + 1}
 
 
-def feasible(ranks: int, nodes: int, fd_soft: int, limits: dict[str, int], per_node: int | None = None) -> str:
+def feasible(ranks: int, nodes: int, fd_soft: int, limits: dict[str, int], per_node: int | None = None,
+             groups: int = 0) -> str:
     """Why this machine cannot host ``ranks`` ("" if it can). Flat, every rank holds 2 Store
     connections: 2 descriptors on the server, 2 on the node, 2 local ports, 2 threads. With
     node-local fan-out (``per_node``) the job's Store holds one connection per node; each rank's 2
-    connections go to its node's Store, whose server (and so both ends) is in the node process."""
+    connections go to its node's Store, whose server (and so both ends) is in the node process.
+    With ``groups`` the job's Store holds one per group; each node relay holds 2 on its group's
+    Store (both ends in the node processes), each group relay a Store server and a relay thread."""
     if per_node is not None:
         relays = ranks // per_node
-        server_fds = relays + nodes + 2 + 32
+        upstream = groups if groups else relays
+        server_fds = upstream + nodes + 2 + 32
         node_fds = 4 * math.ceil(ranks / nodes) + 3 * math.ceil(relays / nodes) + 64
-        threads = 2 * ranks + 2 * relays + 64 * (nodes + 2)
+        node_fds += (4 * math.ceil(relays / nodes) + 3 * math.ceil(groups / nodes) + nodes) if groups else 0
+        threads = 2 * ranks + 2 * relays + 2 * groups + 64 * (nodes + 2)
         if server_fds > fd_soft:
             return f"the Store's host needs {server_fds:,} descriptors, the limit is {fd_soft:,}"
         if node_fds > fd_soft:
@@ -267,6 +299,12 @@ class CountingStore:
     def clone(self) -> CountingStore:
         return CountingStore(self._store.clone(), self._registry)
 
+    @property
+    def _underlying_non_prefix_store(self) -> Any:
+        """The TCPStore under the PrefixStore: where topology.advertised_host finds the job Store's
+        address (a group Store is published as reachable from the same interface)."""
+        return getattr(self._store, "_underlying_non_prefix_store", self._store)
+
     def set(self, key: str, value: str) -> None:
         self.calls["set"] += 1
         self.sent["set"] += len(key) + len(value)
@@ -293,7 +331,9 @@ class CountingStore:
         self._store.wait(keys, timeout)
 
     def add(self, key: str, value: int) -> int:
-        self.calls["add"] += 1
+        # add(key, 0) is a counter poll (KV.poll_count): how many there are depends on how long
+        # the poller waits (on this machine, on the load), unlike every other request.
+        self.calls["add" if value else "add(0) poll"] += 1
         self.sent["add"] += len(key) + 8
         result: int = self._store.add(key, value)
         return result
@@ -457,11 +497,16 @@ class NodeProcess:
     """K ranks of one node, as threads of this process."""
 
     def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
-                 as_is: bool = False, per_node: int | None = None) -> None:
+                 as_is: bool = False, per_node: int | None = None, per_group: int | None = None) -> None:
         self.slices = {} if as_is else hosted_slices()
         self.per_node = per_node  # node-local fan-out: this process hosts several nodes of this many ranks
+        self.per_group = per_group  # groups of this many nodes (None: nodes answer on the job's Store)
         self.relays: list[Any] = []
         self.local_servers: list[Any] = []
+        # Per group this process speaks to: a registry of its connections to the group's Store;
+        # per group whose Store this process hosts: that Store's server thread(s).
+        self.group_registries: dict[int, Registry] = {}
+        self.group_tids: dict[int, set[int]] = {}
         self.port, self.node, self.nodes, self.world, self.timeout_s = port, node, nodes, world, timeout_s
         self.local_world = math.ceil(world / nodes)
         self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
@@ -499,13 +544,18 @@ class NodeProcess:
 
             from nicswitch_agent.coordination.relay import NodeRelay
 
+            upstream = self._groups(kv) if self.per_group else {}
             for first in range(self.ranks[0], self.ranks[-1] + 1, self.per_node):
                 # As SwitchAgent._start on local rank 0: host the node's Store on 127.0.0.1, relay for it.
                 server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
                                   wait_for_workers=False)
                 self.local_servers.append(server)
                 local_kv[first] = KV(server, key_prefix(JOB, "0"))
-                relay = NodeRelay(kv.clone(), kv, local_kv[first].clone(), first // self.per_node,
+                node = first // self.per_node
+                # As RankFanOut: with groups the node relay answers on its group's Store, at its index there.
+                up, index = (upstream[node // self.per_group], node % self.per_group) if self.per_group \
+                    else (kv, node)
+                relay = NodeRelay(up.clone(), up, local_kv[first].clone(), index,
                                   list(range(first, first + self.per_node)), stop_timeout_s=1.0)
                 relay.start()
                 self.relays.append(relay)
@@ -537,6 +587,39 @@ class NodeProcess:
                 "since_exec_s": time.monotonic() - EXEC_STARTED,
                 "connections": self.registry.totals()["connections"], "threads": threading.active_count()}
 
+    def _groups(self, kv: Any) -> dict[int, Any]:
+        """Each group of this process's nodes: its Store's KV (counted per group), as RankFanOut
+        builds them. The groups whose first node is here are hosted first, one by one, so each
+        Store's server thread is known (its CPU is read per group), and their relays started."""
+        from nicswitch_agent.coordination import KV, topology
+        from nicswitch_agent.coordination.relay import NodeRelay
+
+        assert self.per_node is not None and self.per_group is not None
+        layout = topology.Layout(self.world, self.per_node, self.per_group)
+        per_node, per_group = self.per_node, self.per_group
+        nodes = range(self.ranks[0] // per_node, self.ranks[-1] // per_node + 1)
+        groups = sorted({n // per_group for n in nodes})
+        hosted = [g for g in groups if g * per_group in nodes]
+        upstream: dict[int, Any] = {}
+        for g in [*hosted, *(g for g in groups if g not in hosted)]:
+            members = layout.nodes_of(g)
+            before = store_threads()
+            # The library's own: hosts (publishing 127.0.0.1:port on the job's Store, the address
+            # this host reaches it from) or waits for the address and connects (over loopback TCP).
+            group, server = topology.group_kv(kv, g, len(members), hosts=g in hosted, timeout_s=self.timeout_s)
+            if server is not None:
+                self.local_servers.append(server)
+                self.group_tids[g] = store_threads() - before
+            self.group_registries[g] = Registry()
+            upstream[g] = KV(CountingStore(group.store, self.group_registries[g]), group.prefix)
+            if g in hosted:
+                relay = NodeRelay(kv.clone(), kv, upstream[g].clone(), g, [n * per_node for n in members],
+                                  stop_timeout_s=1.0, label="group",
+                                  names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in members])
+                relay.start()
+                self.relays.append(relay)
+        return upstream
+
     def wait_for(self, kind: str, count: int, timeout_s: float) -> dict[str, Any]:
         with self._cond:
             ok = self._cond.wait_for(lambda: self.counts[kind] >= count, timeout_s)
@@ -545,15 +628,19 @@ class NodeProcess:
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
             counts = dict(self.counts)
+        group_tids = set().union(*self.group_tids.values()) if self.group_tids else set()
         return {"store": self.registry.totals(), "counts": counts,
                 "events": sum(m.events_handled for m in self.members),
-                "lost": [m.rank for m in self.members if m.lost]}
+                "lost": [m.rank for m in self.members if m.lost] + [f"relay {r.node}" for r in self.relays if r.lost],
+                "groups": {str(g): reg.totals() for g, reg in self.group_registries.items()},
+                "group_cpu_ns": {str(g): threads_cpu_ns(tids) for g, tids in self.group_tids.items()},
+                "node_stores_cpu_ns": threads_cpu_ns(store_threads() - group_tids)}
 
 
 def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool,
-              per_node: int | None) -> None:
+              per_node: int | None, per_group: int | None = None) -> None:
     _child_setup()
-    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node)
+    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node, per_group=per_group)
     _reply(proc.start())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -570,15 +657,18 @@ def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as
 # -- the leader process ------------------------------------------------------------------------------
 
 
-def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: int | None) -> None:
+def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: int | None,
+                per_group: int | None = None) -> None:
     _child_setup()
     from nicswitch_agent import SwitchOrder
     from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, key_prefix
+    from nicswitch_agent.coordination.topology import Layout
 
     registry = Registry()
     kv = KV(CountingStore(_connect(port, timeout_s), registry), key_prefix(JOB, "0"))
-    # As SwitchAgent._start_leader: counting ranks, or nodes with node-local fan-out.
-    coordinator = Coordinator(kv.clone(), world // per_node if per_node else world, ranks_per_node=per_node)
+    # As SwitchAgent._start_leader: counting ranks, nodes with node-local fan-out, or groups.
+    layout = Layout(world, per_node, per_group) if per_node else Layout(world)
+    coordinator = Coordinator(kv.clone(), layout.answerers, layout=layout)
     _reply({"ready": True, "connections": registry.totals()["connections"]})
     n = min(listed, world) if listed > 0 else world
     for line in sys.stdin:
@@ -709,6 +799,7 @@ def _store_diff(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]
 class SizeRun:
     ranks: int
     nodes: int
+    per_group: int = 0  # nodes per group (0: no groups)
     skipped: str = ""
     error: str = ""
     setup_s: float = 0.0
@@ -718,9 +809,12 @@ class SizeRun:
 
 
 def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
-             timeout_s: float, idle_s: float, log_dir: Path, per_node: int | None = None) -> SizeRun:
+             timeout_s: float, idle_s: float, log_dir: Path, per_node: int | None = None,
+             per_group: int | None = None) -> SizeRun:
     """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
-    result = SizeRun(ranks, nodes)
+    result = SizeRun(ranks, nodes, per_group=per_group or 0)
+    fan_out = [*(["--ranks-per-node", str(per_node)] if per_node else []),
+               *(["--nodes-per-group", str(per_group)] if per_group else [])]
     children: list[Child] = []
     try:
         listener = listening_socket(dual_stack)
@@ -732,13 +826,12 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         # Nodes and leader start with the server: their connections wait in the listen backlog.
         node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
                                 "--world", str(ranks), "--timeout", str(timeout_s),
-                                *(["--as-is"] if as_is else []),
-                                *(["--ranks-per-node", str(per_node)] if per_node else [])],
+                                *(["--as-is"] if as_is else []), *fan_out],
                                f"node{i}-{ranks}", log_dir)
                          for i in range(nodes)]
         children += node_children
         leader = Child(["--role", "leader", "--port", str(port), "--world", str(ranks), "--listed", str(listed),
-                        "--timeout", str(timeout_s), *(["--ranks-per-node", str(per_node)] if per_node else [])],
+                        "--timeout", str(timeout_s), *fan_out],
                        f"leader-{ranks}", log_dir)
         children.append(leader)
         listener.close()  # the server holds it now
@@ -789,6 +882,16 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             lead = _store_diff(lead_after, lead_before)
             if i == 0:
                 continue
+            # Each group's Store: the requests of every connection to it (its relay's and its node
+            # relays', in whichever process), and its server thread's CPU (in the hosting process).
+            groups: dict[str, dict[str, Any]] = {}
+            for before, after in zip(node_before, node_after, strict=True):
+                for g, totals in after.get("groups", {}).items():
+                    calls = _diff(totals["calls"], before["groups"][g]["calls"])
+                    entry = groups.setdefault(g, {"calls": {}, "cpu_s": 0.0})
+                    entry["calls"] = dict(Counter(entry["calls"]) + Counter(calls))
+                for g, ns in after.get("group_cpu_ns", {}).items():
+                    groups.setdefault(g, {"calls": {}, "cpu_s": 0.0})["cpu_s"] += (ns - before["group_cpu_ns"][g]) / 1e9
             result.switches.append({
                 "pause_s": answer["t_parked"] - answer["t_pause"],
                 "order_s": answer["t_results"] - answer["t_parked"],
@@ -802,6 +905,9 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                 "window_s": s1["t"] - s0["t"],
                 "cpu_user_sys_s": {k: [round(cpu1[k][j] - cpu0[k][j], 2) for j in (0, 1)] for k in cpu0},
                 "members": members, "leader": lead, "lost": sum(len(s["lost"]) for s in node_after),
+                "groups": groups,
+                "node_stores_cpu_s": sum(a["node_stores_cpu_ns"] - b["node_stores_cpu_ns"]
+                                         for a, b in zip(node_after, node_before, strict=True)) / 1e9,
             })
         # The server's own sockets (its listener, its in-process client and that client's accepted
         # end): what is left once every client process has gone.
@@ -830,6 +936,17 @@ def _slice(node: int, nodes: int, world: int) -> tuple[int, int]:
     return node * local, min(world, (node + 1) * local)
 
 
+def group_layout(ranks: int, per_node: int, per_group: int | str) -> Any:
+    """The layout ``fan_out=group`` gives ``ranks`` in nodes of ``per_node``: the library's own
+    choice (topology.choose_layout), so "auto" is ceil(sqrt(nodes)) and one group is no group."""
+    from nicswitch_agent import AgentConfig
+    from nicswitch_agent.coordination.topology import choose_layout
+
+    cfg = AgentConfig(server="127.0.0.1:1", job_id=JOB, fan_out="group", local_world_size=per_node,
+                      nodes_per_group=None if per_group == "auto" else int(per_group))
+    return choose_layout(cfg, ranks)
+
+
 def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
     """Least squares y = a + b x; returns (a, b, R^2)."""
     n = len(xs)
@@ -846,17 +963,127 @@ def fit(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float, float]:
     return a, b, 1 - ss_res / ss_tot if ss_tot else 1.0
 
 
+# One node's own round (16 ranks, one node process, alone on this machine): the time a node adds
+# below its relay; measured once with --ranks-per-node 16 --sizes 16 (docs/performance.md).
+NODE_ROUND_S = 0.040
+POLL_INTERVAL_S = 0.005  # KV.poll_count's longest interval: a waiting leader polls at most this often
+
+
+def _group_metrics(result: BenchResult, r: SizeRun, label: str, per_node: int) -> dict[str, float]:
+    """The groups' part of one size: the job's Store per group, each group's Store (requests,
+    measured CPU, and the CPU its requests would cost at the job Store's per-request cost)."""
+    from nicswitch_agent.coordination.topology import Layout
+
+    layout = Layout(r.ranks, per_node, r.per_group)
+    sw = r.switches
+    job_cpu = median([s["server_cpu_s"] for s in sw])
+    requests = [sum(s["members"]["calls"].values()) + sum(s["leader"]["calls"].values()) for s in sw]
+    per_request = median([s["server_cpu_s"] / q for s, q in zip(sw, requests, strict=True) if q])
+    # The leader's counter polls: one per 0.5-5 ms while it waits, so their number follows the
+    # switch's wall time, which on this saturated machine is tens of times a cluster's. The rest
+    # (the groups' answers, the relays' reads, the leader's events and deletes) is per switch.
+    polls = [s["leader"]["calls"].get("add(0) poll", 0) + s["members"]["calls"].get("add(0) poll", 0) for s in sw]
+    job_cpu_no_polls = median([s["server_cpu_s"] * (q - n) / q for s, q, n in zip(sw, requests, polls, strict=True)
+                               if q])
+    largest_req, largest_polls, largest_cpu, mean_req = [], [], [], []
+    for s in sw:
+        req = {g: sum(v["calls"].values()) for g, v in s["groups"].items()}
+        top = max(req, key=lambda g: req[g])
+        largest_req.append(float(req[top]))
+        largest_polls.append(float(s["groups"][top]["calls"].get("add(0) poll", 0)))
+        largest_cpu.append(max(float(v["cpu_s"]) for v in s["groups"].values()))
+        mean_req.append(sum(req.values()) / len(req))
+    result.add(single_metric(f"{label}: groups (who answers on the job's Store)", layout.groups, "",
+                             note=f"{layout.nodes:,} nodes of {per_node} in {layout.groups} groups of up to "
+                                  f"{layout.nodes_per_group} nodes"))
+    result.add(single_metric(f"{label}: job Store server CPU per switch, per group", job_cpu / layout.groups * 1e3,
+                             "ms", note=f"{job_cpu * 1e3:.1f} ms per switch; {median(requests):.0f} requests, "
+                                        f"{per_request * 1e6:.1f} us of server CPU per request"))
+    result.add(single_metric(f"{label}: job Store server CPU per switch without the leader's polls (estimate)",
+                             job_cpu_no_polls, "s",
+                             note=f"{median(polls):.0f} of {median(requests):.0f} requests are the leader's counter "
+                                  f"polls, as many as this machine's long waits allow; the rest "
+                                  f"({(median(requests) - median(polls)) / layout.groups:.0f} per group) at the "
+                                  "measured CPU per request"))
+    result.add(rounds_metric(f"{label}: requests per switch on the largest group's Store", largest_req, "",
+                             note=f"{median(largest_req) / layout.nodes_per_group:.0f} per node of the group; of "
+                                  f"which counter polls (add 0, more the longer the relay waits: load) "
+                                  f"{median(largest_polls):.0f}; mean over groups {median(mean_req):.0f}"))
+    estimate = median(largest_req) * per_request
+    result.add(rounds_metric(f"{label}: group Store server CPU per switch (largest, measured)", largest_cpu, "s",
+                             note=f"its server thread (schedstat) in the node process hosting it, which shares the "
+                                  f"cores; estimated from its requests x the job Store's CPU per request: "
+                                  f"{estimate * 1e3:.1f} ms"))
+    node_cpu = median([s["node_stores_cpu_s"] for s in sw]) / layout.nodes
+    result.add(single_metric(f"{label}: a node Store's server CPU per switch", node_cpu * 1e3, "ms",
+                             note="mean over the nodes (schedstat of their server threads)"))
+    return {"ranks": r.ranks, "groups": layout.groups, "per_group": layout.nodes_per_group or 0, "job_cpu": job_cpu,
+            "job_cpu_no_polls": job_cpu_no_polls, "per_request": per_request,
+            "group_cpu": median(largest_cpu), "group_estimate": estimate, "node_cpu": node_cpu}
+
+
+def _group_fit(result: BenchResult, grouped: list[dict[str, float]], per_node: int, per_group: int | str) -> None:
+    """Job Store CPU ~ groups, the largest group Store's CPU ~ its nodes; both extrapolated to the
+    layout ``fan_out=group`` gives 16,384 ranks, and the coordination-overhead model's terms."""
+    far = group_layout(EXTRAPOLATE_TO, per_node, per_group)
+    many = (f"{EXTRAPOLATE_TO:,} ranks ({far.nodes:,} nodes of {per_node} in {far.groups} groups of up to "
+            f"{far.nodes_per_group})")
+    over = ", ".join(f"{int(g['ranks']):,}" for g in grouped)
+    a, b, r2 = fit([g["groups"] for g in grouped], [g["job_cpu"] for g in grouped])
+    job = a + b * far.groups
+    result.add(single_metric("fit: job Store server CPU per switch, per group", b * 1e3, "ms",
+                             note=f"{a * 1e3:.1f} ms + {b * 1e3:.2f} ms x groups, R^2 {r2:.3f}, over {over} ranks"))
+    ag, bg, r2g = fit([g["per_group"] for g in grouped], [g["group_cpu"] for g in grouped])
+    group = ag + bg * (far.nodes_per_group or 0)
+    result.add(single_metric("fit: largest group Store's server CPU per switch, per node of the group", bg * 1e3, "ms",
+                             note=f"{ag * 1e3:.1f} ms + {bg * 1e3:.2f} ms x nodes per group, R^2 {r2g:.3f} (measured "
+                                  f"CPU of its server thread)"))
+    ap, bp, r2p = fit([g["groups"] for g in grouped], [g["job_cpu_no_polls"] for g in grouped])
+    job_no_polls = ap + bp * far.groups
+    result.add(single_metric("fit: job Store server CPU per switch without the leader's polls, per group", bp * 1e3,
+                             "ms", note=f"{ap * 1e3:.1f} ms + {bp * 1e3:.2f} ms x groups, R^2 {r2p:.3f} (estimate)"))
+    ae, be, _ = fit([g["per_group"] for g in grouped], [g["group_estimate"] for g in grouped])
+    result.add(single_metric(f"extrapolated to {many}: job Store server CPU per switch", job, "s",
+                             target="< 1 s", ok=lambda v: v < 1.0,
+                             note="the fit over groups, measured CPU: with this machine's load-inflated polls"))
+    # On a cluster the leader waits about the switch's own length: one poll per 5 ms of it at most.
+    poll_cpu = (job_no_polls + group + NODE_ROUND_S) / POLL_INTERVAL_S * median([g["per_request"] for g in grouped])
+    result.add(single_metric(f"extrapolated to {many}: job Store server CPU per switch without this machine's polls",
+                             job_no_polls + poll_cpu, "s", target="< 1 s", ok=lambda v: v < 1.0,
+                             note=f"the poll-free fit ({job_no_polls * 1e3:.0f} ms, an estimate) + the polls of a "
+                                  f"switch as long as the model below, one per {POLL_INTERVAL_S * 1e3:.0f} ms "
+                                  f"({poll_cpu * 1e3:.1f} ms)"))
+    result.add(single_metric(f"extrapolated to {many}: largest group Store's server CPU per switch", group, "s",
+                             note=f"the fit over nodes per group; from its requests x the job Store's CPU per "
+                                  f"request instead: {(ae + be * (far.nodes_per_group or 0)) * 1e3:.0f} ms"))
+    cluster_job = job_no_polls + poll_cpu
+    result.add(single_metric(f"extrapolated to {many}: coordination overhead model", cluster_job + group + NODE_ROUND_S,
+                             "s", target="< 1 s", ok=lambda v: v < 1.0,
+                             note=f"job Store {cluster_job * 1e3:.0f} ms (without this machine's polls; "
+                                  f"{job * 1e3:.0f} ms with them) + largest group Store {group * 1e3:.0f} ms + one "
+                                  f"node's own round {NODE_ROUND_S * 1e3:.0f} ms (measured alone, 16 ranks); "
+                                  "per-hop network latency not included (loopback here)"))
+
+
 def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
     return ", ".join(f"{k} {v / ranks:.2g}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v)
 
 
 def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
         switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
-        timeout_s: float = 600.0, per_node: int | None = None) -> BenchResult:
+        timeout_s: float = 600.0, per_node: int | None = None, per_group: int | str | None = None) -> BenchResult:
+    """``per_group``: nodes per group (``"auto"``: as ``fan_out=group`` picks them, ceil(sqrt(nodes)));
+    None or 0: no groups. Groups need ``per_node``."""
+    if per_group and per_node is None:
+        raise ValueError("groups of nodes need ranks per node (per_node)")
     if per_node is None:
         result = BenchResult("store_scale", "7. one switch (pause mode agent) at 64-16,384 ranks over one real "
                                             "TCPStore, every rank on it (fan_out flat): phases, Store requests, bytes, "
                                             "server CPU, sockets")
+    elif per_group:
+        result = BenchResult("store_scale_group", f"7c. the same with groups of nodes ({per_node} ranks per node, "
+                                                  f"{per_group} nodes per group, a relay and a Store per group): the "
+                                                  "job's Store sees groups, each group's Store its nodes")
     else:
         result = BenchResult("store_scale_node", f"7b. the same with node-local fan-out ({per_node} ranks per node, "
                                                  "a relay per node): the job's Store sees nodes")
@@ -869,7 +1096,9 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
     with tempfile.TemporaryDirectory(prefix="nicswitch-store-scale-") as tmp:
         for n in sizes:
             k = min(nodes, n)
-            why = feasible(n, k, limits_fd["soft"], host_limits(), per_node)
+            layout = group_layout(n, per_node, per_group) if per_group and per_node else None
+            groups = layout.groups if layout is not None and layout.nodes_per_group else 0
+            why = feasible(n, k, limits_fd["soft"], host_limits(), per_node, groups)
             if not why and per_node is not None and n % (k * per_node):
                 why = f"{n:,} ranks do not split into {k} processes of whole nodes of {per_node}"
             if why:
@@ -880,7 +1109,8 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             m = switches or settings.pick(1, default_switches(n))
             runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
                                  timeout_s=timeout_s, idle_s=idle_s,
-                                 log_dir=Path(tmp), per_node=per_node))
+                                 log_dir=Path(tmp), per_node=per_node,
+                                 per_group=layout.nodes_per_group if layout is not None else None))
             print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
                   f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
     errors = [f"{r.ranks} ranks: {r.error}" for r in runs if r.error]
@@ -889,6 +1119,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
     xs: list[float] = []
     cpu: list[float] = []
     wall: list[float] = []
+    grouped: list[dict[str, float]] = []
     for r in runs:
         label = f"{r.ranks:,} ranks"
         if r.skipped:
@@ -937,9 +1168,13 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                                       f"torch's own (one per rank) not included"))
         result.add(single_metric(f"{label}: idle Store traffic", r.idle["bytes"] / max(r.idle["seconds"], 1e-9), "B/s",
                                  note=f"server CPU {r.idle['cpu_s'] * 1e3:.1f} ms over {r.idle['seconds']:.1f} s"))
+        if r.per_group and per_node:
+            grouped.append(_group_metrics(result, r, label, per_node))
         xs.append(r.ranks)
         cpu.append(median(server_cpu))
         wall.append(median(total))
+    if len(grouped) >= 2 and per_node and per_group:
+        _group_fit(result, grouped, per_node, per_group)
     if len(xs) >= 2:
         a, b, r2 = fit(xs, cpu)
         result.add(single_metric("fit: Store server CPU per switch, per rank", b * 1e6, "us",
@@ -949,7 +1184,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             result.add(single_metric(f"extrapolated to {EXTRAPOLATE_TO:,} ranks: Store server CPU per switch",
                                      a + b * EXTRAPOLATE_TO, "s", target="grows with nodes only", ok=lambda v: False,
                                      note="the fit above: it grows with ranks; one server thread does this work"))
-        else:
+        elif not per_group:
             nodes_x = [x / per_node for x in xs]
             an, bn, r2n = fit(nodes_x, cpu)
             result.add(single_metric("fit: Store server CPU per switch, per node", bn * 1e3, "ms",
@@ -994,6 +1229,18 @@ def run_node(settings: Settings) -> BenchResult:
     return run(settings, per_node=settings.pick(QUICK_RANKS_PER_NODE, NODE_RANKS_PER_NODE))
 
 
+# The smoke run of 7c: 16 ranks = 8 nodes of 2 in groups of 3 (3, 3, 2 nodes) over 2 processes of 4
+# nodes, so one group's nodes are in both processes: its Store is reached over loopback TCP.
+QUICK_GROUP_SIZES = (16,)
+QUICK_GROUP_RANKS_PER_NODE = 2
+
+
+def run_group(settings: Settings) -> BenchResult:
+    """The suite's benchmark 7c: :func:`run` with groups of nodes (as many as ``fan_out=group`` picks)."""
+    return run(settings, sizes=settings.pick(QUICK_GROUP_SIZES, FULL_SIZES), processes=settings.pick(2, 4),
+               per_node=settings.pick(QUICK_GROUP_RANKS_PER_NODE, NODE_RANKS_PER_NODE), per_group="auto")
+
+
 def _cli() -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.store_scale",
                                      description="The real coordination at scale over one TCPStore (benchmark 7).")
@@ -1009,6 +1256,9 @@ def _cli() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="per-wait bound in seconds")
     parser.add_argument("--ranks-per-node", type=int, default=0,
                         help="node-local fan-out with this many ranks per node (0: every rank on the job's Store)")
+    parser.add_argument("--nodes-per-group", default="0",
+                        help="groups of nodes with this many nodes each ('auto': ceil(sqrt(nodes)), as fan_out=group "
+                             "picks; 0: none); needs --ranks-per-node")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
@@ -1021,9 +1271,11 @@ def _cli() -> None:
     if args.role == "server":
         server_main(args.fd, args.timeout)
     elif args.role == "node":
-        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is, args.ranks_per_node or None)
+        node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is, args.ranks_per_node or None,
+                  int(args.nodes_per_group) or None)
     elif args.role == "leader":
-        leader_main(args.port, args.world, args.listed, args.timeout, args.ranks_per_node or None)
+        leader_main(args.port, args.world, args.listed, args.timeout, args.ranks_per_node or None,
+                    int(args.nodes_per_group) or None)
     else:
         main_standalone(args)
 
@@ -1037,9 +1289,13 @@ def main_standalone(args: argparse.Namespace) -> None:
     started = time.monotonic()
     host = machine()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    per_group: int | str | None = args.nodes_per_group if args.nodes_per_group == "auto" \
+        else int(args.nodes_per_group) or None
+    if per_group and not args.ranks_per_node:
+        raise SystemExit("--nodes-per-group needs --ranks-per-node")
     result = run(Settings(quick=args.quick), sizes=sizes, processes=args.processes, switches=args.switches or None,
                  listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout,
-                 per_node=args.ranks_per_node or None)
+                 per_node=args.ranks_per_node or None, per_group=per_group)
     result.duration_s = time.monotonic() - started
     host["load_average_end"] = machine()["load_average"]
     document = {

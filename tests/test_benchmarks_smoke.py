@@ -17,7 +17,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 EXPECTED = ("idle", "notify_to_hook", "resubscribe", "e2e_switch", "scale_coordination", "pause_alignment",
-            "scale_list", "store_scale", "store_scale_node")
+            "scale_list", "store_scale", "store_scale_node",
+            "store_scale_group")
 
 pytestmark = pytest.mark.timeout(180)
 
