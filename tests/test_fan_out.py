@@ -185,3 +185,25 @@ def test_a_silent_rank_is_named_through_both_levels_before_the_leader_gives_up(
     assert not outcome.ok
     assert outcome.reason == ("group 1: no answer to the pause from node(s) 2 (ranks 4-5) "
                               "(node 2 (ranks 4-5): no answer to the pause from rank(s) 5)")
+
+
+def test_a_new_in_process_job_never_finds_a_dead_jobs_node_or_group_store() -> None:
+    """The in-process node and group Stores are found by the job's Store object. Keyed by its id(),
+    a new job's Store that got a dead one's id found the dead job's queue (seen in CI: a test read
+    the previous test's pause where it expected an order)."""
+    from nicswitch_agent.coordination import topology
+
+    old = InProcessStore()
+    old_id = id(old)
+    topology.node_kv(KV(old, PREFIX), 0, 0, 1.0)[0].set("q/0/1", "from the dead job")
+    topology.group_kv(KV(old, PREFIX), 0, 2, hosts=True, timeout_s=1.0)[0].set("q/0/1", "from the dead job")
+    del old
+    new = InProcessStore()
+    for _ in range(1000):  # CPython hands a freed object's address to a new one of the same size
+        if id(new) == old_id:
+            break
+        new = InProcessStore()
+    # (With the Stores held weakly, the dead job's entry may be gone before its address is reused:
+    # either way the new job must not see its keys.)
+    assert not topology.node_kv(KV(new, PREFIX), 0, 0, 1.0)[0].check(["q/0/1"])
+    assert not topology.group_kv(KV(new, PREFIX), 0, 2, hosts=True, timeout_s=1.0)[0].check(["q/0/1"])

@@ -28,7 +28,7 @@ STORE_SOCKETS_PER_RANK = 2
 TORCH_SOCKETS_PER_RANK = 1  # the process group's own connection, when the Store is the job's default one
 HOST_MARGIN = 128  # the host's own: listening socket, the leader's connections, gRPC, logs, libraries
 UNLIMITED = resource.RLIM_INFINITY
-DIAL_GRACE_S = 1.0  # past store_connect_timeout_s, for torch's own retries to end
+DIAL_GRACE_S = 3.0  # at least this long past store_connect_timeout_s, for torch's own retries to end
 PROBE_TIMEOUT_S = 2.0  # the plain TCP connect that tells "nothing listens" from "listens, cannot answer"
 _DROPPED = ("reset by peer", "broken pipe", "got 0 bytes", "was likely closed", "end of file")  # torch's words
 
@@ -119,19 +119,24 @@ def listening(host: str, port: int, timeout_s: float) -> bool | None:
         return False
 
 
-def explain_store_connect_failure(exc: BaseException, host: str, port: int, timeout_s: float, world_size: int, *,
-                                  torch_store: bool) -> str:
+def explain_store_connect_failure(exc: BaseException | None, host: str, port: int, timeout_s: float,
+                                  world_size: int, *, torch_store: bool) -> str:
     """Why a client could not connect to the Store at ``host:port``, in words, with what to do.
 
-    torch says "timed out ... while trying to connect" both when nothing listens (it retries a refused
-    connect) and when the host accepted but never answered (out of descriptors, or slow to close the
-    connection it could not take): a plain TCP connect tells the two apart.
+    ``exc`` is what torch raised, or None when its connect had not returned by the dial's bound.
+    torch says "timed out ... while trying to connect" both when nothing listens (it retries a
+    refused connect) and when the host accepted but could not answer (out of descriptors, or slow
+    to drop the connection it could not take): a plain TCP connect tells the two apart.
     """
-    text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
     which = "the job's torch Store" if torch_store else "the Store at store_address"
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    head = (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g} "
-            f"({type(exc).__name__}: {text})")
+    if exc is None:
+        text = f"no answer from torch's connect within {dial_bound_s(timeout_s):g} s"
+        head = f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g} ({text})"
+    else:
+        text = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        head = (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g} "
+                f"({type(exc).__name__}: {text})")
     needed = descriptors_needed(world_size, torch_store=torch_store)
     soft, hard = nofile_limits()
     fix = (f"For {world_size:,} ranks it needs about {needed:,}; this process's limit is soft {show(soft)}, hard "
@@ -140,7 +145,7 @@ def explain_store_connect_failure(exc: BaseException, host: str, port: int, time
     if any(word in text.lower() for word in _DROPPED):
         return (f"{head}. The Store's host took the connection and dropped it at once: most likely it is out of "
                 f"file descriptors (RLIMIT_NOFILE). " + fix)
-    if "while trying to connect" not in text and "refused" not in text.lower():
+    if exc is not None and "while trying to connect" not in text and "refused" not in text.lower():
         return head
     reachable = listening(host, port, min(timeout_s, PROBE_TIMEOUT_S))
     if reachable is False:
@@ -149,15 +154,15 @@ def explain_store_connect_failure(exc: BaseException, host: str, port: int, time
         return (f"{head}: no answer at all (a wrong host, a firewall, or a Store host too busy to accept; is the "
                 f"process hosting the Store up?)")
     return (f"{head}. Something listens there but the Store did not answer: most likely its host is out of file "
-            f"descriptors (RLIMIT_NOFILE), or too loaded to answer in time. " + fix)
+            f"descriptors (RLIMIT_NOFILE) or too loaded to answer in time (or it is frozen or stopped, or the port "
+            f"is not a torch Store's). " + fix)
 
 
-def explain_silent_store(host: str, port: int, timeout_s: float, *, torch_store: bool) -> str:
-    which = "the job's torch Store" if torch_store else "the Store at store_address"
-    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    return (f"cannot connect to {which} ({address}) within store_connect_timeout_s={timeout_s:g}: something "
-            f"accepted the connection but never answered (a Store host that is frozen or stopped, or a port that "
-            f"is not a torch Store's; is the address right?)")
+def dial_bound_s(timeout_s: float) -> float:
+    """How long a dial may take before it is given up on: torch's own connect overruns its
+    timeout by its last retry's backoff (a 1 s timeout gave up after 1.5-3.9 s, a 5 s one after
+    5.3-8.9 s: docs/torch-store.md), so the bound leaves it that much room."""
+    return timeout_s + max(DIAL_GRACE_S, timeout_s)
 
 
 class StoreClient:
@@ -198,16 +203,14 @@ class StoreClient:
             # thread given up on after the bound; it stays blocked until that host closes the socket.
             dialler = threading.Thread(target=dial, name="nicswitch-store-dial", daemon=True)
             dialler.start()
-            dialler.join(self.timeout_s + DIAL_GRACE_S)
-            if failed and isinstance(failed[0], RuntimeError):
-                raise ConfigError(explain_store_connect_failure(failed[0], self.host, self.port, self.timeout_s,
-                                                                self.world_size, torch_store=self._torch_store)) \
-                    from failed[0]
-            if failed:
+            dialler.join(dial_bound_s(self.timeout_s))
+            if failed and not isinstance(failed[0], RuntimeError):
                 raise failed[0]
             if not dialled:
-                raise ConfigError(explain_silent_store(self.host, self.port, self.timeout_s,
-                                                       torch_store=self._torch_store))
+                cause = failed[0] if failed else None
+                raise ConfigError(explain_store_connect_failure(cause, self.host, self.port, self.timeout_s,
+                                                                self.world_size, torch_store=self._torch_store)) \
+                    from cause
             self._store = dialled[0]
         return self._store
 

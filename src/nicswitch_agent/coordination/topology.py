@@ -21,6 +21,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,8 +157,16 @@ def choose_ranks_per_node(cfg: AgentConfig, world_size: int) -> int | None:
     return per_node
 
 
-_in_process_node_stores: dict[tuple[int, str, int], InProcessStore] = {}
+# The node (and group) Stores of jobs whose Store is in process, by that Store: weakly, so a new
+# job's Store that happens to get a dead one's id() never finds the dead job's keys.
+_in_process_node_stores: weakref.WeakKeyDictionary[InProcessStore, dict[tuple[str, int], InProcessStore]] = \
+    weakref.WeakKeyDictionary()
 _in_process_lock = threading.Lock()
+
+
+def _in_process_store(job: InProcessStore, prefix: str, index: int) -> InProcessStore:
+    with _in_process_lock:
+        return _in_process_node_stores.setdefault(job, {}).setdefault((prefix, index), InProcessStore())
 
 
 def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float) -> tuple[KV, Any]:
@@ -167,9 +176,7 @@ def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float) -> tuple[KV, A
     wait for the address (bounded) and connect to it.
     """
     if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
-        with _in_process_lock:
-            store = _in_process_node_stores.setdefault((id(kv.store), kv.prefix, node), InProcessStore())
-        return KV(store, kv.prefix), None
+        return KV(_in_process_store(kv.store, kv.prefix, node), kv.prefix), None
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
@@ -193,9 +200,7 @@ def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -
     host reaches the job's Store from; the group's other node relays wait for it (bounded).
     """
     if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
-        with _in_process_lock:
-            store = _in_process_node_stores.setdefault((id(kv.store), kv.prefix, -1 - group), InProcessStore())
-        return KV(store, kv.prefix), None
+        return KV(_in_process_store(kv.store, kv.prefix, -1 - group), kv.prefix), None
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
