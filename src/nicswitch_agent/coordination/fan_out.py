@@ -49,7 +49,7 @@ class RankFanOut:
                         kv.clone(), kv, upstream.clone(), group, [n * per_node for n in nodes],
                         stop_timeout_s=stop_timeout_s, label=f"group {group}",
                         names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in nodes])
-            self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s)
+            self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s, per_node)
             if server is not None:
                 self._servers.append(server)
             if self.slot == 0:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,27 +170,15 @@ def _in_process_store(job: InProcessStore, prefix: str, index: int) -> InProcess
         return _in_process_node_stores.setdefault(job, {}).setdefault((prefix, index), InProcessStore())
 
 
-def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float) -> tuple[KV, Any]:
+def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float, ranks: int = 1) -> tuple[KV, Any]:
     """(the node-local Store's KV, the server object to keep alive or None).
 
-    Local rank 0 hosts it and publishes its address on the job's Store; the node's other ranks
-    wait for the address (bounded) and connect to it.
+    Local rank 0 hosts it on 127.0.0.1 and publishes its address on the job's Store; the node's
+    other ranks wait for the address (bounded) and connect to it.
     """
-    if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
-        return KV(_in_process_store(kv.store, kv.prefix, node), kv.prefix), None
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
-    if local_rank == 0:
-        server: Any = TCPStore("127.0.0.1", 0, None, True, timeout, wait_for_workers=False)
-        kv.set(node_store_key(node), f"127.0.0.1:{server.port}")
-        return KV(server, kv.prefix), server
-    if kv.poll_all([node_store_key(node)], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
-        raise ConfigError(f"node {node}'s relay (its local rank 0) did not publish the node-local Store within "
-                          f"node_store_timeout_s={timeout_s:g} s")
-    host, _, port = kv.get(node_store_key(node)).rpartition(":")
-    client: Any = TCPStore(host, int(port), None, False, timeout)
-    return KV(client, kv.prefix), None
+    return _hosted_or_joined(kv, node_store_key(node), node, hosts=local_rank == 0, listen="127.0.0.1",
+                             advertise=lambda: "127.0.0.1", timeout_s=timeout_s, clients=ranks,
+                             absent=f"node {node}'s relay (its local rank 0) did not publish the node-local Store")
 
 
 def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -> tuple[KV, Any]:
@@ -199,22 +188,32 @@ def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -
     are other hosts) and publishes ``host:port`` on the job's Store, ``host`` being the address this
     host reaches the job's Store from; the group's other node relays wait for it (bounded).
     """
-    if isinstance(kv.store, InProcessStore):  # ranks as threads of one process
-        return KV(_in_process_store(kv.store, kv.prefix, -1 - group), kv.prefix), None
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    return _hosted_or_joined(kv, group_store_key(group), -1 - group, hosts=hosts, listen="0.0.0.0",
+                             advertise=lambda: advertised_host(kv.store), timeout_s=timeout_s, clients=nodes,
+                             absent=f"group {group}'s relay (the local rank 0 of its first node) did not publish "
+                                    f"the group Store")
 
-    timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
+
+def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str, advertise: Callable[[], str],
+                      timeout_s: float, clients: int, absent: str) -> tuple[KV, Any]:
+    """Host a Store and publish its address at ``key`` on the job's Store, or wait for that
+    address (bounded) and connect to it. In process (ranks as threads) one store per ``index``."""
+    if isinstance(kv.store, InProcessStore):
+        return KV(_in_process_store(kv.store, kv.prefix, index), kv.prefix), None
     if hosts:
-        server: Any = TCPStore("0.0.0.0", 0, None, True, timeout, wait_for_workers=False)
-        kv.set(group_store_key(group), f"{advertised_host(kv.store)}:{server.port}")
+        from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+        timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
+        server: Any = TCPStore(listen, 0, None, True, timeout, wait_for_workers=False)
+        kv.set(key, f"{advertise()}:{server.port}")
         return KV(server, kv.prefix), server
-    if kv.poll_all([group_store_key(group)], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
-        raise ConfigError(f"group {group}'s relay (the local rank 0 of its first node) did not publish the group "
-                          f"Store within node_store_timeout_s={timeout_s:g} s")
-    host, _, port = kv.get(group_store_key(group)).rpartition(":")
-    # Connected now: the relay's stop() wakes it through this connection, which must not be the
-    # first one to dial a group host that may be gone by then.
-    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, nodes, connect=True), kv.prefix), None
+    if kv.poll_all([key], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
+        raise ConfigError(f"{absent} within node_store_timeout_s={timeout_s:g} s")
+    host, _, port = kv.get(key).rpartition(":")
+    # Connected now, within the bound: a relay's stop() may wake it through this connection, which
+    # must not be the first to dial a host that may be gone by then.
+    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True),
+              kv.prefix), None
 
 
 def advertised_host(store: Any) -> str:
