@@ -227,7 +227,7 @@ class NodeRelay:
         """Why this relay cannot answer a phase, for the leader's message (failure path only); with
         what the silent slots' own relays said, when they are relays (a group's nodes)."""
         said = []
-        for slot, name in enumerate(self._names):
+        for slot, name in enumerate(self._names if self._slots_are == "node(s)" else []):  # ranks say no why
             if name in missing and self.local.check([p.why_key(epoch, slot)]):
                 said.append(f"node {name}: {self.local.get(p.why_key(epoch, slot))}")
                 self._garbage.append(p.why_key(epoch, slot))
