@@ -10,7 +10,9 @@ file descriptors).
 
 With node-local fan-out (relay.py) local rank 0 of each node hosts the node-local Store (a
 TCPStore on 127.0.0.1, or an in-process one when the job's Store is in process: ranks as threads)
-and publishes its address on the job's Store; the node's other ranks wait for it at start.
+and publishes its address on the job's Store; the node's other ranks wait for it at start. With
+groups of nodes (:class:`Layout`, fan_out.py) the local rank 0 of each group's first node also
+hosts the group's Store, on all interfaces, for the group's node relays.
 """
 
 from __future__ import annotations
