@@ -54,7 +54,8 @@ class EventKind:
 
 
 EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
-    EventKind(AGENT_STARTED, "every rank", "the agent started", (
+    EventKind(AGENT_STARTED, "every rank", "the agent started (as `start()` returns: a rank list ClusterD sends at "
+                                           "once may be received just before it)", (
         ("rank", "this process's global rank (a launcher's leader: 0)"),
         ("role", "`leader` or `member`"),
         ("server", "leader: ClusterD's address"),
