@@ -181,3 +181,28 @@ def test_an_order_the_leader_already_decided_is_skipped_not_waited_for(job: Any)
     kv.set(p.queue_key(1, 1), p.encode(stale))  # no o/9.7.switch: deleted with its epoch
     kv.set(p.queue_key(1, 2), p.encode(after))
     assert node.next_event(0, timeout=10)["t"] == p.RELEASE  # the stale order never reached the ranks
+
+
+def test_the_leaders_drain_returns_only_once_every_rank_behind_every_relay_took_the_stop(job: Any) -> None:
+    """Rank 0 may host the Store: its process must not end (draining at stop) before every rank has
+    read that training must stop. A relay deletes the leader's key only once its ranks took it."""
+    _store, leader, nodes, pool = job
+    leader.drain_s = 30.0
+    leader.release(stop_reason="ClusterD is killing the job")
+    draining: Future[Any] = pool.submit(leader.drain)
+    taken = []
+    for node in nodes:
+        for slot in range(2):
+            if (node.relay.node, slot) == (1, 1):
+                continue  # rank 3 has not read it yet
+            event = node.next_event(slot)
+            assert event["t"] == p.RELEASE and event["stop"] == "ClusterD is killing the job"
+            node.local.delete([p.queue_key(slot, node.read[slot])])  # as a member does once it read it
+            taken.append(node.ranks[slot])
+    assert taken == [0, 1, 2]
+    with pytest.raises(TimeoutError):
+        draining.result(0.3)  # node 1's relay still waits for rank 3, so the leader's key is still there
+    node = nodes[1]
+    node.next_event(1)
+    node.local.delete([p.queue_key(1, node.read[1])])
+    draining.result(10)

@@ -316,7 +316,7 @@ class SwitchAgent:
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
-                                        layout=self._layout)
+                                        layout=self._layout, drain_s=cfg.stop_timeout_s)
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -414,9 +414,11 @@ class SwitchAgent:
         self._coordination_stop.set()  # then cut the leader's waits short
         if session is not None:
             session.end_process_manage()  # only now: ClusterD resets the job when that stream ends
-        if self._coordinator is not None and self._coordinator.paused:
+        if self._coordinator is not None:
             try:
-                self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
+                if self._coordinator.paused:
+                    self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
+                self._coordinator.drain()  # a release (or a stop) taken by every rank before our Store may go
             except Exception:
                 logger.warning("could not release the members", exc_info=True)
         if self._member is not None:

@@ -49,7 +49,7 @@ class Coordinator:
     """
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
-                 ranks_per_node: int | None = None, layout: Layout | None = None) -> None:
+                 ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -62,6 +62,8 @@ class Coordinator:
         self.world_size = world_size
         self.layout = layout
         self.ranks_per_node = layout.ranks_per_node
+        self.drain_s = drain_s  # drain(): how long to wait for every answerer to take the last release
+        self._undrained = 0  # the last release's queue index, until drain() saw it taken
         self._stop = stop or threading.Event()
         self._cleanup_kv: KV | None = None  # one connection for every cleanup, opened on first use
         self._lock = threading.Lock()  # one operation at a time; guards the fields below
@@ -240,6 +242,33 @@ class Coordinator:
                 return
             self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
             self._paused = False
+            self._undrained = self._n
+
+    def drain(self) -> None:
+        """Wait (up to ``drain_s``) until every member (or relay) has taken the last release from its
+        queue. For the leader's stop: its process may end next, and the Store with it (rank 0 hosts
+        it without torchrun), before a member has read that it must stop or may go on."""
+        with self._lock:
+            n, self._undrained = self._undrained, 0
+            if not n:
+                return
+            untaken = self._wait_taken(n, time.monotonic() + self.drain_s)
+        if untaken:
+            logger.info("%d %s(s) had not taken the release after %.1f s (gone?); going on", untaken,
+                        self.layout.unit, self.drain_s)
+
+    def _wait_taken(self, n: int, deadline: float) -> int:
+        """Poll until every answerer deleted its queue key ``n`` (read it) or ``deadline``; returns
+        how many had not. One check per key still out: the first poll is a round trip per answerer."""
+        pending = [p.queue_key(index, n) for index in range(self.world_size)]
+        interval = 0.001
+        while True:
+            pending = [key for key in pending if self.kv.check([key])]
+            remaining = deadline - time.monotonic()
+            if not pending or remaining <= 0:
+                return len(pending)
+            time.sleep(min(interval, remaining))
+            interval = min(0.02, interval * 2)
 
 
 def _delete_keys(kv: KV, keys: list[str]) -> None:

@@ -120,17 +120,25 @@ class NodeRelay:
                 text = self.job.get_when_set(key, IDLE_WAIT_S)
                 if text is None:
                     continue
-                self.job.delete([key])
                 self._next += 1
                 try:
                     message = p.decode(text)
                 except ValueError as exc:
+                    self.job.delete([key])
                     logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
                     continue
+                # Training must stop: the key (what the leader waits on before its process may end,
+                # and the Store with it) goes only once the slots have taken the stop from us.
+                last_word = message["t"] == p.RELEASE and message.get("stop") is not None
+                if not last_word:
+                    self.job.delete([key])
                 if message["t"] == p.WAKE:
                     continue
                 self._relay(message, text)
                 self.events_relayed += 1
+                if last_word:
+                    self._wait_taken(time.monotonic() + self._stop_timeout_s)
+                    self.job.delete([key])
         except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
             self.lost = f"{type(exc).__name__}: {exc}"
             if not self._stop.is_set():
@@ -160,6 +168,15 @@ class NodeRelay:
                                float(message.get("slack", ORDER_SLACK_S)))
         elif kind == p.RELEASE:
             self._clean_up()
+
+    def _wait_taken(self, deadline: float) -> None:
+        """Until every slot has read the last event published to it (its key deleted), or ``deadline``."""
+        pending = [p.queue_key(slot, self._local_n) for slot in range(self.size)]
+        interval = 0.001
+        while pending and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
+            interval = min(0.02, interval * 2)
+            pending = [key for key in pending if self.local.check([key])]
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
