@@ -252,7 +252,11 @@ class Coordinator:
             n, self._undrained = self._undrained, 0
             if not n:
                 return
-            untaken = self._wait_taken(n, time.monotonic() + self.drain_s)
+            try:
+                untaken = self._wait_taken(n, time.monotonic() + self.drain_s)
+            except RuntimeError:  # the Store is gone: nobody can read anything from it any more
+                logger.debug("could not wait for the release to be taken", exc_info=True)
+                return
         if untaken:
             logger.info("%d %s(s) had not taken the release after %.1f s (gone?); going on", untaken,
                         self.layout.unit, self.drain_s)
