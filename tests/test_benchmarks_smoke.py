@@ -1,4 +1,5 @@
-"""The benchmark suite runs: ``python -m benchmarks --quick`` exits 0 and writes every benchmark.
+"""The benchmark suite runs: ``python -m benchmarks --quick`` exits 0 and writes every benchmark
+(run in three parts, side by side on the test workers).
 
 A smoke test only. It asserts nothing about timing (numbers belong to ``python -m benchmarks``
 and docs/performance.md, never to the tests), only that each benchmark ran and reported.
@@ -16,27 +17,39 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPECTED = ("idle", "notify_to_hook", "resubscribe", "e2e_switch", "scale_coordination", "pause_alignment",
-            "scale_list", "store_scale", "store_scale_node",
-            "store_scale_group")
+# The suite in three parts (``--only``), so that test workers run them side by side; together they
+# are every benchmark of the suite.
+PARTS = {
+    "idle,notify,resubscribe,scale": ("idle", "notify_to_hook", "resubscribe", "scale_list"),
+    "e2e,store_scale": ("e2e_switch", "scale_coordination", "pause_alignment", "store_scale"),
+    "store_scale_node,store_scale_group": ("store_scale_node", "store_scale_group"),
+}
 
 pytestmark = pytest.mark.timeout(180)
 
 pytest.importorskip("torch", reason="the multi-process benchmarks need the torch extra")
 
 
-def test_quick_run_exits_0_and_writes_every_benchmark(tmp_path: Path) -> None:
+def test_the_parts_are_the_whole_suite() -> None:
+    from benchmarks.__main__ import SUITE
+
+    assert sorted(name for part in PARTS for name in part.split(",")) == sorted(SUITE)
+    assert sorted(r for results in PARTS.values() for r in results) == sorted(r for _, rs in SUITE.values() for r in rs)
+
+
+@pytest.mark.parametrize(("only", "expected"), PARTS.items(), ids=list(PARTS))
+def test_quick_run_exits_0_and_writes_every_benchmark(tmp_path: Path, only: str, expected: tuple[str, ...]) -> None:
     out = tmp_path / "results.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--out", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=170)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "--quick", "--only", only, "--out", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-5000:]}"
     document = json.loads(out.read_text(encoding="utf-8"))
     assert document["mode"] == "quick"
     assert document["machine"]["nproc"] >= 1
     benchmarks = document["benchmarks"]
-    assert sorted(benchmarks) == sorted(EXPECTED)
-    for name in EXPECTED:
+    assert sorted(benchmarks) == sorted(expected)
+    for name in expected:
         bench = benchmarks[name]
         assert bench["error"] == "", f"{name}: {bench['error']}"
         assert bench["metrics"], f"{name} reported no metrics"
