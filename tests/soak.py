@@ -901,6 +901,8 @@ class _ModeRun:
             self._problem(index, fault, f"ClusterD delivered {lists} list(s) but received {replies} reply(ies)")
         new_violations = list(after.violations[len(before.violations):])
         report.violations += [f"{self.mode} switch #{index} (fault {fault}): {v}" for v in new_violations]
+        # ClusterD has the reply before the agent has the RPC's answer: let its counters catch up.
+        job.wait_leader(lambda leader: _settled(leader, counters), self.settings.switch_deadline_s)
         leader_after = job.counters()
         received = leader_after["lists_received"] - counters["lists_received"]
         settled = (leader_after["replies_delivered"] + leader_after["replies_failed"]
