@@ -10,12 +10,12 @@ hand on their node's Store, so each test decides what every rank says and when.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pytest
+import support
 from test_relay import Node
 
 from nicswitch_agent import AgentConfig
@@ -84,12 +84,9 @@ class Tree:
         self.store = InProcessStore()
         self.fan_outs = [RankFanOut(KV(self.store, PREFIX), LAYOUT, rank, node_store_timeout_s=10,
                                     stop_timeout_s=2) for rank in range(8)]
-        self.nodes = []
-        for node in range(LAYOUT.nodes):
-            played = Node.__new__(Node)  # the node's Store as its ranks see it; the relay is the fan-out's
-            played.local = self.fan_outs[2 * node].member_kv
-            played.ranks, played.read = [2 * node, 2 * node + 1], [0, 0]
-            self.nodes.append(played)
+        # Each node's Store as its ranks see it (the relays are the fan-outs').
+        self.nodes = [Node.played_on(self.fan_outs[2 * node].member_kv, [2 * node, 2 * node + 1])
+                      for node in range(LAYOUT.nodes)]
         for fan_out in self.fan_outs:
             fan_out.start()
         self.leader = Coordinator(KV(self.store, PREFIX), LAYOUT.answerers, layout=LAYOUT)
@@ -160,9 +157,7 @@ def test_a_group_succeeds_only_once_every_rank_of_every_node_of_it_succeeded(
     job.nodes[3].result(0, events[3][0], True)  # rank 6 yes, rank 7 not yet: group 1 says nothing
     epoch, name = int(events[0][0]["e"]), str(events[0][0]["key"])
     job_kv = KV(job.store, PREFIX)
-    deadline = time.monotonic() + 10
-    while job_kv.count(p.result_counter_key(epoch, name)) < 1 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert support.wait_until(lambda: job_kv.count(p.result_counter_key(epoch, name)) >= 1, 10)
     assert job_kv.count(p.result_counter_key(epoch, name)) == 1  # group 0, once for its 4 ranks
     assert not running.done()
     job.nodes[3].result(1, events[3][1], True)

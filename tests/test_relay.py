@@ -39,6 +39,13 @@ class Node:
         self.ranks = ranks
         self.read = [0] * len(ranks)  # the local queue index each rank has read
 
+    @classmethod
+    def played_on(cls, local: KV, ranks: list[int]) -> Node:
+        """The ranks of a node whose Store and relay exist already (tests/test_fan_out.py's)."""
+        node = cls.__new__(cls)
+        node.local, node.ranks, node.read = local, ranks, [0] * len(ranks)
+        return node
+
     def next_event(self, slot: int, timeout: float = 10.0) -> dict[str, Any]:
         """What the relay published to local rank ``slot`` next (as a member reads it)."""
         self.read[slot] += 1
