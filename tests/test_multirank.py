@@ -232,9 +232,17 @@ def test_all_ranks_park_at_one_step_and_switch_with_identical_arguments(sim: Sim
     assert all(r.agent.status()["process_manage"] is None for r in job.ranks[1:])
 
 
+# Nodes of two ranks (ranks 0 and 2 relay for their node); four nodes of one rank in two groups
+# (every rank relays for its node; ranks 0 and 2 for their group too).
+NODE_LAYOUT = {"fan_out": "node", "local_world_size": 2}
+GROUP_LAYOUT = {"fan_out": "group", "local_world_size": 1, "nodes_per_group": 2}
+
+
 @pytest.mark.parametrize("pause", ["agent", "external"])
-def test_with_node_fan_out_the_jobs_store_sees_nodes_not_ranks(sim: Simulator, pause: str) -> None:
-    job = Job(sim, pause=pause, fan_out="node", local_world_size=2)
+@pytest.mark.parametrize("layout", [NODE_LAYOUT, GROUP_LAYOUT], ids=["nodes", "groups"])
+def test_with_fan_out_the_jobs_store_sees_nodes_or_groups_not_ranks(sim: Simulator, pause: str,
+                                                                    layout: dict[str, Any]) -> None:
+    job = Job(sim, pause=pause, **layout)
     standin = None
     if pause == "external":
         from nicswitch_agent.sim import MindIOStandIn
@@ -247,47 +255,20 @@ def test_with_node_fan_out_the_jobs_store_sees_nodes_not_ranks(sim: Simulator, p
         assert switch(sim, "node-1", ["1", "0"], [True, True]) == "switch nic finish"
         assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
         assert len({(c[2], c[3]) for c in job.calls}) == 1
-        # Queues, pause answers and results on the job's Store: one per node (0 and 1), none per rank.
+        # Queues, pause answers and results on the job's Store: one per node or group (0 and 1), none
+        # per rank (and the pause's counters, "n").
         per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
         units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
         units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
-        assert units <= {"0", "1", "n"}, sorted(units)
-        assert {"0", "1"} <= units
-        relays = [rank.agent._fan_out.node_relay for rank in job.ranks]
-        assert relays[0] is not None and relays[2] is not None
-        assert relays[1] is None and relays[3] is None
-    finally:
-        if standin is not None:
-            standin.stop()
-        job.close()
-
-
-@pytest.mark.parametrize("pause", ["agent", "external"])
-def test_with_groups_of_nodes_the_jobs_store_sees_groups_and_each_group_store_its_nodes(
-        sim: Simulator, pause: str) -> None:
-    """Four nodes of one rank in two groups: ranks 0 and 2 run their group's relay too."""
-    job = Job(sim, pause=pause, fan_out="group", local_world_size=1, nodes_per_group=2)
-    standin = None
-    if pause == "external":
-        from nicswitch_agent.sim import MindIOStandIn
-
-        standin = MindIOStandIn(sim.address, JOB)
-        standin.start()
-        assert standin.ready.wait(10)
-    try:
-        assert sim.wait_until(streams_ready, 10)
-        assert switch(sim, "node-1", ["1", "0"], [True, True]) == "switch nic finish"
-        assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
-        assert len({(c[2], c[3]) for c in job.calls}) == 1
-        per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
-        units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
-        units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
-        assert {"0", "1"} <= units <= {"0", "1", "n"}, sorted(units)  # groups 0 and 1 (and the pause's counters)
+        assert {"0", "1"} <= units <= {"0", "1", "n"}, sorted(units)
         fan_outs = [rank.agent._fan_out for rank in job.ranks]
-        assert [f.group_relay is not None for f in fan_outs] == [True, False, True, False]
-        assert all(f.node_relay is not None for f in fan_outs)  # nodes of one rank: every rank relays
-        assert [f.node_relay.node for f in fan_outs] == [0, 1, 0, 1]  # its index in its group
-        assert all(f.group_relay.events_relayed >= 3 for f in fan_outs if f.group_relay)  # order, outcome, release
+        if layout is NODE_LAYOUT:
+            assert [f.node_relay is not None for f in fan_outs] == [True, False, True, False]
+            assert all(f.group_relay is None for f in fan_outs)
+        else:
+            assert [f.group_relay is not None for f in fan_outs] == [True, False, True, False]
+            assert [f.node_relay.node for f in fan_outs] == [0, 1, 0, 1]  # its index in its group
+            assert all(f.group_relay.events_relayed >= 3 for f in fan_outs if f.group_relay)  # order, outcome, release
     finally:
         if standin is not None:
             standin.stop()
