@@ -9,6 +9,7 @@ ran past the pause step while another parked would deadlock the test instead of 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from collections.abc import Iterator
@@ -155,6 +156,23 @@ class Job:
 streams_ready = functools.partial(support.streams_ready, job=JOB)
 
 
+@contextlib.contextmanager
+def standin_if_external(sim: Simulator, pause: str) -> Iterator[None]:
+    """In pause mode external, MindIO's stand-in pauses training for ClusterD while the block runs."""
+    if pause != "external":
+        yield
+        return
+    from nicswitch_agent.sim import MindIOStandIn
+
+    standin = MindIOStandIn(sim.address, JOB)
+    standin.start()
+    try:
+        assert standin.ready.wait(10)
+        yield
+    finally:
+        standin.stop()
+
+
 def switch(sim: Simulator, node: str, devs: list[str], ops: list[bool], *, wait: bool = True) -> str:
     channel = open_channel(ChannelSettings(target=sim.address))
     try:
@@ -243,55 +261,39 @@ GROUP_LAYOUT = {"fan_out": "group", "local_world_size": 1, "nodes_per_group": 2}
 def test_with_fan_out_the_jobs_store_sees_nodes_or_groups_not_ranks(sim: Simulator, pause: str,
                                                                     layout: dict[str, Any]) -> None:
     job = Job(sim, pause=pause, **layout)
-    standin = None
-    if pause == "external":
-        from nicswitch_agent.sim import MindIOStandIn
-
-        standin = MindIOStandIn(sim.address, JOB)
-        standin.start()
-        assert standin.ready.wait(10)
     try:
-        assert sim.wait_until(streams_ready, 10)
-        assert switch(sim, "node-1", ["1", "0"], [True, True]) == "switch nic finish"
-        assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
-        assert len({(c[2], c[3]) for c in job.calls}) == 1
-        # Queues, pause answers and results on the job's Store: one per node or group (0 and 1), none
-        # per rank (and the pause's counters, "n").
-        per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
-        units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
-        units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
-        assert {"0", "1"} <= units <= {"0", "1", "n"}, sorted(units)
-        fan_outs = [rank.agent._fan_out for rank in job.ranks]
-        if layout is NODE_LAYOUT:
-            assert [f.node_relay is not None for f in fan_outs] == [True, False, True, False]
-            assert all(f.group_relay is None for f in fan_outs)
-        else:
-            assert [f.group_relay is not None for f in fan_outs] == [True, False, True, False]
-            assert [f.node_relay.node for f in fan_outs] == [0, 1, 0, 1]  # its index in its group
-            assert all(f.group_relay.events_relayed >= 3 for f in fan_outs if f.group_relay)  # order, outcome, release
+        with standin_if_external(sim, pause):
+            assert sim.wait_until(streams_ready, 10)
+            assert switch(sim, "node-1", ["1", "0"], [True, True]) == "switch nic finish"
+            assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
+            assert len({(c[2], c[3]) for c in job.calls}) == 1
+            # Queues, pause answers and results on the job's Store: one per node or group (0 and 1), none
+            # per rank (and the pause's counters, "n").
+            per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
+            units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
+            units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
+            assert {"0", "1"} <= units <= {"0", "1", "n"}, sorted(units)
+            fan_outs = [rank.agent._fan_out for rank in job.ranks]
+            if layout is NODE_LAYOUT:
+                assert [f.node_relay is not None for f in fan_outs] == [True, False, True, False]
+                assert all(f.group_relay is None for f in fan_outs)
+            else:
+                assert [f.group_relay is not None for f in fan_outs] == [True, False, True, False]
+                assert [f.node_relay.node for f in fan_outs] == [0, 1, 0, 1]  # its index in its group
+                # order, outcome, release
+                assert all(f.group_relay.events_relayed >= 3 for f in fan_outs if f.group_relay)
     finally:
-        if standin is not None:
-            standin.stop()
         job.close()
 
 
 @pytest.mark.parametrize("pause", ["agent", "external"])
 def test_one_rank_failing_makes_the_reply_false(sim: Simulator, make_job: Any, pause: str) -> None:
     job = make_job(pause=pause, hooks={2: {"results": [False, True]}})
-    if pause == "external":
-        from nicswitch_agent.sim import MindIOStandIn
-
-        standin = MindIOStandIn(sim.address, JOB)
-        standin.start()
-        assert standin.ready.wait(10)
-    try:
+    with standin_if_external(sim, pause):
         assert sim.wait_until(streams_ready, 10)
         assert switch(sim, "node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
         assert sim.job_view(JOB).replies == [False]
         assert any(c[0] == 2 for c in job.calls)
-    finally:
-        if pause == "external":
-            standin.stop()
 
 
 def test_a_hanging_rank_gives_false_within_the_switch_timeout(sim: Simulator, make_job: Any) -> None:

@@ -94,6 +94,15 @@ def pause_every_node(nodes: list[Node], steps: dict[int, int]) -> int:
     return epoch
 
 
+def every_rank_but_3_succeeds(nodes: list[Node]) -> list[list[dict[str, Any]]]:
+    """Every rank reads the order; ranks 0, 1 and 2 answer success. Returns the events read."""
+    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
+    for slot in range(2):
+        nodes[0].result(slot, events[0][slot], True)
+    nodes[1].result(0, events[1][0], True)
+    return events
+
+
 def test_the_target_is_the_largest_completed_step_over_every_rank_of_every_node(job: Any) -> None:
     _store, leader, nodes, pool = job
     pausing: Future[Any] = pool.submit(leader.pause, 30.0)
@@ -121,10 +130,7 @@ def test_a_failure_is_forwarded_at_once_and_names_its_rank(job: Any) -> None:
 def test_a_node_succeeds_only_once_every_rank_of_it_succeeded(job: Any) -> None:
     store, leader, nodes, pool = job
     running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=300.0)
-    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
-    for slot in range(2):
-        nodes[0].result(slot, events[0][slot], True)
-    nodes[1].result(0, events[1][0], True)  # rank 2 yes, rank 3 not yet
+    events = every_rank_but_3_succeeds(nodes)  # rank 3 not yet
     epoch, name = int(events[0][0]["e"]), str(events[0][0]["key"])
     job_kv = KV(store, PREFIX)
     # Node 0 answered once for both of its ranks; node 1 says nothing while rank 3 is still out.
@@ -168,10 +174,7 @@ def test_a_node_whose_relay_is_gone_is_named_with_its_ranks(job: Any) -> None:
 def test_a_rank_silent_during_an_order_fails_its_node_within_the_budget_naming_the_rank(job: Any) -> None:
     _store, leader, nodes, pool = job
     running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=0.2)
-    events = [[node.next_event(slot) for slot in range(2)] for node in nodes]
-    for slot in range(2):
-        nodes[0].result(slot, events[0][slot], True)
-    nodes[1].result(0, events[1][0], True)  # rank 3 never answers (its member is gone)
+    every_rank_but_3_succeeds(nodes)  # rank 3 never answers (its member is gone)
     outcome = running.result(20)
     assert not outcome.ok
     assert outcome.reason == "rank 3: did not answer within the budget (1 rank(s) of node 1: 3)"
