@@ -218,6 +218,19 @@ class KV:
             interval = min(max_interval_s, interval * 2)
 
 
+    def poll_gone(self, keys: Sequence[str], deadline: float, stop: threading.Event | None = None,
+                  interval_s: float = 0.001, max_interval_s: float = 0.02) -> list[str]:
+        """Poll until no key exists any more (its reader took it) or ``deadline`` passes; returns
+        the keys still there. One ``check`` per key still out on each poll (a round trip each)."""
+        pending = list(keys)
+        interval = interval_s
+        while True:
+            pending = [k for k in pending if self.check([k])]
+            if not pending or not _pause(deadline, stop, interval):
+                return pending
+            interval = min(max_interval_s, interval * 2)
+
+
 def _timed_out(exc: RuntimeError) -> bool:
     """torch raises DistStoreError (a RuntimeError) for a wait that timed out and for a lost Store alike."""
     text = str(exc).lower()

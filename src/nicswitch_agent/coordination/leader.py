@@ -61,7 +61,6 @@ class Coordinator:
         self.kv = kv
         self.world_size = world_size
         self.layout = layout
-        self.ranks_per_node = layout.ranks_per_node
         self.drain_s = drain_s  # drain(): how long to wait for every answerer to take the last release
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         self._stop = stop or threading.Event()
@@ -134,7 +133,7 @@ class Coordinator:
     def _nodes_say_why(self, epoch: int, missing: list[str]) -> str:
         """With node-local fan-out: what the silent nodes' relays said, or which nodes were silent
         (their relay is gone); "" without fan-out."""
-        if self.ranks_per_node is None:
+        if self.layout.ranks_per_node is None:
             return ""
         reasons = []
         unit = self.layout.unit
@@ -149,7 +148,7 @@ class Coordinator:
 
     def _why_not_parked(self, epoch: int, missing: list[str], target: int) -> str:
         """Why the pause failed, in words; names the ranks whose step() was never called."""
-        if self.ranks_per_node is not None:
+        if self.layout.ranks_per_node is not None:
             nostep_all = all(self.kv.check([p.nostep_key(epoch, int(k.rsplit("/", 1)[-1]))]) for k in missing)
             if nostep_all and len(missing) == self.world_size:
                 return ("no rank reached a step boundary: step() was never called (is agent.step() called in the "
@@ -253,26 +252,14 @@ class Coordinator:
             if not n:
                 return
             try:
-                untaken = self._wait_taken(n, time.monotonic() + self.drain_s)
+                keys = [p.queue_key(index, n) for index in range(self.world_size)]
+                untaken = len(self.kv.poll_gone(keys, time.monotonic() + self.drain_s))
             except RuntimeError:  # the Store is gone: nobody can read anything from it any more
                 logger.debug("could not wait for the release to be taken", exc_info=True)
                 return
         if untaken:
             logger.info("%d %s(s) had not taken the release after %.1f s (gone?); going on", untaken,
                         self.layout.unit, self.drain_s)
-
-    def _wait_taken(self, n: int, deadline: float) -> int:
-        """Poll until every answerer deleted its queue key ``n`` (read it) or ``deadline``; returns
-        how many had not. One check per key still out: the first poll is a round trip per answerer."""
-        pending = [p.queue_key(index, n) for index in range(self.world_size)]
-        interval = 0.001
-        while True:
-            pending = [key for key in pending if self.kv.check([key])]
-            remaining = deadline - time.monotonic()
-            if not pending or remaining <= 0:
-                return len(pending)
-            time.sleep(min(interval, remaining))
-            interval = min(0.02, interval * 2)
 
 
 def _delete_keys(kv: KV, keys: list[str]) -> None:

@@ -137,7 +137,8 @@ class NodeRelay:
                 self._relay(message, text)
                 self.events_relayed += 1
                 if last_word:
-                    self._wait_taken(time.monotonic() + self._stop_timeout_s)
+                    taken = [p.queue_key(slot, self._local_n) for slot in range(self.size)]
+                    self.local.poll_gone(taken, time.monotonic() + self._stop_timeout_s, self._stop)
                     self.job.delete([key])
         except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
             self.lost = f"{type(exc).__name__}: {exc}"
@@ -168,15 +169,6 @@ class NodeRelay:
                                float(message.get("slack", ORDER_SLACK_S)))
         elif kind == p.RELEASE:
             self._clean_up()
-
-    def _wait_taken(self, deadline: float) -> None:
-        """Until every slot has read the last event published to it (its key deleted), or ``deadline``."""
-        pending = [p.queue_key(slot, self._local_n) for slot in range(self.size)]
-        interval = 0.001
-        while pending and time.monotonic() < deadline and not self._stop.is_set():
-            time.sleep(min(interval, max(0.0, deadline - time.monotonic())))
-            interval = min(0.02, interval * 2)
-            pending = [key for key in pending if self.local.check([key])]
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
