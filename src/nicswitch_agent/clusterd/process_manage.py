@@ -87,6 +87,8 @@ CODE_CLIENT_ERROR = 499
 
 # Pause between opening the process-manage stream and letting the notify stream open.
 GATE_SETTLE_S = 0.01
+# Longest wait for the HealthCheck round trip that follows the subscribe (see _after_subscribe).
+GATE_BARRIER_S = 1.0
 # Init/Register rounds while Register answers 408 (not inited).
 REGISTER_ROUNDS = 3
 # A stream that ends cleanly with no signal within this long: a server that ends every stream at
@@ -358,6 +360,31 @@ class ProcessManageClient(StreamThread):
         finally:
             self._set_call(None)
 
+    def _after_subscribe(self, request: pb.ClientInfo) -> bool:
+        """Hold the notify stream back until ClusterD has taken our subscribe; False on stop().
+
+        The server handles the subscribe (and the reset of the job's controller that comes with
+        it) concurrently with whatever follows on the connection, and says nothing until the
+        first signal. A notify stream that overtakes it is ended by that reset (seen under load
+        with a fixed 10 ms pause). So one HealthCheck, sent after the subscribe on the same
+        connection, is a barrier: once it is answered the server has read the subscribe and
+        started its handler. Any answer or error will do (a server without HealthCheck answers
+        UNIMPLEMENTED), and the wait is bounded by GATE_BARRIER_S, so this never blocks the gate.
+        """
+        future = self._stub.HealthCheck.future(request, timeout=GATE_BARRIER_S, wait_for_ready=False)
+        try:
+            while not self._stop.is_set():
+                try:
+                    future.result(timeout=0.05)
+                    break
+                except grpc.FutureTimeoutError:
+                    continue
+                except (grpc.RpcError, grpc.FutureCancelledError):
+                    break
+        finally:
+            future.cancel()
+        return not self._stop.wait(GATE_SETTLE_S)
+
     def _register(self, *, wait_for_ready: bool = True) -> None:
         """Init then Register. 408 (not inited) is answered by Init again, up to REGISTER_ROUNDS
         rounds; other codes are fatal.
@@ -405,9 +432,7 @@ class ProcessManageClient(StreamThread):
                 self._opened(opens)
                 opened, opened_at, signals_before = True, time.monotonic(), self.signals
                 real_before = self._real_signals
-                # The server handles our subscribe (and its reset) concurrently with whatever
-                # comes next on the connection; give it a moment before the notify stream opens.
-                if not self._stop.wait(GATE_SETTLE_S):
+                if self._after_subscribe(request):
                     self.gate.open()
                 for signal in call:
                     self._dispatch(signal)
