@@ -210,3 +210,44 @@ def test_registers_again_only_when_clusterd_forgot_the_job(failure: tuple[grpc.S
         client.stop()
         channel.close()
         server.stop()
+
+
+class HeldHealthServer(Server):
+    """HealthCheck is held until ``release`` is set, and records whether the gate was open while held."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.health_entered = threading.Event()
+        super().__init__([], [])
+        self.server.add_generic_rpc_handlers((transport.generic_handler({"HealthCheck": self._health}),))
+
+    def _health(self, request: pb.ClientInfo, context: Any) -> pb.Status:
+        self.calls.append("HealthCheck")
+        self.health_entered.set()
+        self.release.wait(10)
+        return pb.Status(info="ok")
+
+
+def test_the_gate_opens_only_once_a_healthcheck_after_the_subscribe_is_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The notify stream must not overtake the subscribe's reset: the gate waits for a round trip
+    sent after the subscribe on the same connection (a fixed pause was overtaken under load)."""
+    from nicswitch_agent.clusterd import process_manage
+
+    monkeypatch.setattr(process_manage, "GATE_BARRIER_S", 30.0)  # only the answer opens the gate here
+    server = HeldHealthServer()
+    client, channel = make_client(server, lambda s: None)
+    try:
+        client.start()
+        assert server.health_entered.wait(10)
+        assert server.calls[-2:] == ["Subscribe", "HealthCheck"]
+        # The subscribe was sent and the barrier is held: a gate that opened on a timer would be
+        # open after the barrier's settle, so give it that long (and more) to show itself.
+        assert not client.gate.wait_open(10 * process_manage.GATE_SETTLE_S)
+        server.release.set()
+        assert client.gate.wait_open(10)
+    finally:
+        server.release.set()
+        client.stop()
+        channel.close()
+        server.stop()
