@@ -298,7 +298,7 @@ class SwitchAgent:
                 self._status_writer.start()
         if leads and cfg.metrics_port is not None:
             if self._metrics is None:  # members serve nothing, so they never need prometheus_client
-                self._metrics = PrometheusMetrics()  # ConfigError if prometheus_client is missing
+                self._metrics = PrometheusMetrics(links=self._stats.links, ranks_per_node=cfg.local_world_size)
                 self._events.add_listener(self._metrics)
             try:
                 self._metrics.start_http_server(cfg.metrics_port)
@@ -317,6 +317,7 @@ class SwitchAgent:
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
                                         layout=self._layout, drain_s=cfg.stop_timeout_s)
+        self._coordinator.on_decided = self._stats.links.decided  # every rank's link, for status() and metrics
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -493,6 +494,7 @@ class SwitchAgent:
             },
             "counters": counters,
             "timings": self._stats.snapshot(),
+            "links": self._stats.links.status(),
             "last_switch": last_switch,
             "last_step": self.last_step,
             "parked": self._parking.parked,
