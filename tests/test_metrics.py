@@ -538,9 +538,10 @@ def test_a_launchers_leader_knows_every_ranks_link_and_a_dry_run_moves_none(sim:
     try:
         with Trainer(dry):
             assert sim.wait_until(lambda s: support.idle(s, JOB), 10)
-            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
             assert events.wait_all("reply_sent", "resumed")
-        assert (dry.status()["links"]["standby"], dry.status()["links"]["last_switch"]["ok"]) == (0, True)
+        links = dry.status()["links"]
+        assert (links["ranks"], links["standby"], links["last_switch"]["ok"]) == (1, 0, True)
     finally:
         dry.stop()
 
@@ -594,3 +595,19 @@ def test_phase_timings_from_events() -> None:
     assert snap["phase_switch_s"]["mean"] == 0.375  # 0.75 - 0.5, then 0.5 with no guard
     assert (snap["phase_verify_s"]["count"], snap["phase_verify_s"]["last"]) == (2, 0.375)
     assert snap["phase_reply_s"]["last"] == 0.01
+
+
+def test_metrics_of_ones_own_speak_only_for_this_processs_rank() -> None:
+    """Without the agent's map, only this rank's switch_outcome reaches it: the leader's world of
+    ranks must not show as all on primary."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry, ranks_per_node=8)
+    metrics(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 9, "world_size": 16}))
+    metrics(AgentEvent(kind="switch_outcome", job_id=JOB, seq=1, wall=1234.5,
+                       detail={"rank": 9, "kind": "switch", "ok": True, "link": "standby"}))
+    assert registry.get_sample_value("nicswitch_link_standby", {"job": JOB, "rank": "9", "node": "1",
+                                                                "device": "1"}) == 1
+    families = {f.name: f for f in registry.collect()}
+    assert len(families["nicswitch_link_standby"].samples) == 1
+    assert registry.get_sample_value("nicswitch_last_switch_timestamp_seconds", {"job": JOB}) == 1234.5

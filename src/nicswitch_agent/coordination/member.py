@@ -280,8 +280,9 @@ class Member:
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])
-        listed = self.rank in order.ranks and not self.hooks.dry_run  # a dry run moves no link
-        self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None)
+        if kind in (p.KIND_SWITCH, p.KIND_ROLLBACK):  # the orders that move links (a dry run moves none)
+            listed = self.rank in order.ranks and not self.hooks.dry_run
+            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None)
         parked = self.lot.parked
         if not parked and epoch in self._local_epoch:
             # This rank parked for the pause the order belongs to, and its training thread has

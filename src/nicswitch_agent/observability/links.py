@@ -20,6 +20,7 @@ The rules, the same from both sources:
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -90,10 +91,9 @@ class LinkMap:
         try:
             with self._lock:
                 if outcome.attempted:
-                    for rank, op in order:
-                        self._learn(rank, op, outcome.ok)
+                    self._learn_all(order.ranks, order.ops, outcome.ok)
                 if kind == "switch":
-                    self._switched(order.seq, outcome.ok)
+                    self._switched(order.seq, outcome.ok, time.time())
         except Exception:  # what people are told must never break what the agent does
             logger.exception("link map: order #%s not recorded", getattr(order, "seq", "?"))
 
@@ -118,7 +118,18 @@ class LinkMap:
                 if isinstance(rank, int) and link in (PRIMARY, STANDBY):
                     self._learn(rank, link == STANDBY, ok)
                 if detail.get("kind") == "switch":
-                    self._switched(event.seq, ok)
+                    self._switched(event.seq, ok, event.wall)
+
+    def _learn_all(self, ranks: tuple[int, ...], ops: tuple[bool, ...], ok: bool) -> None:
+        """:meth:`_learn` for a whole order, in set operations (the leader's critical path: an order
+        of 16,384 ranks costs about a millisecond)."""
+        named, to_standby = set(ranks), set(itertools.compress(ranks, ops))
+        if ok:
+            self._standby -= named - to_standby
+            self._standby |= to_standby
+            self._uncertain -= named
+        else:
+            self._uncertain |= (to_standby - self._standby) | (self._standby & (named - to_standby))
 
     def _learn(self, rank: int, standby: bool, ok: bool) -> None:
         if ok:
@@ -127,11 +138,11 @@ class LinkMap:
         elif standby != (rank in self._standby):
             self._uncertain.add(rank)
 
-    def _switched(self, seq: int | None, ok: bool) -> None:
+    def _switched(self, seq: int | None, ok: bool, wall: float) -> None:
         last = self._last_switch
         if last is not None and last["seq"] == seq and seq is not None:
             return  # the leader's own rank hears the decision it made: already counted
-        self._last_switch = {"seq": seq, "ok": ok, "at": time.time(), "mono": time.monotonic()}
+        self._last_switch = {"seq": seq, "ok": ok, "at": wall, "mono": time.monotonic()}
 
     # -- outputs -------------------------------------------------------------------------------
 
