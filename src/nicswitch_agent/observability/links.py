@@ -133,7 +133,10 @@ class LinkMap:
 
     def _learn(self, rank: int, standby: bool, ok: bool) -> None:
         if ok:
-            (self._standby.add if standby else self._standby.discard)(rank)
+            if standby:
+                self._standby.add(rank)
+            else:
+                self._standby.discard(rank)
             self._uncertain.discard(rank)
         elif standby != (rank in self._standby):
             self._uncertain.add(rank)

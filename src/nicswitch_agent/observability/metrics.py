@@ -360,8 +360,9 @@ class PrometheusMetrics:
 
     The link gauges are read from a :class:`~nicswitch_agent.observability.links.LinkMap` at each
     scrape: the agent's (every rank of the job on the leader), or without one a map of its own,
-    fed with this process's events (its own rank only). ``node`` and ``device`` (``rank // ranks_per_node`` and
-    ``rank % ranks_per_node``) are empty when ``ranks_per_node`` is not known.
+    fed with this process's events (its own rank only). ``node`` and ``device``
+    (``rank // ranks_per_node`` and ``rank % ranks_per_node``) are empty when ``ranks_per_node`` is
+    not known.
 
     Args:
         registry: Where to register; default: a registry of its own (so two agents in one
@@ -516,9 +517,9 @@ class _LinkCollector:
 
     def _families(self, *, with_samples: bool) -> list[Any]:
         standby = self._family(self._standby_name, "1 while the rank's traffic is on its standby NIC, 0 on its "
-                                    "primary", labels=("job", "rank", "node", "device"))
-        uncertain = self._family(self._uncertain_name, "Ranks that may be on either link: a switch failed "
-                                      "after hooks ran and no rollback made them certain", labels=("job",))
+                               "primary", labels=("job", "rank", "node", "device"))
+        uncertain = self._family(self._uncertain_name, "Ranks that may be on either link: a switch failed after "
+                                 "hooks ran and no rollback made them certain", labels=("job",))
         if with_samples and self.job:
             per = self._per_node
             for rank, on_standby in self._links.links():
