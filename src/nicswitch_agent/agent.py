@@ -317,7 +317,6 @@ class SwitchAgent:
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
                                         layout=self._layout, drain_s=cfg.stop_timeout_s)
-        self._coordinator.on_decided = self._stats.links.decided  # every rank's link, for status() and metrics
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -325,6 +324,7 @@ class SwitchAgent:
                 on_connection=self._refresh_status, on_conflict=self._on_conflict,
                 on_training_stop=self._training_must_stop, emit=lambda kind, detail: self._emit(kind, detail=detail),
             ))
+        self._coordinator.on_decided = self._stats.links.decided  # every rank's link, for status() and metrics
         self._executor.start()  # before any stream can deliver a list
         self._session.start()
         self._started_mono = time.monotonic()
