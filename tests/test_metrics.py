@@ -8,6 +8,7 @@ import logging
 import socket
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.links import LinkMap, compact_ranks, format_links
 from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
@@ -117,6 +119,12 @@ def test_jsonl_stats_and_prometheus_after_a_real_switch(sim: Simulator, tmp_path
     assert value("nicswitch_pause_duration_seconds_count") == 1
     assert value("nicswitch_rank_duration_seconds_count", kind="switch") == 1
     assert value("nicswitch_stream_up") == 0  # the agent has stopped
+    # A PrometheusMetrics of one's own knows only this process's rank (rank 1 moved, rank 0 did not).
+    links = [s for f in registry.collect() if f.name == "nicswitch_link_standby" for s in f.samples]
+    assert [(s.labels["rank"], s.value) for s in links] == [("0", 0.0)]
+    decided = value("nicswitch_last_switch_timestamp_seconds")
+    assert decided is not None and by_kind["list_received"]["wall"] <= decided <= by_kind["reply_sent"]["wall"]
+    assert value("nicswitch_phase_duration_seconds_count", phase="switch") == 1
 
 
 def test_metrics_endpoint_serves_the_registry_and_closes() -> None:
@@ -318,3 +326,288 @@ def test_a_metrics_port_in_use_is_logged_and_the_leader_runs_on(sim: Simulator,
             assert f"Prometheus metrics not served on port {port}" in caplog.text
         finally:
             agent.stop()
+
+
+# -- links, phases and the last switch ---------------------------------------------------------------------
+
+
+class RankHook:
+    """A switch hook scripted per call (True by default). ``gate``: a call with these ops sets
+    :attr:`gated` and waits for the event (a rank may skip an order another rank already failed,
+    so calls are told apart by their ops, not their number)."""
+
+    def __init__(self, results: list[bool] | None = None,
+                 gate: tuple[tuple[bool, ...], threading.Event] | None = None) -> None:
+        self.results = list(results or [])
+        self.gate = gate
+        self.calls: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
+        self.gated = threading.Event()
+
+    def __call__(self, order: SwitchOrder) -> bool:
+        self.calls.append((order.ranks, order.ops))
+        if self.gate is not None and self.gate[0] == order.ops:
+            self.gated.set()
+            assert self.gate[1].wait(20)
+        return self.results.pop(0) if self.results else True
+
+
+class TwoRanks:
+    """Ranks 0 (the leader, serving metrics on ``port``) and 1 as threads on one in-process Store,
+    each with its own training loop; pause mode agent against the simulator. :attr:`events` are
+    told each event after the agent's own listeners (status, metrics) have taken it."""
+
+    def __init__(self, sim: Simulator, hooks: list[RankHook], **settings: Any) -> None:
+        store = InProcessStore()
+        self.port = support.free_port()
+        self.events = [Events(), Events()]
+        self.agents = [
+            SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=hooks[r], store=store, rank=r,
+                        world_size=2, local_world_size=2, reconnect_initial_s=0.02,
+                        reconnect_max_s=0.1, **({"metrics_port": self.port} if r == 0 else {}), **settings)
+            for r in range(2)
+        ]
+        self.trainers = [Trainer(agent) for agent in self.agents]
+        for agent, events in zip(self.agents, self.events, strict=True):
+            agent.start()
+            agent.add_listener(events)
+        for trainer in self.trainers:
+            trainer.start()
+
+    def close(self) -> None:
+        for trainer in self.trainers:
+            trainer.stop()
+        for agent in self.agents:
+            agent.stop()
+
+
+def scraped(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Every sample of the endpoint, parsed by prometheus_client: (name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(scrape(port)) for s in family.samples}
+
+
+def sample(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float | None:
+    return samples.get((name, tuple(sorted({"job": JOB, **labels}.items()))))
+
+
+def standby_gauges(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> dict[str, float]:
+    """rank -> nicswitch_link_standby, checking the node and device labels on the way."""
+    out = {}
+    for (name, labels), value in samples.items():
+        if name == "nicswitch_link_standby":
+            by = dict(labels)
+            assert by["node"] == str(int(by["rank"]) // 2) and by["device"] == str(int(by["rank"]) % 2), by
+            out[by["rank"]] = value
+    return out
+
+
+def test_link_gauges_phases_and_last_switch_on_the_leaders_endpoint_after_real_switches(
+        sim: Simulator, tmp_path: Path) -> None:
+    pytest.importorskip("prometheus_client")
+    job = TwoRanks(sim, [RankHook(), RankHook()], checkpoint_hook=lambda order: None,
+                   status_file=str(tmp_path / "status-{rank}.json"))
+    try:
+        assert sim.wait_until(switch_streams_open, 10)
+        before = scraped(job.port)
+        assert standby_gauges(before) == {"0": 0.0, "1": 0.0}  # every rank of the job, on its primary link
+        assert sample(before, "nicswitch_links_uncertain") == 0
+        assert sample(before, "nicswitch_last_switch_timestamp_seconds") is None
+
+        started = time.time()
+        assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+        assert job.events[0].wait_all("reply_sent", "resumed") and job.events[1].wait_all("switch_outcome")
+        after = scraped(job.port)
+        assert standby_gauges(after) == {"0": 0.0, "1": 1.0}
+        assert started <= sample(after, "nicswitch_last_switch_timestamp_seconds") <= time.time()  # type: ignore[operator]
+        for phase in ("pause", "guard", "switch", "reply"):
+            assert sample(after, "nicswitch_phase_duration_seconds_count", phase=phase) == 1, phase
+            assert sample(after, "nicswitch_phase_duration_seconds_bucket", phase=phase, le="+Inf") == 1, phase
+        assert sample(after, "nicswitch_phase_duration_seconds_count", phase="verify") is None  # no verify hook
+
+        # status(): every rank on the leader, its own on a member; the status command's line.
+        leader, member = (agent.status()["links"] for agent in job.agents)
+        assert {k: leader[k] for k in ("ranks", "primary", "standby", "standby_ranks", "uncertain")} == {
+            "ranks": 2, "primary": 1, "standby": 1, "standby_ranks": "1", "uncertain": 0}
+        assert leader["last_switch"]["seq"] == 1 and leader["last_switch"]["ok"] is True
+        assert leader["last_switch"]["age_s"] >= 0
+        assert (member["ranks"], member["standby"], member["standby_ranks"]) == (1, 1, "1")
+        assert member["last_switch"]["seq"] == 1
+
+        assert sim.wait_until(switch_streams_open, 10)
+        assert support.operator_switch(sim.address, JOB, ["1"], [False]) == "switch nic finish"
+        assert job.events[0].wait("reply_sent", 2) and job.events[1].wait("switch_outcome", 2)
+        back = scraped(job.port)
+        assert standby_gauges(back) == {"0": 0.0, "1": 0.0}
+        assert sample(back, "nicswitch_phase_duration_seconds_count", phase="switch") == 2
+        assert job.agents[1].status()["links"]["standby"] == 0
+    finally:
+        job.close()
+    out = status_command(tmp_path / "status-0.json")
+    assert "links       2 primary, 0 standby; last switch #2 ok " in out, out
+
+
+def status_command(path: Path) -> str:
+    import argparse
+    import contextlib
+    import io
+
+    from nicswitch_agent.observability import status_file
+
+    parser = argparse.ArgumentParser()
+    status_file.add_arguments(parser)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status_file.run(parser.parse_args(["--file", str(path)]))
+    return out.getvalue()
+
+
+def test_a_failed_switch_leaves_its_ranks_uncertain_until_the_rollback_puts_the_gauges_back() -> None:
+    pytest.importorskip("prometheus_client")
+    sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("recover",))], settings=FAST)
+    sim.start()
+    rollback = threading.Event()
+    # rank 0: ok (and ok, unless it skips the failed order), then its rollback waits for the test;
+    # rank 1: ok, fails, rolls back.
+    hooks = [RankHook(gate=((False, True), rollback)), RankHook(results=[True, False, True])]
+    job = TwoRanks(sim, hooks)
+    try:
+        assert sim.wait_until(switch_streams_open, 10)
+        assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+        assert job.events[0].wait("resumed", 1) and job.events[1].wait("switch_outcome", 1)
+        assert standby_gauges(scraped(job.port)) == {"0": 0.0, "1": 1.0}
+
+        assert sim.wait_until(lambda s: support.idle(s, JOB), 10)
+        assert support.operator_switch(sim.address, JOB, ["0", "1"], [True, False]).startswith("switch nic failed")
+        assert hooks[0].gated.wait(20), "no rollback"
+        assert hooks[0].calls[-1] == ((0, 1), (False, True))  # back to where they were
+        # Between the failure and the rollback: links as known before, both ranks in doubt.
+        during = scraped(job.port)
+        assert standby_gauges(during) == {"0": 0.0, "1": 1.0}
+        assert sample(during, "nicswitch_links_uncertain") == 2
+        assert job.agents[0].status()["links"]["uncertain_ranks"] == "0-1"
+        assert job.events[1].wait("switch_outcome", 2)
+        assert job.agents[1].status()["links"]["uncertain"] == 1  # the member's own rank
+        rollback.set()
+
+        assert job.events[0].wait("resumed", 2), "training did not resume after the rollback"
+        assert job.events[1].wait_for(lambda: any(e.detail.get("kind") == "rollback" for e in job.events[1].of(
+            "switch_outcome")))
+        after = scraped(job.port)
+        assert standby_gauges(after) == {"0": 0.0, "1": 1.0}
+        assert sample(after, "nicswitch_links_uncertain") == 0
+        assert sample(after, "nicswitch_switches_total", result="failed") == 1
+        leader, member = (agent.status()["links"] for agent in job.agents)
+        assert (leader["standby_ranks"], leader["uncertain"]) == ("1", 0)
+        assert leader["last_switch"]["seq"] == 2 and leader["last_switch"]["ok"] is False
+        assert (member["standby"], member["uncertain"]) == (1, 0)
+    finally:
+        rollback.set()
+        job.close()
+        sim.stop()
+
+
+def test_a_launchers_leader_knows_every_ranks_link_and_a_dry_run_moves_none(sim: Simulator) -> None:
+    store = InProcessStore()
+    leader = SwitchAgent(server=sim.address, job_id=JOB, pause="external", store=store, world_size=2,
+                         leader_only=True, reconnect_initial_s=0.02, reconnect_max_s=0.1).start()
+    heard = [Events(), Events()]
+    members = [SwitchAgent(server=sim.address, job_id=JOB, pause="external", switch_hook=lambda order: True,
+                           store=store, rank=r, world_size=2, leader="launcher").start() for r in range(2)]
+    for member, events in zip(members, heard, strict=True):
+        member.add_listener(events)  # after the agent's own status listener
+    from nicswitch_agent.sim import MindIOStandIn
+
+    standin = MindIOStandIn(sim.address, JOB)
+    standin.start()
+    try:
+        assert standin.ready.wait(10) and sim.wait_until(switch_streams_open, 10)
+        assert support.operator_switch(sim.address, JOB, ["0", "1"], [True, False]) == "switch nic finish"
+        assert leader.status()["links"]["standby_ranks"] == "0"  # decided before the reply
+        assert all(events.wait("switch_outcome") for events in heard)
+        assert [m.status()["links"]["standby"] for m in members] == [1, 0]
+    finally:
+        standin.stop()
+        for member in members:
+            member.stop()
+        leader.stop()
+
+    dry = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", dry_run=True, on_event=(events := Events()),
+                      reconnect_initial_s=0.02, reconnect_max_s=0.1).start()
+    try:
+        with Trainer(dry):
+            assert sim.wait_until(lambda s: support.idle(s, JOB), 10)
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
+            assert events.wait_all("reply_sent", "resumed")
+        links = dry.status()["links"]
+        assert (links["ranks"], links["standby"], links["last_switch"]["ok"]) == (1, 0, True)
+    finally:
+        dry.stop()
+
+
+def test_compact_ranks_and_the_status_line() -> None:
+    assert compact_ranks([]) == ""
+    assert compact_ranks([23, 16, 17, 18, 19, 20, 21, 22, 40, 7, 7]) == "7,16-23,40"
+    links = LinkMap()
+    links(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 1032}))
+    order = SwitchOrder(seq=3, job_id=JOB, ranks=tuple(range(16, 24)), ops=(True,) * 8)
+
+    class Outcome:
+        ok, attempted = True, True
+
+    links.decided(order, "switch", Outcome())
+    status = links.status()
+    assert format_links(status, None) == "1,024 primary, 8 standby (ranks 16-23); last switch #3 ok"
+    assert format_links({**status, "last_switch": {**status["last_switch"], "at": 1000.0}}, 1150.0).endswith(
+        "last switch #3 ok 2.5 min before the write")
+    many = LinkMap()
+    many(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 100}))
+    many.decided(SwitchOrder(seq=1, job_id=JOB, ranks=tuple(range(0, 100, 2)), ops=(True,) * 50), "switch",
+                 Outcome())
+    assert format_links(many.status(), None).startswith("50 primary, 50 standby (ranks 0,2,4,")
+    assert ",...)" in format_links(many.status(), None)
+    assert format_links(None, None) == format_links({"ranks": 0}, None) == ""
+
+
+def test_phase_timings_from_events() -> None:
+    """switch = the switch order less its guard; verify from a ``verify_*`` event or a ``phase`` detail;
+    a skipped guard is no guard phase; pause from the request to parked."""
+    stats = EventStats()
+    for event in (
+        AgentEvent(kind="pause_requested", job_id=JOB, mono=10.0, detail={"epoch": 1}),
+        AgentEvent(kind="parked", job_id=JOB, mono=10.25, detail={"epoch": 1}),
+        AgentEvent(kind="guard_done", job_id=JOB, detail={"skipped": False, "duration_s": 0.5}),
+        AgentEvent(kind="member_result", job_id=JOB, detail={"kind": "switch", "duration_s": 0.75}),
+        AgentEvent(kind="verify_done", job_id=JOB, detail={"duration_s": 0.125}),
+        AgentEvent(kind="member_result", job_id=JOB, detail={"kind": "verify", "duration_s": 0.2}),
+        AgentEvent(kind="guard_done", job_id=JOB, detail={"skipped": True, "duration_s": 0.0}),
+        AgentEvent(kind="member_result", job_id=JOB, detail={"kind": "switch", "duration_s": 0.5}),
+        AgentEvent(kind="some_later_event", job_id=JOB, detail={"phase": "verify", "duration_s": 0.375}),
+        AgentEvent(kind="reply_sent", job_id=JOB, seq=1, detail={"duration_s": 0.01}),
+    ):
+        stats(event)
+    snap = stats.snapshot()
+    assert snap["phase_pause_s"]["last"] == 0.25
+    assert snap["phase_guard_s"]["count"] == 1
+    assert (snap["phase_switch_s"]["count"], snap["phase_switch_s"]["max"], snap["phase_switch_s"]["last"]) == (
+        2, 0.5, 0.5)
+    assert snap["phase_switch_s"]["mean"] == 0.375  # 0.75 - 0.5, then 0.5 with no guard
+    assert (snap["phase_verify_s"]["count"], snap["phase_verify_s"]["last"]) == (2, 0.375)
+    assert snap["phase_reply_s"]["last"] == 0.01
+
+
+def test_metrics_of_ones_own_speak_only_for_this_processs_rank() -> None:
+    """Without the agent's map, only this rank's switch_outcome reaches it: the leader's world of
+    ranks must not show as all on primary."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry, ranks_per_node=8)
+    metrics(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 9, "world_size": 16}))
+    metrics(AgentEvent(kind="switch_outcome", job_id=JOB, seq=1, wall=1234.5,
+                       detail={"rank": 9, "kind": "switch", "ok": True, "link": "standby"}))
+    assert registry.get_sample_value("nicswitch_link_standby", {"job": JOB, "rank": "9", "node": "1",
+                                                                "device": "1"}) == 1
+    families = {f.name: f for f in registry.collect()}
+    assert len(families["nicswitch_link_standby"].samples) == 1
+    assert registry.get_sample_value("nicswitch_last_switch_timestamp_seconds", {"job": JOB}) == 1234.5

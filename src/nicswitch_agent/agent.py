@@ -298,7 +298,7 @@ class SwitchAgent:
                 self._status_writer.start()
         if leads and cfg.metrics_port is not None:
             if self._metrics is None:  # members serve nothing, so they never need prometheus_client
-                self._metrics = PrometheusMetrics()  # ConfigError if prometheus_client is missing
+                self._metrics = PrometheusMetrics(links=self._stats.links, ranks_per_node=cfg.local_world_size)
                 self._events.add_listener(self._metrics)
             try:
                 self._metrics.start_http_server(cfg.metrics_port)
@@ -324,6 +324,7 @@ class SwitchAgent:
                 on_connection=self._refresh_status, on_conflict=self._on_conflict,
                 on_training_stop=self._training_must_stop, emit=lambda kind, detail: self._emit(kind, detail=detail),
             ))
+        self._coordinator.on_decided = self._stats.links.decided  # every rank's link, for status() and metrics
         self._executor.start()  # before any stream can deliver a list
         self._session.start()
         self._started_mono = time.monotonic()
@@ -493,6 +494,7 @@ class SwitchAgent:
             },
             "counters": counters,
             "timings": self._stats.snapshot(),
+            "links": self._stats.links.status(),
             "last_switch": last_switch,
             "last_step": self.last_step,
             "parked": self._parking.parked,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nicswitch_agent.coordination import messages as p
@@ -71,6 +72,8 @@ class Coordinator:
         self._paused = False
         self._garbage: list[str] = []  # keys of the last epoch, deleted when the next one starts
         self.last_pause: PauseOutcome | None = None
+        # Told every decided order (the agent's link map: observability/links.py); must not raise.
+        self.on_decided: Callable[[SwitchOrder, str, RunOutcome], None] | None = None
         if kv.check([p.QUEUE_HEAD]):  # a leader restarted on a Store that outlived it: continue the count
             self._n = int(kv.get(p.QUEUE_HEAD))
 
@@ -202,6 +205,8 @@ class Coordinator:
                 self._garbage.append(p.order_key(name))  # every rank has read it
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
+            if self.on_decided is not None:
+                self.on_decided(order, kind, outcome)
             return outcome
 
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:

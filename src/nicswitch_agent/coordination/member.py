@@ -93,6 +93,7 @@ class Member:
         self._runner = HookRunner()
         self._inline: InlineRunner | None = None  # the last order's runner on the parked training thread
         self._wake_kv: KV | None = None
+        self._target: tuple[str, bool | None] = ("", None)  # (order key, this rank's op in it) for switch_outcome
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
         self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
         self.events_handled = 0
@@ -237,8 +238,11 @@ class Member:
             if not answered_by_stop:
                 self._publish_result(self.kv, epoch, name, result)
         elif kind == p.OUTCOME:
+            key, op = self._target
+            link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
             self._emit("switch_outcome", {"rank": self.rank, "seq": message.get("seq"), "kind": message.get("kind"),
-                                          "ok": bool(message.get("ok")), "reason": str(message.get("reason", ""))})
+                                          "ok": bool(message.get("ok")), "reason": str(message.get("reason", "")),
+                                          "link": link})
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
@@ -276,6 +280,9 @@ class Member:
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])
+        if kind in (p.KIND_SWITCH, p.KIND_ROLLBACK):  # the orders that move links (a dry run moves none)
+            listed = self.rank in order.ranks and not self.hooks.dry_run
+            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None)
         parked = self.lot.parked
         if not parked and epoch in self._local_epoch:
             # This rank parked for the pause the order belongs to, and its training thread has

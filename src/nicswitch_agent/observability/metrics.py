@@ -19,7 +19,19 @@ The timings every listener derives from events (:func:`event_timings`):
   (``list_received``/``list_rejected`` to ``reply_sent``/``reply_failed``, same ``seq``, leader);
 - ``reply_rpc_s``: the ReplySwitchNicResult call itself, retries included (leader);
 - ``pause_s``: how long this process's training thread was parked (``resumed``);
-- ``rank_<kind>_s``: one rank's checkpoint guard, switch or rollback (``member_result``).
+- ``rank_<kind>_s``: one rank's checkpoint guard, switch or rollback (``member_result``);
+- ``phase_<phase>_s``: the phases of a switch on this process (:data:`PHASES`):
+
+  - ``pause``: from the pause request to the training thread parked at its step boundary
+    (``pause_requested`` to ``parked``);
+  - ``guard``: the checkpoint guard (``guard_done``, unless skipped);
+  - ``switch``: the switch hook: a ``switch`` order on this rank (``member_result``) less its
+    guard (the ``guard_done`` just before it);
+  - ``verify``: this rank's verification (any ``verify_*`` event with ``duration_s``, e.g.
+    ``verify_done``);
+  - ``reply``: the ReplySwitchNicResult call, retries included (leader);
+
+  and any event whose ``detail`` names a ``phase`` of :data:`PHASES` with its ``duration_s``.
 """
 
 from __future__ import annotations
@@ -39,6 +51,7 @@ from typing import Any
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.links import LinkMap
 
 logger = logging.getLogger("nicswitch_agent.metrics")
 
@@ -46,6 +59,9 @@ _PENDING_LIMIT = 1024  # received lists awaiting their reply, remembered for rep
 DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
                     60.0, 120.0, 300.0, 900.0)
 """Seconds, from a millisecond switch to ClusterD's 15-minute limit."""
+
+PHASES = ("pause", "guard", "switch", "verify", "reply")
+"""The phases of a switch, in order, timed by :func:`event_timings` (``phase_<name>_s``)."""
 
 RankSource = int | Callable[[], "int | None"] | None
 
@@ -61,9 +77,38 @@ class _ReplyClock:
 
     def __init__(self) -> None:
         self._received: OrderedDict[tuple[str, int], float] = OrderedDict()
-        self._lock = threading.Lock()  # guards _received
+        self._lock = threading.Lock()  # guards every field
+        self._pause_requested: float | None = None  # mono of the pause request not yet parked
+        self._guard_s = 0.0  # the guard of the switch order under way on this rank
 
     def timings(self, event: AgentEvent) -> dict[str, float]:
+        out = self._reply_and_rank_timings(event)
+        with self._lock:
+            self._phase_timings(event, out)
+        return out
+
+    def _phase_timings(self, event: AgentEvent, out: dict[str, float]) -> None:
+        kind, detail = event.kind, event.detail
+        duration = _number(detail.get("duration_s"))
+        if kind == ev.PAUSE_REQUESTED:
+            self._pause_requested = event.mono
+        elif kind == ev.PARKED and self._pause_requested is not None:
+            out["phase_pause_s"] = max(0.0, event.mono - self._pause_requested)
+            self._pause_requested = None
+        elif kind == ev.GUARD_DONE and not detail.get("skipped") and duration is not None:
+            out["phase_guard_s"] = self._guard_s = duration
+        elif kind.startswith("verify_") and duration is not None:
+            out["phase_verify_s"] = duration
+        elif kind == ev.MEMBER_RESULT and detail.get("kind") == "switch" and duration is not None:
+            out["phase_switch_s"] = max(0.0, duration - self._guard_s)
+        elif kind in (ev.REPLY_SENT, ev.REPLY_FAILED) and duration is not None:
+            out["phase_reply_s"] = duration
+        elif detail.get("phase") in PHASES and duration is not None:
+            out[f"phase_{detail['phase']}_s"] = duration
+        if kind == ev.MEMBER_RESULT:
+            self._guard_s = 0.0
+
+    def _reply_and_rank_timings(self, event: AgentEvent) -> dict[str, float]:
         kind, detail = event.kind, event.detail
         out: dict[str, float] = {}
         if kind in (ev.LIST_RECEIVED, ev.LIST_REJECTED) and event.seq is not None:
@@ -216,13 +261,16 @@ def _iso(wall: float) -> str:
 
 
 class EventStats:
-    """Counts and timings from events, for ``agent.status()["timings"]``. Thread-safe.
+    """What ``agent.status()`` derives from events: timings, and the links (:attr:`links`). Thread-safe.
 
     :meth:`snapshot` returns, per timing name (see the module docstring), ``count``, ``last``,
-    ``max`` and ``mean`` in seconds, plus ``stream_losses`` and ``pauses``.
+    ``max`` and ``mean`` in seconds, plus ``stream_losses``. :attr:`links` is the process's
+    :class:`~nicswitch_agent.observability.links.LinkMap`, fed with every event (a member's own
+    link) and, on the leader, by the Coordinator with every decided order (every rank's link).
     """
 
     def __init__(self) -> None:
+        self.links = LinkMap()
         self._timings = event_timings()
         self._lock = threading.Lock()  # guards _stats, _stream_losses
         self._stats: dict[str, list[float]] = {}  # name -> [count, last, max, total]
@@ -230,6 +278,7 @@ class EventStats:
 
     def __call__(self, event: AgentEvent) -> None:
         try:
+            self.links(event)
             timings = self._timings(event)
             with self._lock:
                 if event.kind == ev.STREAM_LOST:
@@ -303,19 +352,32 @@ class PrometheusMetrics:
     ``nicswitch_reply_latency_seconds``          list received to reply delivered or given up
     ``nicswitch_pause_duration_seconds``         this process's training thread parked
     ``nicswitch_rank_duration_seconds{kind}``    this rank's guard / switch / rollback
+    ``nicswitch_phase_duration_seconds{phase}``  the phases of a switch (:data:`PHASES`)
+    ``nicswitch_last_switch_timestamp_seconds``  when the last switch was decided (Unix time)
+    ``nicswitch_link_standby{rank,node,device}``  1 while the rank is on its standby link, else 0
+    ``nicswitch_links_uncertain``                ranks that may be on either link (failed switch)
     ===========================================  ==============================================
+
+    The link gauges are read from a :class:`~nicswitch_agent.observability.links.LinkMap` at each
+    scrape: the agent's (every rank of the job on the leader), or without one a map of its own,
+    fed with this process's events (its own rank only). ``node`` and ``device``
+    (``rank // ranks_per_node`` and ``rank % ranks_per_node``) are empty when ``ranks_per_node`` is
+    not known.
 
     Args:
         registry: Where to register; default: a registry of its own (so two agents in one
             process never clash), served by :meth:`start_http_server`. Pass
             ``prometheus_client.REGISTRY`` to add the metrics to an application's own endpoint.
         namespace: Metric name prefix.
+        links: The link map to expose (the agent passes its own); default: one of its own.
+        ranks_per_node: Ranks per node (``local_world_size``), for the ``node`` and ``device`` labels.
 
     Raises:
         ConfigError: prometheus_client is not installed.
     """
 
-    def __init__(self, registry: Any = None, *, namespace: str = "nicswitch") -> None:
+    def __init__(self, registry: Any = None, *, namespace: str = "nicswitch", links: LinkMap | None = None,
+                 ranks_per_node: int | None = None) -> None:
         prom = self._prom = _import_prometheus()
         self.registry = prom.CollectorRegistry() if registry is None else registry
         job = ("job",)
@@ -341,6 +403,12 @@ class PrometheusMetrics:
                                                                 "given up")
         self.pause_duration = histogram("pause_duration_seconds", "How long this process's training was parked")
         self.rank_duration = histogram("rank_duration_seconds", "This rank's guard, switch or rollback", ("kind",))
+        self.phase_duration = histogram("phase_duration_seconds", "Each phase of a switch: pause (request to "
+                                        "parked), guard, switch hook, verify, reply call", ("phase",))
+        self.links = LinkMap(own_rank_only=True) if links is None else links
+        self._feed_links = links is None  # a map of its own learns from this process's events
+        self._links_collector = _LinkCollector(self.links, namespace, ranks_per_node)
+        self.registry.register(self._links_collector)
         self._timings = event_timings()
         self._server: Any = None  # prometheus_client's WSGI server once serving
         self._server_thread: threading.Thread | None = None
@@ -354,6 +422,9 @@ class PrometheusMetrics:
 
     def _observe(self, event: AgentEvent) -> None:
         kind, detail, job = event.kind, event.detail, event.job_id
+        self._links_collector.job = job
+        if self._feed_links:
+            self.links(event)
         if kind in (ev.LIST_RECEIVED, ev.LIST_REJECTED):
             self.lists_received.labels(job).inc()
             if kind == ev.LIST_REJECTED:
@@ -385,6 +456,8 @@ class PrometheusMetrics:
                 self.pause_duration.labels(job).observe(value)
             elif name.startswith("rank_"):
                 self.rank_duration.labels(job, name[len("rank_"):-len("_s")]).observe(value)
+            elif name.startswith("phase_"):
+                self.phase_duration.labels(job, name[len("phase_"):-len("_s")]).observe(value)
 
     def start_http_server(self, port: int, addr: str = "0.0.0.0") -> int:
         """Serve ``/metrics`` of :attr:`registry` on a daemon thread; returns the bound port.
@@ -422,8 +495,48 @@ class PrometheusMetrics:
             thread.join(timeout)
 
 
+class _LinkCollector:
+    """``link_standby`` per rank, ``links_uncertain`` and ``last_switch_timestamp_seconds``, read
+    from a LinkMap at each scrape (a collector, not a Gauge per rank: nothing to keep in step, and
+    no work between scrapes)."""
+
+    def __init__(self, links: LinkMap, namespace: str, ranks_per_node: int | None) -> None:
+        self._family = importlib.import_module("prometheus_client.core").GaugeMetricFamily
+        self._links = links
+        self._standby_name = f"{namespace}_link_standby"
+        self._uncertain_name = f"{namespace}_links_uncertain"
+        self._last_switch_name = f"{namespace}_last_switch_timestamp_seconds"
+        self._per_node = ranks_per_node
+        self.job = ""  # the job's id, from the events (set before any rank can have moved)
+
+    def describe(self) -> list[Any]:
+        return self._families(with_samples=False)
+
+    def collect(self) -> list[Any]:
+        return self._families(with_samples=True)
+
+    def _families(self, *, with_samples: bool) -> list[Any]:
+        standby = self._family(self._standby_name, "1 while the rank's traffic is on its standby NIC, 0 on its "
+                               "primary", labels=("job", "rank", "node", "device"))
+        uncertain = self._family(self._uncertain_name, "Ranks that may be on either link: a switch failed after "
+                                 "hooks ran and no rollback made them certain", labels=("job",))
+        if with_samples and self.job:
+            per = self._per_node
+            for rank, on_standby in self._links.links():
+                node, device = ("", "") if not per else (str(rank // per), str(rank % per))
+                standby.add_metric((self.job, str(rank), node, device), 1.0 if on_standby else 0.0)
+            uncertain.add_metric((self.job,), float(self._links.uncertain()))
+        last = self._family(self._last_switch_name, "When the last switch was decided, ok or not (Unix time)",
+                            labels=("job",))
+        at = self._links.last_switch_wall() if with_samples and self.job else None
+        if at is not None:
+            last.add_metric((self.job,), at)
+        return [standby, uncertain, last]
+
+
 __all__ = [
     "DURATION_BUCKETS",
+    "PHASES",
     "EventStats",
     "JsonlEventSink",
     "PrometheusMetrics",

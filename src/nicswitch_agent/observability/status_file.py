@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.links import format_links
 
 logger = logging.getLogger("nicswitch_agent.status")
 
@@ -424,6 +425,9 @@ def format_summary(report: StatusReport) -> str:
     elif s.get("last_step") is not None:
         lines.append(f"training    last step {s.get('last_step')}")
     lines.append(f"last switch {_last_switch(s.get('last_switch'), _number(doc.get('written_at')))}")
+    links = format_links(s.get("links"), _number(doc.get("written_at")), _duration)
+    if links:
+        lines.append(f"links       {links}")
     c = s.get("counters") or {}
     if c:
         lines.append(
