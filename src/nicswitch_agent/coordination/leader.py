@@ -206,7 +206,10 @@ class Coordinator:
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
             if self.on_decided is not None:
-                self.on_decided(order, kind, outcome)
+                try:
+                    self.on_decided(order, kind, outcome)
+                except Exception:  # bookkeeping must never cost the reply
+                    logger.exception("recording the decided order failed; ignored")
             return outcome
 
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
