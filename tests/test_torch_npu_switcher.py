@@ -519,6 +519,18 @@ def test_l2_off_with_no_communicator_anywhere_moved_nothing_it_was_asked(monkeyp
     assert statuses(switcher) == {"0": "no_communicator", "other": "not_listed"}
 
 
+def test_a_registry_shaped_otherwise_leaves_the_groups_unknown_not_the_switch_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    npu.registry._pg_names = ["0"]  # a list, not a dict: only the agent's reading reads it
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is True
+    record = switcher.last_record()
+    assert record is not None and record.groups is None
+    assert record.note.startswith("reading the process groups failed (AttributeError")
+
+
 def test_a_refusal_is_false_and_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
     npu = FakeNpu(monkeypatch)
     npu.group("0", (0, 1))
@@ -581,6 +593,31 @@ def test_a_switch_that_takes_long_is_a_false_result_within_the_hook_timeout(monk
     straggler.join(10)
     record = switcher.last_record()
     assert record is not None and record.seq == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_registry_is_read_as_torch_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's real process-group registry (what torch_npu's dist_c10d is), with a gloo group standing
+    in for an NPU one: the attribute paths, the collective count and the warm-up barrier are torch's own."""
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.hooks import npu_groups
+
+    c10d = types.ModuleType("torch_npu.distributed.distributed_c10d")
+    c10d.dist_c10d = dist.distributed_c10d  # type: ignore[attr-defined]  # as torch_npu imports it
+    monkeypatch.setitem(sys.modules, "torch_npu.distributed.distributed_c10d", c10d)
+    monkeypatch.setattr(npu_groups, "DEVICE_TYPE", "cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.new_group([0])
+        first = npu_groups.list_npu_groups(0)
+        assert [(g.name, g.ranks, g.collectives) for g in first] == [("0", (0,), 0), ("1", (0,), 0)]
+        assert all(g.has_communicator is None for g in first)  # gloo has no HCCL communicator to ask about
+        dist.all_reduce(torch.ones(1))
+        npu_groups.warm_up(first[1])
+        assert [g.collectives for g in npu_groups.list_npu_groups(0)] == [1, 1]
+    finally:
+        dist.destroy_process_group()
 
 
 # -- the record reaches the member's result ------------------------------------------------------------

@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger("nicswitch_agent.hooks")
 
 C10D_MODULE = "torch_npu.distributed.distributed_c10d"
+DEVICE_TYPE = "npu"  # torch_npu renames torch's PrivateUse1 device to this
 
 
 class GroupsUnknown(Exception):
@@ -82,9 +84,10 @@ def _registry() -> Any:
     return registry
 
 
-def _probe(what: str, call: Any, *args: Any, **kwargs: Any) -> Any:
+def _probe(what: str, ask: Callable[[], Any]) -> Any:
+    """``ask()``, or None when this torch_npu cannot answer it (an attribute missing, a call failing)."""
     try:
-        return call(*args, **kwargs)
+        return ask()
     except Exception as exc:
         logger.debug("process group probe %s failed: %s", what, exc)
         return None
@@ -100,25 +103,29 @@ def list_npu_groups(rank: int) -> list[NpuGroup]:
         GroupsUnknown: the registry cannot be read with this torch_npu.
     """
     registry = _registry()
-    names = getattr(registry, "_pg_names", {})
     groups = []
-    for pg in list(registry._pg_map):
-        npu = [d for d in getattr(pg, "_device_types", ()) if getattr(d, "type", None) == "npu"]
-        if not npu:
-            continue  # _comm_switch_nic skips it too (a gloo-only group)
-        backend = pg._get_backend(npu[0])
-        name = names.get(pg) or getattr(pg, "group_name", None) or "?"
-        ranks = _probe("ranks", registry.get_process_group_ranks, pg)
-        comm = _probe("communicator", backend.get_hccl_comm_name, rank, init_comm=False)
-        seq = _probe("collectives", backend._get_sequence_number_for_group)
-        groups.append(NpuGroup(
-            name=str(name),
-            ranks=None if ranks is None else tuple(int(r) for r in ranks),
-            has_communicator=None if comm is None else bool(comm),
-            collectives=None if seq is None else int(seq),
-            backend=backend,
-        ))
+    try:
+        for pg in list(registry._pg_map):
+            npu = [d for d in getattr(pg, "_device_types", ()) if getattr(d, "type", None) == DEVICE_TYPE]
+            if npu:  # else a gloo-only group, which _comm_switch_nic skips too
+                groups.append(_group(registry, pg, pg._get_backend(npu[0]), rank))
+    except Exception as exc:  # a registry shaped otherwise: say so, never fail the switch for it
+        raise GroupsUnknown(f"reading the process groups failed ({type(exc).__name__}: {exc})") from exc
     return groups
+
+
+def _group(registry: Any, pg: Any, backend: Any, rank: int) -> NpuGroup:
+    name = getattr(registry, "_pg_names", {}).get(pg) or getattr(pg, "group_name", None) or "?"
+    ranks = _probe("ranks", lambda: registry.get_process_group_ranks(pg))
+    comm = _probe("communicator", lambda: backend.get_hccl_comm_name(rank, init_comm=False))
+    seq = _probe("collectives", lambda: backend._get_sequence_number_for_group())
+    return NpuGroup(
+        name=str(name),
+        ranks=None if ranks is None else tuple(int(r) for r in ranks),
+        has_communicator=None if comm is None else bool(comm),
+        collectives=None if seq is None else int(seq),
+        backend=backend,
+    )
 
 
 def warm_up(group: NpuGroup) -> None:
