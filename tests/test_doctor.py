@@ -309,6 +309,20 @@ def test_switch_time(env: dict[str, str], ok: bool | None, text: str) -> None:
     assert check.ok is ok and check.detail.startswith(text), check.detail
 
 
+@pytest.mark.timeout(60)  # the first import of torch can take 10 s on a loaded machine
+def test_the_hccl_lines_are_printed(no_torch_npu: None, capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"HCCL_OP_RETRY_ENABLE": HCCL_OK, "NICSWITCH_SWITCH_TIMEOUT_S": "200"}
+    assert run(doctor_args("--json"), env=env) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["P2P communicators"]["status"] == "warn"
+    assert "set P2P_HCCL_BUFFSIZE=0" in checks["P2P communicators"]["detail"]
+    assert checks["HCCL switch time"]["status"] == "warn"
+    assert "above switch_timeout_s=200 s" in checks["HCCL switch time"]["detail"]
+    names = list(checks)
+    assert names.index("HCCL_OP_RETRY_ENABLE") + 1 == names.index("P2P communicators")
+    assert names.index("P2P communicators") + 1 == names.index("HCCL switch time")
+
+
 def test_switch_time_names_the_fix() -> None:
     slow = doctor.check_switch_time(gather_inputs(env={"HCCL_CONNECT_TIMEOUT": "400",
                                                        "NICSWITCH_SWITCH_TIMEOUT_S": "300"}))
