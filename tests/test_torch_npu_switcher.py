@@ -404,6 +404,12 @@ def test_start_warns_when_the_worst_case_outlasts_the_waits(monkeypatch: pytest.
     assert text in info  # the same finding is in the start line
 
 
+@pytest.mark.parametrize("value", [0, -1.5, "120", True, float("nan")])
+def test_a_bad_switch_timeout_is_refused_at_construction(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"TorchNpuSwitcher\(switch_timeout_s=.*\): must be a positive number"):
+        TorchNpuSwitcher(switch_timeout_s=value)
+
+
 def test_start_within_the_waits_says_so(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "120")
     FakeNpu(monkeypatch).group("0", (0, 1))

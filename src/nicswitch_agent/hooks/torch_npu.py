@@ -154,9 +154,17 @@ class TorchNpuSwitcher(Switcher):
     Args:
         switch_timeout_s: The agent's budget for this hook, to judge at start whether HCCL's
             worst-case blocking time fits in it (the agent passes its own; None: not judged).
+
+    Raises:
+        ConfigError: ``switch_timeout_s`` is not a positive number.
     """
 
     def __init__(self, *, switch_timeout_s: float | None = None) -> None:
+        if switch_timeout_s is not None and (isinstance(switch_timeout_s, bool)
+                                             or not isinstance(switch_timeout_s, (int, float))
+                                             or not switch_timeout_s > 0):
+            raise ConfigError(f"TorchNpuSwitcher(switch_timeout_s={switch_timeout_s!r}): must be a positive number "
+                              "of seconds, or None")
         self._fn: Callable[..., Any] | None = None
         self._switch_timeout_s = switch_timeout_s
         self._record: SwitchRecord | None = None  # replaced whole, never mutated: safe to read from any thread
