@@ -71,7 +71,8 @@ def no_torch_npu(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def ready_env(server: str, **extra: str) -> dict[str, str]:
     env = {"NICSWITCH_SERVER": server, "MINDX_TASK_ID": JOB, "HCCL_OP_RETRY_ENABLE": HCCL_OK,
-           "RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+           "RANK": "1", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2",
+           "P2P_HCCL_BUFFSIZE": "0", "HCCL_CONNECT_TIMEOUT": "120", "NICSWITCH_SWITCH_TIMEOUT_S": "300"}
     env.update(extra)
     return env
 
@@ -261,6 +262,76 @@ def test_hccl_retry(env: dict[str, str], ok: bool | None) -> None:
     assert check.ok is ok
     if not ok:
         assert 'set HCCL_OP_RETRY_ENABLE="L0:0, L1:1, L2:1"' in check.detail
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({}, None, "P2P_HCCL_BUFFSIZE unset (20 MB): send/recv (pipeline parallelism) run on two-rank communicators "
+                   "a switch does not visit"),
+        ({"P2P_HCCL_BUFFSIZE": "20"}, None, "P2P_HCCL_BUFFSIZE='20': send/recv"),
+        ({"P2P_HCCL_BUFFSIZE": "0"}, True, "P2P_HCCL_BUFFSIZE='0': send/recv run on each group's own communicator"),
+        # torch_npu reads it with strtol: not a number is 0
+        ({"P2P_HCCL_BUFFSIZE": "none"}, True, "P2P_HCCL_BUFFSIZE='none': send/recv run on each group's own"),
+        ({"P2P_HCCL_BUFFSIZE": "-1"}, None, "P2P_HCCL_BUFFSIZE='-1' is negative"),
+    ],
+)
+def test_p2p_communicators(env: dict[str, str], ok: bool | None, text: str) -> None:
+    check = doctor.check_p2p_links(gather_inputs(env=env))
+    assert check.name == "P2P communicators"
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+    if not ok:
+        assert "P2P_HCCL_BUFFSIZE=0" in check.detail
+
+
+@pytest.mark.parametrize(
+    ("env", "ok", "text"),
+    [
+        ({}, None, "worst case per process group: 2.5 x 300 s (HCCL_CONNECT_TIMEOUT unset) = 750 s (times the number "
+                   "of process groups the agent logs at start): above switch_timeout_s=120 s"),
+        ({"HCCL_CONNECT_TIMEOUT": "120"}, None, "worst case per process group: 2.5 x 120 s (HCCL_CONNECT_TIMEOUT=120) "
+                                                "= 300 s (times"),
+        ({"HCCL_CONNECT_TIMEOUT": "120", "NICSWITCH_SWITCH_TIMEOUT_S": "300"}, True,
+         "worst case per process group: 2.5 x 120 s (HCCL_CONNECT_TIMEOUT=120) = 300 s, within switch_timeout_s=300 s "
+         "and ClusterD's 900 s"),
+        ({"HCCL_CONNECT_TIMEOUT": "400", "NICSWITCH_SWITCH_TIMEOUT_S": "300"}, None,
+         "worst case per process group: 2.5 x 400 s (HCCL_CONNECT_TIMEOUT=400) = 1000 s"),
+        ({"HCCL_CONNECT_TIMEOUT": "0"}, None, "worst case per process group: 2.5 x 300 s (HCCL_CONNECT_TIMEOUT='0', "
+                                              "read as 0: the default) = 750 s"),
+        # switch_timeout_s unknown (the settings check fails it): judged against ClusterD's wait alone
+        ({"NICSWITCH_SWITCH_TIMEOUT_S": "-1"}, True, "worst case per process group: 2.5 x 300 s (HCCL_CONNECT_TIMEOUT "
+                                                     "unset) = 750 s, within ClusterD's 900 s"),
+    ],
+)
+def test_switch_time(env: dict[str, str], ok: bool | None, text: str) -> None:
+    check = doctor.check_switch_time(gather_inputs(env=env))
+    assert check.name == "HCCL switch time"
+    assert check.ok is ok and check.detail.startswith(text), check.detail
+
+
+@pytest.mark.timeout(60)  # the first import of torch can take 10 s on a loaded machine
+def test_the_hccl_lines_are_printed(no_torch_npu: None, capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"HCCL_OP_RETRY_ENABLE": HCCL_OK, "NICSWITCH_SWITCH_TIMEOUT_S": "200"}
+    assert run(doctor_args("--json"), env=env) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
+    assert checks["P2P communicators"]["status"] == "warn"
+    assert "set P2P_HCCL_BUFFSIZE=0" in checks["P2P communicators"]["detail"]
+    assert checks["HCCL switch time"]["status"] == "warn"
+    assert "above switch_timeout_s=200 s" in checks["HCCL switch time"]["detail"]
+    names = list(checks)
+    assert names.index("HCCL_OP_RETRY_ENABLE") + 1 == names.index("P2P communicators")
+    assert names.index("P2P communicators") + 1 == names.index("HCCL switch time")
+
+
+def test_switch_time_names_the_fix() -> None:
+    slow = doctor.check_switch_time(gather_inputs(env={"HCCL_CONNECT_TIMEOUT": "400",
+                                                       "NICSWITCH_SWITCH_TIMEOUT_S": "300"}))
+    assert "above switch_timeout_s=300 s" in slow.detail and "above ClusterD's 900 s wait" in slow.detail
+    assert "fix: lower HCCL_CONNECT_TIMEOUT to 360 s" in slow.detail
+    assert "raise switch_timeout_s to 900 s" not in slow.detail  # impossible: named as such instead
+    short = doctor.check_switch_time(gather_inputs(env={}))
+    assert "fix: raise switch_timeout_s to 750 s (guard_timeout_s + switch_timeout_s + reply_timeout_s must stay " \
+           "below 900 s)" in short.detail
 
 
 @pytest.mark.parametrize(

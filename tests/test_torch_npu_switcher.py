@@ -1,4 +1,13 @@
-"""TorchNpuSwitcher against a fake ``torch_npu.npu``; torch is never imported by the agent's core."""
+"""TorchNpuSwitcher against a fake ``torch_npu``; torch is never imported by the agent's core.
+
+Two fakes: :func:`install_fake` has only ``torch_npu.npu._comm_switch_nic`` (an older or stripped
+torch_npu: the process groups are then unknown), and :class:`FakeNpu` mirrors what the real
+torch_npu does around a switch (read in its source): ``_comm_switch_nic`` synchronizes, reads
+``RANK``, walks ``dist_c10d._pg_map`` and calls each NPU group's ``_set_switch_nic_comm``, which
+answers True without switching anything for a group with no communicator on this device, False
+for a communicator that never ran a collective (HCCL_E_PARA), and True without moving anything
+when HCCL's backup link is off (L2 op retry).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 from typing import Any
@@ -13,9 +23,23 @@ from typing import Any
 import pytest
 
 from nicswitch_agent import ConfigError, SwitchAgent, SwitchOrder, TorchNpuSwitcher
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.hook_runner import HookRunner, HookStatus, execute_order
+from nicswitch_agent.coordination.parking import ParkingLot
+from nicswitch_agent.hooks.base import hook_record
 from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
 
 L2_ON = "L0:0, L1:1, L2:1"
+
+
+@pytest.fixture(autouse=True)
+def hccl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank of a torchrun job with L2 retry on; P2P and connect timeout at HCCL's defaults."""
+    monkeypatch.setenv("HCCL_OP_RETRY_ENABLE", L2_ON)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("P2P_HCCL_BUFFSIZE", raising=False)
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
 
 
 class FakeSwitchNic:
@@ -38,6 +62,8 @@ def install_fake(monkeypatch: pytest.MonkeyPatch, fn: Any = None, *, with_functi
     package.npu = npu  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "torch_npu", package)
     monkeypatch.setitem(sys.modules, "torch_npu.npu", npu)
+    monkeypatch.setitem(sys.modules, "torch_npu.distributed", None)  # this one has no process-group registry
+    monkeypatch.setitem(sys.modules, "torch_npu.distributed.distributed_c10d", None)
     return npu
 
 
@@ -47,8 +73,126 @@ def make_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu.npu", None)
 
 
-def order(ranks: tuple[int, ...], ops: tuple[bool, ...]) -> SwitchOrder:
-    return SwitchOrder(seq=1, job_id="job-1", ranks=ranks, ops=ops)
+def order(ranks: tuple[int, ...], ops: tuple[bool, ...], seq: int = 1) -> SwitchOrder:
+    return SwitchOrder(seq=seq, job_id="job-1", ranks=ranks, ops=ops)
+
+
+# -- a torch_npu that behaves like the real one around a switch -----------------------------------
+
+
+class Device:
+    def __init__(self, kind: str) -> None:
+        self.type = kind
+
+
+class Done:
+    def wait(self) -> bool:
+        return True
+
+
+class HcclBackend:
+    """ProcessGroupHCCL as far as a switch sees it: a lazily created communicator and its collectives."""
+
+    def __init__(self, npu: FakeNpu, name: str, ranks: tuple[int, ...], communicator: bool, collectives: int) -> None:
+        self.npu, self.name, self.ranks = npu, name, ranks
+        self.communicator, self.collectives = communicator, collectives
+
+    def get_hccl_comm_name(self, rankid: int, init_comm: bool = True) -> str:
+        if not self.communicator:
+            if not init_comm:
+                return ""
+            self.communicator = True  # the real one creates it here
+        return f"hccl_world_{self.name}"
+
+    def _get_sequence_number_for_group(self) -> int:
+        return self.collectives
+
+    def barrier(self) -> Done:  # an all-reduce of one float: creates the communicator if needed, counts
+        self.npu.log.append(("barrier", self.name))
+        self.communicator = True
+        self.collectives += 1
+        return Done()
+
+    def _set_switch_nic_comm(self, rankid: int, nRanks: int, ranks: list[int], useBackup: list[bool]) -> bool:
+        self.npu.log.append(("switch", self.name))
+        if not self.communicator:
+            return True  # nothing under this device's key: "success", nothing switched
+        if not set(ranks) & set(self.ranks):
+            return True  # no listed rank in the group: HCCL is not called
+        if self.collectives == 0:
+            return False  # HCCL_E_PARA: a communicator that never ran a collective
+        if self.name in self.npu.refuse:
+            return False
+        if hccl_retry_enables_l2(os.environ.get("HCCL_OP_RETRY_ENABLE")):
+            self.npu.moved.append(self.name)  # else HCCL answers SUCCESS with a warning, moving nothing
+        return True
+
+
+class ProcessGroup:
+    def __init__(self, backend: HcclBackend, kind: str) -> None:
+        self._device_types = [Device(kind)]
+        self._backend = backend
+
+    def _get_backend(self, device: Device) -> HcclBackend:
+        assert device.type == "npu", "asked a non-NPU group for its NPU backend"
+        return self._backend
+
+
+class FakeNpu:
+    """``torch_npu`` with ``npu._comm_switch_nic`` and ``distributed.distributed_c10d``, in sys.modules."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.log: list[tuple[str, str]] = []  # ("barrier" | "switch" | "sync", group)
+        self.moved: list[str] = []  # groups whose links HCCL really moved
+        self.refuse: set[str] = set()
+        self.gate: threading.Event | None = None  # set: the switch blocks until it is set
+        self.entered = threading.Event()
+        registry = types.SimpleNamespace(_pg_map={}, _pg_names={}, get_process_group_ranks=self._ranks)
+        self.registry = registry
+        package = types.ModuleType("torch_npu")
+        npu = types.ModuleType("torch_npu.npu")
+        distributed = types.ModuleType("torch_npu.distributed")
+        c10d = types.ModuleType("torch_npu.distributed.distributed_c10d")
+        c10d.dist_c10d = registry  # type: ignore[attr-defined]
+        c10d._comm_switch_nic = self._c10d_switch  # type: ignore[attr-defined]
+        npu._comm_switch_nic = self._npu_switch  # type: ignore[attr-defined]
+        package.npu, package.distributed, distributed.distributed_c10d = npu, distributed, c10d  # type: ignore[attr-defined]
+        for name, module in (("torch_npu", package), ("torch_npu.npu", npu), ("torch_npu.distributed", distributed),
+                             ("torch_npu.distributed.distributed_c10d", c10d)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    def group(self, name: str, ranks: tuple[int, ...], *, communicator: bool = True, collectives: int = 10,
+              kind: str = "npu") -> HcclBackend:
+        backend = HcclBackend(self, name, ranks, communicator, collectives)
+        pg = ProcessGroup(backend, kind)
+        self.registry._pg_map[pg] = ("hccl", None)
+        self.registry._pg_names[pg] = name
+        return backend
+
+    def _ranks(self, pg: ProcessGroup) -> list[int]:
+        return list(pg._backend.ranks)
+
+    def _npu_switch(self, ranks: list[int], useBackup: list[bool]) -> bool:  # torch_npu.npu._comm_switch_nic
+        self.log.append(("sync", ""))
+        self.entered.set()
+        if self.gate is not None:
+            self.gate.wait()
+        return bool(self._c10d_switch(ranks, useBackup))
+
+    def _c10d_switch(self, ranks: list[int], useBackup: list[bool]) -> bool:
+        rankid = int(os.environ["RANK"])
+        result = True
+        for pg in self.registry._pg_map:
+            npu = any(d.type == "npu" for d in pg._device_types)
+            if npu and not pg._get_backend(Device("npu"))._set_switch_nic_comm(rankid, len(ranks), ranks, useBackup):
+                result = False
+        return result
+
+
+def statuses(switcher: TorchNpuSwitcher) -> dict[str, str]:
+    record = switcher.last_record()
+    assert record is not None and record.groups is not None
+    return {g.name: g.status for g in record.groups}
 
 
 # -- the call --------------------------------------------------------------------------------------
@@ -187,20 +331,348 @@ def test_check_warns_when_l2_is_off(monkeypatch: pytest.MonkeyPatch, caplog: pyt
     install_fake(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="nicswitch_agent.hooks"):
         TorchNpuSwitcher().check()
-    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and r.name == "nicswitch_agent.hooks"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING
+                and r.name == "nicswitch_agent.hooks" and "HCCL_OP_RETRY_ENABLE" in r.getMessage()]
     assert len(warnings) == 1
-    text = warnings[0].getMessage()
-    assert f"HCCL_OP_RETRY_ENABLE={value!r}" in text
-    assert "L2" in text
+    text = warnings[0]
+    assert ("HCCL_OP_RETRY_ENABLE unset" if value is None else f"HCCL_OP_RETRY_ENABLE={value!r}") in text
+    assert "does not enable L2" in text
     assert L2_ON in text
 
 
-def test_check_is_quiet_when_l2_is_on(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setenv("HCCL_OP_RETRY_ENABLE", L2_ON)
-    install_fake(monkeypatch)
-    with caplog.at_level(logging.WARNING, logger="nicswitch_agent.hooks"):
-        TorchNpuSwitcher().check()
+def test_check_is_quiet_when_everything_is_switched(monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("P2P_HCCL_BUFFSIZE", "0")
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "120")
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    with caplog.at_level(logging.INFO, logger="nicswitch_agent.hooks"):
+        TorchNpuSwitcher(switch_timeout_s=300).check()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert npu.log == []  # looking switches nothing, warms nothing
+
+
+# -- what start() says --------------------------------------------------------------------------------
+
+
+def start_log(caplog: pytest.LogCaptureFixture, switcher: TorchNpuSwitcher) -> tuple[str, list[str]]:
+    """(the one INFO line, the WARNING lines) of ``switcher.check()``."""
+    with caplog.at_level(logging.INFO, logger="nicswitch_agent.hooks"):
+        switcher.check()
+    records = [r for r in caplog.records if r.name == "nicswitch_agent.hooks"]
+    info = [r.getMessage() for r in records if r.levelno == logging.INFO]
+    assert len(info) == 1, info
+    return info[0], [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_start_names_the_groups_and_their_communicators(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1, 2, 3), collectives=12)
+    npu.group("tp", (0, 1), communicator=False, collectives=0)
+    npu.group("eager", (0, 2), collectives=0)
+    npu.group("cpu", (0, 1), kind="cpu")  # a gloo group: torch_npu does not switch it
+    info, _ = start_log(caplog, TorchNpuSwitcher())
+    assert ("NPU process groups now: 0 (4 ranks, communicator, 12 collective(s) run), tp (2 ranks, no "
+            "communicator yet), eager (2 ranks, communicator, 0 collective(s) run)") in info
+    assert "cpu" not in info
+
+
+def test_start_warns_that_p2p_communicators_are_not_switched(monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    _, warnings = start_log(caplog, TorchNpuSwitcher())
+    p2p = [w for w in warnings if "P2P_HCCL_BUFFSIZE" in w]
+    assert len(p2p) == 1
+    assert "P2P_HCCL_BUFFSIZE unset (20 MB)" in p2p[0] and "does not visit" in p2p[0]
+    assert "set P2P_HCCL_BUFFSIZE=0" in p2p[0]
+
+
+def test_start_warns_when_the_worst_case_outlasts_the_waits(monkeypatch: pytest.MonkeyPatch,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("P2P_HCCL_BUFFSIZE", "0")
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    npu.group("tp", (0, 1))
+    npu.group("pp", (0, 2), communicator=False)  # switches nothing, so it blocks nothing
+    info, warnings = start_log(caplog, TorchNpuSwitcher(switch_timeout_s=120))
+    assert len(warnings) == 1
+    text = warnings[0]
+    assert "worst case 2 group(s) x 2.5 x 300 s (HCCL_CONNECT_TIMEOUT unset) = 1500 s" in text
+    assert "above switch_timeout_s=120 s" in text and "above ClusterD's 900 s wait" in text
+    assert "lower HCCL_CONNECT_TIMEOUT to 180 s" in text
+    assert text in info  # the same finding is in the start line
+
+
+@pytest.mark.parametrize("value", [0, -1.5, "120", True, float("nan")])
+def test_a_bad_switch_timeout_is_refused_at_construction(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"TorchNpuSwitcher\(switch_timeout_s=.*\): must be a positive number"):
+        TorchNpuSwitcher(switch_timeout_s=value)
+
+
+def test_start_within_the_waits_says_so(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("HCCL_CONNECT_TIMEOUT", "120")
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    info, warnings = start_log(caplog, TorchNpuSwitcher(switch_timeout_s=300))
+    assert not [w for w in warnings if "worst case" in w]
+    assert ("worst case 1 group(s) x 2.5 x 120 s (HCCL_CONNECT_TIMEOUT=120) = 300 s, within switch_timeout_s=300 s "
+            "and ClusterD's 900 s") in info
+
+
+def test_start_without_rank_warns(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delenv("RANK")
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    info, warnings = start_log(caplog, TorchNpuSwitcher())
+    assert any("RANK=None is not a rank" in w and "torchrun" in w for w in warnings), warnings
+    assert "process groups not listed (no RANK)" in info
+
+
+def test_start_with_a_torch_npu_without_the_registry(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    install_fake(monkeypatch)
+    info, _ = start_log(caplog, TorchNpuSwitcher())
+    assert "process groups cannot be listed: cannot import torch_npu.distributed.distributed_c10d" in info
+
+
+def test_the_agent_gives_its_switch_timeout_to_the_default_switcher(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    agent = SwitchAgent(server="127.0.0.1:1", job_id="job-1", switch_timeout_s=7)
+    try:
+        hook = agent._switch_hook
+        assert isinstance(hook, TorchNpuSwitcher)
+        _, warnings = start_log(caplog, hook)
+    finally:
+        agent.stop("test done")
+    assert any("above switch_timeout_s=7 s" in w for w in warnings), warnings
+
+
+# -- around a switch: warm up, record, answer ------------------------------------------------------
+
+
+def test_a_true_from_torch_npu_for_a_group_without_communicator_is_reported_not_switched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1, 2, 3))
+    npu.group("tp", (0, 1), communicator=False, collectives=0)
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is True
+    assert npu.moved == ["0"]
+    assert ("barrier", "tp") not in npu.log  # not warmed: it carries no traffic
+    assert statuses(switcher) == {"0": "switched", "tp": "no_communicator"}
+    groups = switcher.last_record().to_dict()["groups"]  # type: ignore[union-attr]
+    assert groups[1]["switched"] is False and groups[1]["warmed"] is False
+    assert "first collective builds its links on the default NIC" in groups[1]["why"]
+
+
+def test_a_communicator_that_never_ran_a_collective_is_warmed_then_switched(monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1, 2, 3))
+    npu.group("eager", (0, 1), collectives=0)
+    npu.group("eager2", (0, 2), collectives=0)
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((0, 1, 2), (True, True, True))) is True
+    assert npu.log[:3] == [("barrier", "eager"), ("barrier", "eager2"), ("sync", "")]  # in creation order, before
+    assert npu.moved == ["0", "eager", "eager2"]
+    record = switcher.last_record()
+    assert record is not None and record.groups is not None
+    assert [(g.name, g.warmed, g.switched) for g in record.groups] == [
+        ("0", False, True), ("eager", True, True), ("eager2", True, True)]
+
+
+def test_without_warm_up_the_fake_refuses_like_hccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fake's refusal is what the warm-up avoids: called bare, it answers False (HCCL_E_PARA).
+    npu = FakeNpu(monkeypatch)
+    npu.group("eager", (0, 1), collectives=0)
+    import torch_npu.npu  # type: ignore[import-not-found]  # the fake
+
+    assert torch_npu.npu._comm_switch_nic([1], [True]) is False
+    assert npu.moved == []
+
+
+def test_l2_off_answers_false_although_torch_npu_says_true(monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("HCCL_OP_RETRY_ENABLE", "L0:0, L1:1, L2:0")
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    npu.group("tp", (0, 1), communicator=False)
+    switcher = TorchNpuSwitcher()
+    with caplog.at_level(logging.WARNING, logger="nicswitch_agent.hooks"):
+        assert switcher(order((1,), (True,))) is False
+    assert npu.moved == []
+    record = switcher.last_record()
+    assert record is not None and record.torch_npu_result is True and record.ok is False and not record.l2_retry
+    assert statuses(switcher) == {"0": "backup_disabled", "tp": "no_communicator"}
+    assert any("answering False: HCCL moved nothing" in r.getMessage() for r in caplog.records)
+
+
+def test_l2_off_with_unknown_groups_answers_false(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HCCL_OP_RETRY_ENABLE")
+    install_fake(monkeypatch, FakeSwitchNic(True))
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is False
+    record = switcher.last_record()
+    assert record is not None and record.groups is None and "distributed_c10d" in record.note
+
+
+def test_l2_off_with_no_communicator_anywhere_moved_nothing_it_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HCCL_OP_RETRY_ENABLE")
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1), communicator=False)
+    npu.group("other", (2, 3))  # no listed rank in it: HCCL is not called for it
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is True
+    assert statuses(switcher) == {"0": "no_communicator", "other": "not_listed"}
+
+
+def test_a_registry_shaped_otherwise_leaves_the_groups_unknown_not_the_switch_failed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    npu.registry._pg_names = ["0"]  # a list, not a dict: only the agent's reading reads it
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is True
+    record = switcher.last_record()
+    assert record is not None and record.groups is None
+    assert record.note.startswith("reading the process groups failed (AttributeError")
+
+
+def test_a_refusal_is_false_and_recorded(monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    npu.group("tp", (0, 1))
+    npu.refuse.add("tp")
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is False
+    assert statuses(switcher) == {"0": "refused", "tp": "refused"}  # one bool for all: which one is not told
+
+
+@pytest.mark.parametrize(("value", "mb", "visited"), [(None, 20, False), ("64", 64, False), ("0", 0, True)])
+def test_p2p_communicators_are_recorded(monkeypatch: pytest.MonkeyPatch, value: str | None, mb: int,
+                                        visited: bool) -> None:
+    if value is not None:
+        monkeypatch.setenv("P2P_HCCL_BUFFSIZE", value)
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    switcher = TorchNpuSwitcher()
+    assert switcher(order((1,), (True,))) is True
+    record = switcher.last_record()
+    assert record is not None and record.p2p_buffsize_mb == mb
+    p2p = record.to_dict()["groups"][0]["p2p"]
+    assert p2p.startswith("switched with the group") if visited else p2p.startswith("not visited")
+    assert f"P2P_HCCL_BUFFSIZE={mb}" in p2p
+
+
+def test_the_record_is_plain_data(monkeypatch: pytest.MonkeyPatch) -> None:
+    FakeNpu(monkeypatch).group("0", (0, 1))
+    switcher = TorchNpuSwitcher()
+    assert switcher.last_record() is None and hook_record(switcher) is None
+    switcher(order((0, 1), (True, False), seq=9))
+    detail = hook_record(switcher)
+    assert detail is not None
+    assert p.MemberResult.decode(p.MemberResult(0, True, "switched", detail=detail).encode()).detail == detail
+    assert detail["seq"] == 9 and detail["ok"] is True and detail["torch_npu_result"] is True
+    assert detail["groups"] == [{"name": "0", "ranks": [0, 1], "status": "switched", "switched": True,
+                                 "warmed": False, "p2p": detail["groups"][0]["p2p"],
+                                 "why": detail["groups"][0]["why"]}]
+
+
+@pytest.mark.timeout(15)
+def test_a_switch_that_takes_long_is_a_false_result_within_the_hook_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0, 1))
+    switcher = TorchNpuSwitcher()
+    switcher(order((1,), (True,), seq=1))
+    npu.gate = threading.Event()
+    runner = HookRunner()
+    try:
+        execution = execute_order(order((1,), (True,), seq=2), runner=runner, switch_hook=switcher,
+                                  checkpoint_hook=None, guard_timeout_s=1, switch_timeout_s=0.05, dry_run=False)
+        assert execution.ok is False and execution.switch is not None
+        assert execution.switch.status is HookStatus.TIMEOUT
+        assert npu.entered.is_set()  # it was inside torch_npu when the budget ran out
+        assert switcher.last_record() is None  # the first call's record is not this call's
+        assert runner.busy() == "switch of order #2"
+    finally:
+        npu.gate.set()
+    straggler = runner._straggler
+    assert straggler is not None
+    straggler.join(10)
+    record = switcher.last_record()
+    assert record is not None and record.seq == 2
+
+
+@pytest.mark.timeout(60)
+def test_the_registry_is_read_as_torch_keeps_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's real process-group registry (what torch_npu's dist_c10d is), with a gloo group standing
+    in for an NPU one: the attribute paths, the collective count and the warm-up barrier are torch's own."""
+    torch = pytest.importorskip("torch")
+    dist = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.hooks import npu_groups
+
+    c10d = types.ModuleType("torch_npu.distributed.distributed_c10d")
+    c10d.dist_c10d = dist.distributed_c10d  # type: ignore[attr-defined]  # as torch_npu imports it
+    monkeypatch.setitem(sys.modules, "torch_npu.distributed.distributed_c10d", c10d)
+    monkeypatch.setattr(npu_groups, "DEVICE_TYPE", "cpu")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.new_group([0])
+        first = npu_groups.list_npu_groups(0)
+        assert [(g.name, g.ranks, g.collectives) for g in first] == [("0", (0,), 0), ("1", (0,), 0)]
+        assert all(g.has_communicator is None for g in first)  # gloo has no HCCL communicator to ask about
+        dist.all_reduce(torch.ones(1))
+        npu_groups.warm_up(first[1])
+        assert [g.collectives for g in npu_groups.list_npu_groups(0)] == [1, 1]
+    finally:
+        dist.destroy_process_group()
+
+
+# -- the record reaches the member's result ------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_the_member_result_carries_the_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    npu = FakeNpu(monkeypatch)
+    npu.group("0", (0,))
+    npu.group("tp", (0,), communicator=False)
+    store = InProcessStore()
+    lot = ParkingLot()  # never parked: the member runs the hooks on its own thread (pause mode external)
+    member = Member(KV(store, "t"), 0, lot, MemberHooks(switch_hook=TorchNpuSwitcher(), checkpoint_hook=None,
+                                                       guard_timeout_s=5, switch_timeout_s=5, dry_run=False),
+                    lambda: 0, stop_timeout_s=5)
+    coordinator = Coordinator(KV(store, "t"), 1)
+    member.start()
+    try:
+        outcome = coordinator.run(order((0,), (True,), seq=3), kind=KIND_SWITCH, budget_s=10)
+        assert outcome.ok, outcome.reason
+        epoch = coordinator.epoch
+        results = list(p.arriving_results(KV(store, "t"), epoch, f"{epoch}.3.{KIND_SWITCH}", 1, float("inf")))
+    finally:
+        member.stop()
+    assert len(results) == 1
+    detail = results[0].detail
+    assert detail is not None and detail["seq"] == 3
+    assert [(g["name"], g["status"]) for g in detail["groups"]] == [("0", "switched"), ("tp", "no_communicator")]
+
+
+def test_a_result_without_record_keeps_the_old_wire_form() -> None:
+    text = p.MemberResult(2, True, "switched", attempted=True).encode()
+    assert "detail" not in p.decode(text)
+    old = p.encode({"t": "r", "rank": 2, "ok": True, "reason": "switched", "attempted": True, "guard": False})
+    assert p.MemberResult.decode(old) == p.MemberResult(2, True, "switched", attempted=True)
+
+
+def test_a_hook_whose_record_fails_keeps_its_result(caplog: pytest.LogCaptureFixture) -> None:
+    class Broken:
+        def __call__(self, order: SwitchOrder) -> bool:
+            return True
+
+        def last_record(self) -> Any:
+            raise RuntimeError("record lost")
+
+    with caplog.at_level(logging.ERROR, logger="nicswitch_agent.hooks"):
+        assert hook_record(Broken()) is None
+    assert "last_record() failed" in caplog.text
+    assert hook_record(lambda order: True) is None
 
 
 # -- the agent's default hook --------------------------------------------------------------------

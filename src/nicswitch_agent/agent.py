@@ -167,7 +167,8 @@ class SwitchAgent:
         self.pause_mode, self._pause_reason = resolve_pause_mode(config.pause)
         self._on_stop = on_stop
         if switch_hook is None:
-            switch_hook = DryRunSwitcher() if config.dry_run else TorchNpuSwitcher()
+            switch_hook = (DryRunSwitcher() if config.dry_run
+                           else TorchNpuSwitcher(switch_timeout_s=config.switch_timeout_s))
         self._switch_hook = switch_hook
         self._checkpoint_hook = checkpoint_hook
         self._store = store

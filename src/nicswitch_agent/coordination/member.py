@@ -39,6 +39,7 @@ from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, InlineRunner, execute_order
 from nicswitch_agent.coordination.kv import KV
 from nicswitch_agent.coordination.parking import ParkingLot
+from nicswitch_agent.hooks.base import hook_record
 from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.member")
@@ -313,7 +314,8 @@ class Member:
                     "duration_s": 0.0 if guard is None else guard.duration_s})
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
-                                      guard_ok=execution.guard is not None and execution.guard.ok)
+                                      guard_ok=execution.guard is not None and execution.guard.ok,
+                                      detail=hook_record(hooks.switch_hook) if execution.switch is not None else None)
             if kind == p.KIND_ROLLBACK:
                 return self._one_hook(runner, "rollback", hooks.switch_hook, order, hooks.switch_timeout_s, True)
             if kind == p.KIND_CHECKPOINT:
@@ -378,5 +380,6 @@ class Member:
         if busy is not None:
             return p.MemberResult(self.rank, False, f"refused: the {busy} is still running past its timeout")
         result: HookResult = runner.run(name, hook, order, timeout, expect_bool=expect_bool)
-        return p.MemberResult(self.rank, result.ok, result.detail, attempted=name == "rollback")
+        record = hook_record(hook) if name == "rollback" else None
+        return p.MemberResult(self.rank, result.ok, result.detail, attempted=name == "rollback", detail=record)
 

@@ -174,19 +174,23 @@ class MemberResult:
     attempted: bool = False  # the switch hook was called (links may have moved)
     guard_ok: bool = False  # a checkpoint of the parked step exists on this rank
     interrupted: bool = False  # the training thread left its parking spot (Ctrl-C, sys.exit) during it
+    detail: dict[str, Any] | None = None  # the switch hook's record of the call (hooks.base.hook_record)
 
     def encode(self) -> str:
         message = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
                    "attempted": self.attempted, "guard": self.guard_ok}
         if self.interrupted:  # only then: a leader of an earlier version reads the same keys as before
             message["interrupted"] = True
+        if self.detail is not None:  # likewise: only when the hook offered a record
+            message["detail"] = self.detail
         return encode(message)
 
     @classmethod
     def decode(cls, text: str) -> MemberResult:
         v = decode(text)
+        detail = v.get("detail")
         return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
-                   bool(v.get("interrupted", False)))
+                   bool(v.get("interrupted", False)), detail if isinstance(detail, dict) else None)
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,

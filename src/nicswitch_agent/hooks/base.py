@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import abc
 import inspect
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.orders import SwitchOrder
+
+logger = logging.getLogger("nicswitch_agent.hooks")
 
 SwitchHook = Callable[[SwitchOrder], "bool | None"]
 """Switches the links of ``order`` on this process; returns False (or raises) on failure."""
@@ -70,3 +73,21 @@ def require_callable(name: str, value: Any, takes: str) -> None:
         signature.bind(None)
     except TypeError as exc:
         raise ConfigError(f"{name}={value!r} must be callable with {takes} ({exc})") from None
+
+
+def hook_record(hook: Any) -> dict[str, Any] | None:
+    """The record of the hook's last finished call, when it offers one; else None.
+
+    A switch hook may have ``last_record()`` returning None or an object with ``to_dict()``
+    (:class:`~nicswitch_agent.TorchNpuSwitcher` says per process group what moved). A record that
+    cannot be read is logged and left out: it never turns a result into a failure.
+    """
+    get = getattr(hook, "last_record", None)
+    if not callable(get):
+        return None
+    try:
+        record = get()
+        return None if record is None else dict(record.to_dict())
+    except Exception:
+        logger.exception("the switch hook's last_record() failed; its result goes without a record")
+        return None

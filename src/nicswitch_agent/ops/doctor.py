@@ -10,7 +10,8 @@ the other ``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more o
 ClusterD answering ``HealthCheck`` (within ``--timeout``, over TLS when it is on; a plaintext/TLS
 mismatch is named as such), the pause mode and who pauses
 training, torch, torch_npu, ``torch_npu.npu._comm_switch_nic``, ``HCCL_OP_RETRY_ENABLE`` enabling
-L2 (without it HCCL accepts a switch and does nothing), a way to map ClusterD's global ranks
+L2 (without it HCCL accepts a switch and does nothing), ``P2P_HCCL_BUFFSIZE`` (send/recv communicators a
+switch does not visit), HCCL's worst-case switch time, a way to map ClusterD's global ranks
 (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the file-descriptor limit
 the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and the
 checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
@@ -59,15 +60,14 @@ from nicswitch_agent.config import (
 )
 from nicswitch_agent.coordination import fd_budget
 from nicswitch_agent.errors import ConfigError
+from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
-from nicswitch_agent.hooks.torch_npu import hccl_retry_enables_l2
 from nicswitch_agent.ops.om_cli import add_tls_arguments, positive_float, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
 ROLE = "nicswitch-doctor"  # ClusterD logs ClientInfo.role: the doctor's call is easy to tell apart
-HCCL_RETRY_VALUE = "L0:0, L1:1, L2:1"
 
 _SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
 _JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
@@ -391,14 +391,18 @@ def check_switch_function(inp: Inputs) -> Check:
 
 
 def check_hccl_retry(inp: Inputs) -> Check:
-    name = "HCCL_OP_RETRY_ENABLE"
-    value = inp.env.get("HCCL_OP_RETRY_ENABLE")
-    if hccl_retry_enables_l2(value):
-        return Check(name, True, f"{value!r} enables L2")
-    shown = "unset" if value is None else repr(value)
-    detail = (f"{shown} does not enable L2: HCCL then accepts a link switch, says it succeeded and does "
-              f"nothing; set HCCL_OP_RETRY_ENABLE=\"{HCCL_RETRY_VALUE}\" before training starts")
-    return Check(name, None if inp.dry_run else False, detail)
+    found = retry_finding(inp.env)  # without L2 HCCL accepts a switch, says it succeeded and does nothing
+    return Check("HCCL_OP_RETRY_ENABLE", True if found.ok else None if inp.dry_run else False, found.text)
+
+
+def check_p2p_links(inp: Inputs) -> Check:
+    found = p2p_finding(inp.env)
+    return Check("P2P communicators", True if found.ok else None, found.text)
+
+
+def check_switch_time(inp: Inputs) -> Check:
+    found = blocking_finding(inp.env, None, inp.config.switch_timeout_s if inp.config is not None else None)
+    return Check("HCCL switch time", True if found.ok else None, found.text)
 
 
 def check_rank_map(inp: Inputs) -> Check:
@@ -556,6 +560,8 @@ CHECKS: tuple[Callable[[Inputs], Check], ...] = (
     check_torch_npu,
     check_switch_function,
     check_hccl_retry,
+    check_p2p_links,
+    check_switch_time,
     check_rank_map,
     check_file_descriptors,
     check_checkpoint_dir,
