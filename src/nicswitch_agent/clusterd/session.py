@@ -69,6 +69,7 @@ class LeaderSession:
             reconnect_max_s=cfg.reconnect_max_s,
             max_receive_bytes=cfg.max_message_bytes,
             tls=cfg.tls_settings(),
+            single_threaded_streams=True,  # idle streams wait in gRPC core (docs/performance.md, "Idle CPU")
         ))
         try:
             self.stub = RecoverStub(self.channel)
