@@ -226,8 +226,9 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
-def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[str, Any]:
-    """Run in a child: import what ``mode`` says, maybe start an agent, idle, report."""
+def child_main(mode: str, server: str, seconds: float, settle: float, job: str = JOB) -> dict[str, Any]:
+    """Run in a child: import what ``mode`` says, maybe start an agent (or the floor) for ``job``, idle,
+    report."""
     if "torch" in mode:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         import warnings
@@ -239,20 +240,20 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
     if mode == "floor":
         from benchmarks._servers import FloorLeader
 
-        floor = FloorLeader(server, FLOOR_JOB)
+        floor = FloorLeader(server, job)
     elif mode == "member":  # every rank but the leader: coordination only, no ClusterD client
         quiet_logging()
         from nicswitch_agent import SwitchAgent
         from nicswitch_agent.coordination import InProcessStore
 
-        agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+        agent = SwitchAgent(server=server, job_id=job, pause="agent", switch_hook=lambda order: True,
                             rank=1, world_size=2, store=InProcessStore())
         agent.start()
     elif "agent" in mode:
         quiet_logging()
         from nicswitch_agent import SwitchAgent
 
-        agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True)
+        agent = SwitchAgent(server=server, job_id=job, pause="agent", switch_hook=lambda order: True)
         agent.start()
     time.sleep(settle)
     if agent is not None and mode != "member":
@@ -287,11 +288,11 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
     return report
 
 
-def _start_child(mode: str, server: str, seconds: float, settle: float) -> subprocess.Popen[str]:
+def _start_child(mode: str, server: str, seconds: float, settle: float, job: str = JOB) -> subprocess.Popen[str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.Popen(
         [sys.executable, "-m", "benchmarks.idle", "--child", mode, "--server", server, "--seconds", str(seconds),
-         "--settle", str(settle)],
+         "--settle", str(settle), "--job", job],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
 
@@ -315,7 +316,8 @@ def _run_child(mode: str, server: str, seconds: float, settle: float) -> dict[st
 
 def _run_side_by_side(modes: tuple[str, ...], server: str, seconds: float, settle: float) -> list[dict[str, Any]]:
     """Run the children at the same time, so that load from other processes hits them alike."""
-    procs = [(mode, _start_child(mode, server, seconds, settle)) for mode in modes]
+    procs = [(mode, _start_child(mode, server, seconds, settle, FLOOR_JOB if mode == "floor" else JOB))
+             for mode in modes]
     return [_child_report(mode, proc, seconds + settle + 120) for mode, proc in procs]
 
 
@@ -404,8 +406,9 @@ def _cli() -> None:
     parser.add_argument("--server", required=True)
     parser.add_argument("--seconds", type=float, default=0.0)
     parser.add_argument("--settle", type=float, default=2.0)
+    parser.add_argument("--job", default=JOB)
     args = parser.parse_args()
-    report = child_main(args.child, args.server, args.seconds, args.settle)
+    report = child_main(args.child, args.server, args.seconds, args.settle, args.job)
     print(json.dumps(report))
 
 
