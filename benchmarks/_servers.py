@@ -170,6 +170,68 @@ class FloorResubscriber:
         self.channel.close()
 
 
+class FloorLeader:
+    """The idle floor: bare grpcio holding a leader's two streams, as a plain client would write it.
+
+    Init, Register, then ``SubscribeProcessManageSignal`` and ``SubscribeNotifySwitch`` each read by
+    ``for message in call`` on a thread of its own, on one channel with the agent's options
+    (keep-alive, reconnect backoff, message sizes: :meth:`ChannelSettings.options`). The notify
+    stream is reopened after 0.2 s if ClusterD refuses it (the job is not registered yet) or ends it.
+    No connectivity subscription, no timers: what grpcio itself costs for the same connection.
+    """
+
+    def __init__(self, address: str, job_id: str) -> None:
+        self.channel = grpc.insecure_channel(address, options=transport.ChannelSettings(target=address).options())
+        self.stub = transport.RecoverStub(self.channel)
+        self._info = pb.ClientInfo(jobId=job_id, role="floor")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()  # guards _calls
+        self._calls: dict[str, Any] = {}
+        self.signals = 0
+        self.opens = {"SubscribeProcessManageSignal": 0, "SubscribeNotifySwitch": 0}
+        for method, name in (("Init", "init"), ("Register", "register")):
+            status = getattr(self.stub, method)(self._info, timeout=10, wait_for_ready=True)
+            if status.code != P.OK:
+                raise RuntimeError(f"floor {name}: {status.code} {status.info!r}")
+        self._threads = [
+            threading.Thread(target=self._hold, args=(method,), name=f"floor-{method}", daemon=True)
+            for method in self.opens
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _hold(self, method: str) -> None:
+        while not self._stop.is_set():
+            call = getattr(self.stub, method)(self._info, wait_for_ready=True)
+            with self._lock:
+                self._calls[method] = call
+                self.opens[method] += 1
+            try:
+                for _message in call:
+                    self.signals += 1
+            except grpc.RpcError:
+                pass
+            with self._lock:
+                self._calls.pop(method, None)
+            self._stop.wait(0.2)
+
+    def streams_open(self) -> bool:
+        """Both streams are in flight (neither ended)."""
+        with self._lock:
+            calls = list(self._calls.values())
+        return len(calls) == 2 and not any(call.done() for call in calls)
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            calls = list(self._calls.values())
+        for call in calls:
+            call.cancel()
+        for thread in self._threads:
+            thread.join(2)
+        self.channel.close()
+
+
 class StampedSimulator(Simulator):
     """The ClusterD simulator, unchanged, with a monotonic stamp at every point a switch passes.
 

@@ -4,10 +4,12 @@
   signature, in the same loop, interleaved round by round (target: at most 1.5x).
 - What the fast path does: the Python and C calls it makes (sys.setprofile) and the memory it
   allocates (tracemalloc), against the same bare function.
-- The idle agent's CPU over a window (target: under 0.5 % of one core) and its resident memory over a
-  process without it (target: under 15 MB). These run in child processes (``python -m benchmarks.idle
-  --child MODE``) connected to the simulator in this process, so neither the simulator nor this
-  process's own allocations count.
+- The idle agent's CPU over a window (target: under 0.5 % of one core), against the floor measured
+  in the same window: bare grpcio holding the same two streams with the same channel options
+  (target: at most 1.5x the floor + 0.1 % of a core); per thread, for both. And its resident memory
+  over a process without it (target: under 15 MB). These run in child processes (``python -m
+  benchmarks.idle --child MODE``) connected to the simulator in this process, so neither the
+  simulator nor this process's own allocations count.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from benchmarks._common import (
 )
 
 JOB = "bench-idle"
+FLOOR_JOB = "bench-idle-floor"
 TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -223,8 +226,9 @@ def _thread_cpu() -> dict[str, float]:
     return out
 
 
-def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[str, Any]:
-    """Run in a child: import what ``mode`` says, maybe start an agent, idle, report."""
+def child_main(mode: str, server: str, seconds: float, settle: float, job: str = JOB) -> dict[str, Any]:
+    """Run in a child: import what ``mode`` says, maybe start an agent (or the floor) for ``job``, idle,
+    report."""
     if "torch" in mode:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         import warnings
@@ -232,19 +236,24 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
         warnings.filterwarnings("ignore")
         import torch  # noqa: F401
     agent = None
-    if mode == "member":  # every rank but the leader: coordination only, no ClusterD client
+    floor = None
+    if mode == "floor":
+        from benchmarks._servers import FloorLeader
+
+        floor = FloorLeader(server, job)
+    elif mode == "member":  # every rank but the leader: coordination only, no ClusterD client
         quiet_logging()
         from nicswitch_agent import SwitchAgent
         from nicswitch_agent.coordination import InProcessStore
 
-        agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+        agent = SwitchAgent(server=server, job_id=job, pause="agent", switch_hook=lambda order: True,
                             rank=1, world_size=2, store=InProcessStore())
         agent.start()
     elif "agent" in mode:
         quiet_logging()
         from nicswitch_agent import SwitchAgent
 
-        agent = SwitchAgent(server=server, job_id=JOB, pause="agent", switch_hook=lambda order: True)
+        agent = SwitchAgent(server=server, job_id=job, pause="agent", switch_hook=lambda order: True)
         agent.start()
     time.sleep(settle)
     if agent is not None and mode != "member":
@@ -272,20 +281,54 @@ def child_main(mode: str, server: str, seconds: float, settle: float) -> dict[st
         report["connected"] = bool(status.get("connected"))
         report["process_manage_open"] = bool((status.get("process_manage") or {}).get("stream_open"))
         agent.stop()
+    if floor is not None:
+        report["connected"] = report["process_manage_open"] = floor.streams_open()
+        report["opens"] = dict(floor.opens)
+        floor.close()
+    return report
+
+
+def _start_child(mode: str, server: str, seconds: float, settle: float, job: str = JOB) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.idle", "--child", mode, "--server", server, "--seconds", str(seconds),
+         "--settle", str(settle), "--job", job],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def _child_report(mode: str, proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    if proc.returncode != 0:
+        raise RuntimeError(f"idle child {mode!r} failed ({proc.returncode}): {stderr[-2000:]}")
+    report: dict[str, Any] = json.loads(stdout.strip().splitlines()[-1])
     return report
 
 
 def _run_child(mode: str, server: str, seconds: float, settle: float) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.idle", "--child", mode, "--server", server, "--seconds", str(seconds),
-         "--settle", str(settle)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=seconds + settle + 120,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"idle child {mode!r} failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    report: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return report
+    return _child_report(mode, _start_child(mode, server, seconds, settle), seconds + settle + 120)
+
+
+def _run_side_by_side(modes: tuple[str, ...], server: str, seconds: float, settle: float) -> list[dict[str, Any]]:
+    """Run the children at the same time, so that load from other processes hits them alike."""
+    procs = [(mode, _start_child(mode, server, seconds, settle, FLOOR_JOB if mode == "floor" else JOB))
+             for mode in modes]
+    return [_child_report(mode, proc, seconds + settle + 120) for mode, proc in procs]
+
+
+def _pct(report: dict[str, Any]) -> float:
+    return 100.0 * float(report["cpu_s"]) / float(report["window_s"])
+
+
+def _by_thread(report: dict[str, Any]) -> str:
+    """``name 0.09 s, ...``: CPU seconds per thread over the window, largest first."""
+    threads = sorted(report["threads"].items(), key=lambda kv: -kv[1])
+    return ", ".join(f"{name} {cpu:.2f} s" for name, cpu in threads)
 
 
 def run_idle_process(settings: Settings, result: BenchResult) -> None:
@@ -294,10 +337,12 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
     window = settings.pick(2.0, 60.0)
     settle = settings.pick(0.5, 3.0)
     # Real ClusterD timings: a keep-alive signal on the process-manage stream every 5 s.
-    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0"]})],
-                   settings=SimSettings(shuffle_nodes=False)) as sim:
+    # The floor holds the same two streams for a job of its own (two process-manage clients for one
+    # job would fight), against the same simulator, during the same window as the agent.
+    jobs = [SimJob(job_id=job, nodes={"node-0": ["0"]}) for job in (JOB, FLOOR_JOB)]
+    with Simulator(jobs=jobs, settings=SimSettings(shuffle_nodes=False)) as sim:
         bare_report = _run_child("bare", sim.address, 0, settle)
-        agent_report = _run_child("agent", sim.address, window, settle)
+        agent_report, floor_report = _run_side_by_side(("agent", "floor"), sim.address, window, settle)
         member_report = _run_child("member", sim.address, 0, settle)
         torch_reports: dict[str, dict[str, Any]] = {}
         if not settings.quick:
@@ -305,11 +350,21 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
             torch_reports["torch+agent"] = _run_child("torch+agent", sim.address, 0, settle)
     if not agent_report.get("connected") or not agent_report.get("process_manage_open"):
         raise RuntimeError(f"the idle agent was not connected: {agent_report}")
-    cpu_pct = 100.0 * agent_report["cpu_s"] / agent_report["window_s"]
+    if not floor_report.get("connected"):
+        raise RuntimeError(f"the bare grpcio floor did not hold its two streams: {floor_report}")
+    cpu_pct, floor_pct = _pct(agent_report), _pct(floor_report)
+    budget = 1.5 * floor_pct + 0.1
     rss_delta_mb = (agent_report["rss"]["VmRSS"] - bare_report["rss"]["VmRSS"]) / 1024
     result.add(single_metric(f"idle agent CPU over {window:g} s", cpu_pct, "% of a core", target="< 0.5 %",
                              ok=lambda v: v < 0.5,
-                             note="leader, pause mode agent, streams open; 5 s keep-alives, 10 s pings"))
+                             note="leader, pause mode agent, streams open; 5 s keep-alives, 10 s pings; "
+                                  f"per thread: {_by_thread(agent_report)}"))
+    result.add(single_metric(f"floor: bare grpcio holding the same two streams, CPU over {window:g} s", floor_pct,
+                             "% of a core", note="same simulator, same channel options, measured at the same time; "
+                                                 f"per thread: {_by_thread(floor_report)}"))
+    result.add(single_metric("idle agent CPU / floor, same run", cpu_pct / floor_pct if floor_pct else float("nan"),
+                             "x", target="<= 1.5x floor + 0.1 % of a core", ok=lambda _v: cpu_pct <= budget,
+                             note=f"agent {cpu_pct:.3f} %, floor {floor_pct:.3f} %, budget {budget:.3f} %"))
     result.add(single_metric("RSS: agent process - bare python", rss_delta_mb, "MB", target="< 15 MB",
                              ok=lambda v: v < 15,
                              note=f"bare {bare_report['rss']['VmRSS'] / 1024:.1f} MB, with agent "
@@ -328,7 +383,8 @@ def run_idle_process(settings: Settings, result: BenchResult) -> None:
         result.add(single_metric("RSS: torch+agent - torch process", (ta["rss"]["VmRSS"] - t["rss"]["VmRSS"]) / 1024,
                                  "MB", target="< 15 MB", ok=lambda v: v < 15,
                                  note="the realistic case: a training process already has torch loaded"))
-    result.details["children"] = {"bare": bare_report, "agent": agent_report, "member": member_report,
+    result.details["children"] = {"bare": bare_report, "agent": agent_report, "floor": floor_report,
+                                  "member": member_report,
                                   **torch_reports}
 
 
@@ -350,8 +406,9 @@ def _cli() -> None:
     parser.add_argument("--server", required=True)
     parser.add_argument("--seconds", type=float, default=0.0)
     parser.add_argument("--settle", type=float, default=2.0)
+    parser.add_argument("--job", default=JOB)
     args = parser.parse_args()
-    report = child_main(args.child, args.server, args.seconds, args.settle)
+    report = child_main(args.child, args.server, args.seconds, args.settle, args.job)
     print(json.dumps(report))
 
 

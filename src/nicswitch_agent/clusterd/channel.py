@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import grpc.experimental
 
 from nicswitch_agent import process_hooks
 from nicswitch_agent._pb.service import METHODS, SERVICE, Method, RecoverStub, generic_handler
@@ -104,6 +105,12 @@ class ChannelSettings:
     max_send_bytes: int = 4 * 1024 * 1024
     tls: TlsSettings | None = None
     """None: plaintext (ClusterD's own way, and a local sidecar's)."""
+    single_threaded_streams: bool = False
+    """Server streams are read on the reading thread alone, blocked in gRPC core (grpcio's
+    experimental ``SingleThreadedUnaryStream``), instead of through grpcio's channel thread and
+    100 ms wait slices in Python: an idle stream then runs no Python. ``cancel()`` from another
+    thread still ends a blocked read at once; the call's future methods (``result()``,
+    ``exception()``) do not block. For the leader's channel (its streams are only iterated)."""
 
     def options(self) -> list[tuple[str, int | str]]:
         """Channel arguments.
@@ -130,6 +137,8 @@ class ChannelSettings:
         ]
         if self.tls is not None and self.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        if self.single_threaded_streams:
+            options.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
         return options
 
 
@@ -240,31 +249,64 @@ def connect_problem(stub: RecoverStub, client: Any, timeout_s: float = 1.0) -> s
     return None
 
 
+def _state_reader(channel: Any) -> Callable[[bool], grpc.ChannelConnectivity] | None:
+    """How to read ``channel``'s connectivity now, without subscribing; None if this channel cannot.
+
+    grpcio tells a channel's state only to subscribers, and a subscription keeps one gRPC thread
+    awake every 200 ms for as long as it lasts. The state itself is one call into gRPC core, the one
+    that thread makes (``check_connectivity_state`` on the channel's core object, which grpcio keeps in
+    ``Channel._channel``). A channel without it (another grpcio, a test double) is watched as before:
+    subscribed for its lifetime.
+    """
+    check = getattr(getattr(channel, "_channel", None), "check_connectivity_state", None)
+    if not callable(check):
+        return None
+    by_number = {state.value[0]: state for state in grpc.ChannelConnectivity}
+
+    def read(try_to_connect: bool) -> grpc.ChannelConnectivity:
+        try:
+            return by_number.get(check(try_to_connect), grpc.ChannelConnectivity.SHUTDOWN)
+        except ValueError:  # "Channel closed!"
+            return grpc.ChannelConnectivity.SHUTDOWN
+
+    return read
+
+
 class ConnectivityWatch:
-    """Tracks whether a channel is READY, with one subscription for the channel's lifetime.
+    """Whether a channel is READY, and word to listeners when it becomes so.
 
     One per channel, shared by everything that needs to know (the notify subscriber, the
-    process-manage client, the replier, and through them ``status()``): each extra
-    ``channel.subscribe`` is one more gRPC polling thread, and ``grpc.channel_ready_future`` per
-    call spawns one each time. A polling thread that starts just before ``close()`` dies with
-    "Channel closed!", so :meth:`close` waits for the first state to arrive before it lets go.
+    process-manage client, the replier, and through them ``status()``). A subscription
+    (``channel.subscribe``) keeps one gRPC polling thread waking every 200 ms while it lasts
+    (docs/performance.md, "Idle CPU"), so the watch holds one only while someone waits for READY:
+    from :meth:`start`, :meth:`wait_ready`, or a read of :attr:`state` that finds the channel not
+    READY, until READY arrives. Then it lets go, and :attr:`state` is read from gRPC core on demand.
+
+    So listeners hear every change on the way to READY, and none away from it: a connection that
+    goes away ends the streams on it (which is how their owners hear it), and the next read of the
+    state sees the change and subscribes again. A polling thread that starts just before
+    ``close()`` dies with "Channel closed!", so :meth:`close` waits until gRPC's poller has let go.
     """
 
     def __init__(self, channel: grpc.Channel) -> None:
         self._channel = channel
-        self._cond = threading.Condition()  # guards _state, _closed, _subscribed, _listeners
+        self._read_now = _state_reader(channel)
+        self._cond = threading.Condition()  # guards the fields below; taken before gRPC's own lock
         self._state: grpc.ChannelConnectivity | None = None
         self._closed = False
-        # Subscribed by start() or on first use, not here: a watch that nobody uses costs nothing.
-        self._subscribed = False
+        self._subscribed = False  # nothing subscribed until someone asks: an unused watch costs nothing
         self._listeners: list[Callable[[grpc.ChannelConnectivity], None]] = []
+        self.subscriptions = 0  # how often the watch subscribed (each starts gRPC's poller if none runs)
 
     def _on_change(self, state: grpc.ChannelConnectivity) -> None:
         with self._cond:
-            if self._closed:
-                return
+            if self._closed or not self._subscribed:
+                return  # a delivery that crossed our unsubscribe: the state is read on demand now
             self._state = state
             listeners = list(self._listeners)
+            if state is grpc.ChannelConnectivity.READY and self._read_now is not None:
+                self._subscribed = False  # nobody waits any more; gRPC's poller ends within 0.2 s
+                self._channel.unsubscribe(self._on_change)
             self._cond.notify_all()
         for listener in listeners:  # outside the lock: a listener may read the watch
             try:
@@ -275,37 +317,64 @@ class ConnectivityWatch:
     def _subscribe_locked(self) -> None:
         if not self._subscribed and not self._closed:
             self._subscribed = True
+            self.subscriptions += 1
             self._channel.subscribe(self._on_change, try_to_connect=True)
 
-    def start(self) -> ConnectivityWatch:
-        """Subscribe now (and start connecting), so that listeners hear every change."""
-        with self._cond:
+    def _refresh_locked(self, try_to_connect: bool) -> None:
+        """Read the state now unless a subscription keeps it fresh; subscribe if it is not READY."""
+        if self._closed:
+            return
+        if self._read_now is None:
+            self._subscribe_locked()  # no way to read on demand: stay subscribed
+            return
+        if self._subscribed:
+            return
+        self._state = self._read_now(try_to_connect)
+        if self._state is not grpc.ChannelConnectivity.READY:
             self._subscribe_locked()
+
+    def start(self) -> ConnectivityWatch:
+        """Start connecting, and subscribe unless the channel is READY already, so that listeners
+        hear when it becomes READY."""
+        with self._cond:
+            self._refresh_locked(try_to_connect=True)
         return self
 
     def add_listener(self, listener: Callable[[grpc.ChannelConnectivity], None]) -> None:
-        """Call ``listener(state)`` on every change of state, on gRPC's delivery thread (it must
-        not block). Does not subscribe by itself: see :meth:`start`."""
+        """Call ``listener(state)`` on every change heard while subscribed (see the class docstring),
+        on gRPC's delivery thread (it must not block). Does not subscribe by itself."""
         with self._cond:
             self._listeners.append(listener)
 
     @property
+    def subscribed(self) -> bool:
+        """A subscription is held now (someone waits for READY)."""
+        return self._subscribed
+
+    @property
     def state(self) -> grpc.ChannelConnectivity | None:
-        return self._state
+        """The channel's state now (None until first known). Reading a state other than READY
+        subscribes, so that listeners hear when the channel becomes READY."""
+        with self._cond:
+            self._refresh_locked(try_to_connect=False)
+            return self._state
 
     @property
     def ready(self) -> bool:
         """The channel is READY now (a connection is up)."""
-        return self._state is grpc.ChannelConnectivity.READY and not self._closed
+        return self.state is grpc.ChannelConnectivity.READY and not self._closed
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the channel is READY; False if it is not within ``timeout``."""
         with self._cond:
-            self._subscribe_locked()
-            if self._state is grpc.ChannelConnectivity.IDLE and not self._closed:
+            self._refresh_locked(try_to_connect=True)
+            if self._state is grpc.ChannelConnectivity.IDLE and self._subscribed:
                 # Nothing else is dialing: ask for a connection (a fresh subscription does).
-                self._channel.unsubscribe(self._on_change)
-                self._channel.subscribe(self._on_change, try_to_connect=True)
+                if self._read_now is not None:
+                    self._read_now(True)
+                else:
+                    self._channel.unsubscribe(self._on_change)
+                    self._channel.subscribe(self._on_change, try_to_connect=True)
             return self._cond.wait_for(
                 lambda: self._closed or self._state is grpc.ChannelConnectivity.READY, timeout
             ) and not self._closed
@@ -315,18 +384,17 @@ class ConnectivityWatch:
         so that the channel can be closed next. Idempotent.
 
         A channel closed under that thread makes it die with "Channel closed!": it reads the
-        channel once when it starts, then after each 0.2 s watch until it sees no subscriber.
+        channel once when it starts, then after each 0.2 s watch until it sees no subscriber. It
+        may still run after an unsubscribe of a moment ago, so the wait does not depend on one
+        being held now.
         """
         with self._cond:
-            if self._subscribed and not self._closed:
-                self._cond.wait_for(lambda: self._state is not None, timeout)
             self._closed = True
             subscribed, self._subscribed = self._subscribed, False
             self._listeners.clear()
             self._cond.notify_all()
-        if not subscribed:
-            return
-        self._channel.unsubscribe(self._on_change)
+            if subscribed:
+                self._channel.unsubscribe(self._on_change)
         # grpcio keeps the thread's flag in a private field; without it, do not wait.
         polling = getattr(self._channel, "_connectivity_state", None)
         deadline = time.monotonic() + timeout

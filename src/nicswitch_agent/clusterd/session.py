@@ -69,11 +69,13 @@ class LeaderSession:
             reconnect_max_s=cfg.reconnect_max_s,
             max_receive_bytes=cfg.max_message_bytes,
             tls=cfg.tls_settings(),
+            single_threaded_streams=True,  # idle streams wait in gRPC core (docs/performance.md, "Idle CPU")
         ))
         try:
             self.stub = RecoverStub(self.channel)
-            # One watch for the channel, shared by every stream and the replier (each subscription is
-            # a gRPC polling thread); status()["connected"] reads it through the notify subscriber.
+            # One watch for the channel, shared by every stream and the replier (a subscription is a
+            # gRPC polling thread, held only while someone waits for READY); status()["connected"]
+            # reads it through the notify subscriber.
             self.watch = ConnectivityWatch(self.channel).start()
             self.replier = Replier(self.stub, ReplyPolicy(
                 total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
@@ -204,9 +206,9 @@ class LeaderSession:
         """Close the replier, then the watch and the channel (after the streams have stopped).
 
         The channel is closed on a thread of its own (``nicswitch-channel-close``): gRPC's
-        connectivity thread must let go of it first, which takes up to its 0.2 s poll
-        (ConnectivityWatch.close), and nothing is sent on the channel any more, so ``stop()``
-        need not wait for that.
+        connectivity thread, if one runs (the channel was not READY a moment ago), must let go of
+        it first, which takes up to its 0.2 s poll (ConnectivityWatch.close), and nothing is sent
+        on the channel any more, so ``stop()`` need not wait for that.
         """
         self.replier.close()
         threading.Thread(target=self._close_channel, name="nicswitch-channel-close", daemon=True).start()
