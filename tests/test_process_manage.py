@@ -239,8 +239,9 @@ def test_the_gate_opens_only_once_a_healthcheck_after_the_subscribe_is_answered(
     client, channel = make_client(server, lambda s: None)
     try:
         client.start()
-        assert server.health_entered.wait(10)
-        assert server.calls[-2:] == ["Subscribe", "HealthCheck"]
+        assert server.health_entered.wait(10) and server.stream_open.wait(10)
+        # (the server may start the two handlers in either order: that is why the client waits)
+        assert sorted(server.calls[-2:]) == ["HealthCheck", "Subscribe"]
         # The subscribe was sent and the barrier is held: a gate that opened on a timer would be
         # open after the barrier's settle, so give it that long (and more) to show itself.
         assert not client.gate.wait_open(10 * process_manage.GATE_SETTLE_S)
