@@ -182,7 +182,7 @@ def test_retry_in_annotation_but_not_offered_falls_to_dump(make_setup: Callable[
     _change_strategy(agent, uuid, "dump")
 
 
-# What nicswitch-agent offers after a failed switch (docs/protocol.md#after-a-failed-switch):
+# What nicswitch-agent offers after a failed switch (docs/protocol.md#5-after-a-failed-switch-mode-agent):
 # retry and recover only after a successful rollback, dump only with a checkpoint, always exit.
 ROLLED_BACK = ["retry", "recover", "dump", "exit"]
 ROLLED_BACK_NO_CHECKPOINT = ["retry", "recover", "exit"]
