@@ -1,5 +1,6 @@
 """After a failed switch whose rollback worked: what the agent offers, what ClusterD picks under
-each ``recover-strategy`` annotation, and whether training goes on (docs/protocol.md#5-after-a-failed-switch-mode-agent).
+each ``recover-strategy`` annotation, and whether training goes on
+(docs/protocol.md#5-after-a-failed-switch-mode-agent).
 
 ClusterD tries ``retry`` first whenever the annotation lists it, and if the agent did not offer
 it, skips ``recover`` too (docs/clusterd.md#failed-switch-and-fault-recovery). The parked step
