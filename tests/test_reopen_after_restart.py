@@ -69,16 +69,17 @@ class Restartable:
         self.sims: list[Simulator] = []
         self.port = 0
 
-    def start(self, *, standin: bool = False) -> Simulator:
-        sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=SETTINGS, port=self.port, standin=standin)
+    def start(self, *, standin: bool = False, register_delay_s: float = 0.0) -> Simulator:
+        sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=SETTINGS, port=self.port, standin=standin,
+                        standin_register_delay_s=register_delay_s)
         sim.start()
         self.port = int(sim.address.rsplit(":", 1)[1])
         self.sims.append(sim)
         return sim
 
-    def restart(self) -> Simulator:
+    def restart(self, **kwargs: Any) -> Simulator:
         self.sims[-1].stop()
-        return self.start()
+        return self.start(**kwargs)
 
     def close(self) -> None:
         for sim in self.sims:
@@ -138,6 +139,30 @@ def test_quiet_ends_before_a_restart_do_not_count_after_it(clusterd: Restartable
     status = agent.status()
     assert status["process_manage"]["quiet_resets"] == 3
     assert status["conflict"] is None, status["conflict"]
+
+
+def test_pause_external_not_registered_until_mindio_registers_again(clusterd: Restartable,
+                                                                   agents: list[SwitchAgent]) -> None:
+    """Pause mode external: ClusterD restarts and answers "not registed" until MindIO (the
+    stand-in) registers the job again, 1 s later. The agent keeps asking, paced by its backoff,
+    and is subscribed once the job is known: one loss, one restore, as events."""
+    sim = clusterd.start(standin=True)
+    events = support.Events()
+    agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", switch_hook=lambda order: True,
+                        reconnect_initial_s=0.02, reconnect_max_s=0.1, on_event=events)
+    agents.append(agent.start())
+    assert sim.wait_until(notify_open, 20)
+    sim = clusterd.restart(standin=True, register_delay_s=1.0)
+    assert sim.wait_until(lambda s: s.job_view(JOB).registered and notify_open(s), 20), agent.status()
+    subscriber = agent._session.subscriber if agent._session is not None else None
+    assert subscriber is not None and subscriber.job_unknown >= 1  # it asked while the job was unknown
+    assert events.wait_for(lambda: len(events.of("stream_restored")) == 1, 10), events.kinds
+    assert len(events.of("stream_lost")) == 1  # one event per loss, not per attempt
+    assert sim.job_view(JOB).violations == []
+
+
+def notify_open(sim: Simulator) -> bool:
+    return sim.job_view(JOB).open_streams["SubscribeNotifySwitch"] == 1
 
 
 def foreign(sim: Simulator, *, times: int) -> None:
