@@ -611,6 +611,16 @@ def _settled(leader: SwitchAgent, before: dict[str, int]) -> bool:
                 >= counters["lists_received"] - before["lists_received"])
 
 
+def leader_summary(leader: SwitchAgent) -> str:
+    """What the leader says about its streams (why it is not subscribed, for failure reports):
+    opens, errors, its last error, and the process-manage client's conflict evidence."""
+    status = leader.status()
+    pm = status.get("process_manage") or {}
+    return (f"connected {status.get('connected')}, notify {status.get('stream')}, last error "
+            f"{status.get('last_error')!r}, process-manage opens {pm.get('opens')} errors {pm.get('errors')} "
+            f"quiet resets {pm.get('quiet_resets')}, conflict {status.get('conflict')}")
+
+
 def agent_stacks(depth: int = 4) -> str:
     """Where every agent and training thread is, innermost ``depth`` frames (for deadlock reports)."""
     import traceback
@@ -686,7 +696,7 @@ class _ModeRun:
         if not self.backend.wait(predicate, timeout or self.settings.switch_deadline_s):
             raise SoakFailure(f"{self.mode} switch #{index} (fault {fault}): {what} within "
                               f"{timeout or self.settings.switch_deadline_s:g} s; simulator: {self.backend.tail()}\n"
-                              f"agent threads:\n{agent_stacks()}")
+                              f"leader: {leader_summary(self.job.leader)}\nagent threads:\n{agent_stacks()}")
 
     def _problem(self, index: int, fault: str, text: str) -> None:
         self.report.problems.append(f"{self.mode} switch #{index} (fault {fault}): {text}")

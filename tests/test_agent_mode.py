@@ -148,7 +148,7 @@ def test_failed_switch_walks_recovery_to_dump_and_stops_training(harness: Any, c
     assert trainer.done.wait(20), "training was not stopped"
     assert isinstance(trainer.error, TrainingStopped)
     assert stops == ["ClusterD chose dump after a failed switch"]
-    assert "offering recovery strategies ['recover', 'dump', 'exit']" in caplog.text
+    assert "offering recovery strategies ['retry', 'recover', 'dump', 'exit']" in caplog.text
     assert checkpoints == [1]  # the guard's pre-switch checkpoint counts for dump: no second one
     assert [c[2] for c in hook.calls] == [(True,), (False,)]  # the switch, then its rollback
     view = sim.job_view(JOB)

@@ -43,7 +43,7 @@ SIGNALS = [
     (CHANGE_STRATEGY, ["change_strategy"], "dump", ""),
     (CHANGE_STRATEGY, ["change_strategy"], "exit", ""),
     (CHANGE_STRATEGY, ["change_strategy"], "exit", EXTRA_DUMP_EXIT),
-    (CHANGE_STRATEGY, ["change_strategy"], "retry", ""),  # a strategy the agent never offers
+    (CHANGE_STRATEGY, ["change_strategy"], "retry", ""),  # offered with recover, after a rollback
     (CHANGE_STRATEGY, [], "no-such-strategy", ""),
     (KILL_MASTER, [], "", ""),
     ("somethingNew", ["x"], "", ""),

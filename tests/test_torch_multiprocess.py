@@ -246,12 +246,13 @@ class Cluster:
         assert self._op is not None
         return self._op
 
-    def job(self, world: int, *, pause: str = "agent", local_world: int | None = None, **kwargs: Any) -> Job:
+    def job(self, world: int, *, pause: str = "agent", local_world: int | None = None,
+            strategies: tuple[str, ...] = ("recover", "dump"), **kwargs: Any) -> Job:
         """Start the simulator (nodes of ``local_world`` devices: global rank = node * local_world +
-        device) and ``world`` worker processes."""
+        device; ``strategies``: the job's recover-strategy annotation) and ``world`` worker processes."""
         lws = local_world or world
         nodes = {f"node-{n}": [str(d) for d in range(lws)] for n in range(world // lws)}
-        self._sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=nodes, recover_strategies=("recover", "dump"))],
+        self._sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=nodes, recover_strategies=strategies)],
                               settings=FAST)
         self._sim.start()
         self._op = Operator(self._sim)

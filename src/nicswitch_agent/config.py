@@ -85,8 +85,9 @@ class AgentConfig:
     """How long a ping may go unanswered before the connection is declared dead."""
     reconnect_initial_s: float = 0.2
     """First delay before resubscribing after a stream error (jittered, grows x2)."""
-    reconnect_max_s: float = 5.0
-    """Cap of the resubscribe delay after errors."""
+    reconnect_max_s: float = 1.0
+    """Cap of the resubscribe delay after errors, and of the channel's reconnect backoff: the
+    streams reopen within 2 s of a restarted ClusterD answering again."""
     resubscribe_after_eof_s: float = 0.0
     """Delay before resubscribing after a clean end of stream (ClusterD ends it after every
     switch); reopening is still throttled if the server keeps ending it at once."""

@@ -182,6 +182,56 @@ def test_retry_in_annotation_but_not_offered_falls_to_dump(make_setup: Callable[
     _change_strategy(agent, uuid, "dump")
 
 
+# What nicswitch-agent offers after a failed switch (docs/protocol.md#5-after-a-failed-switch-mode-agent):
+# retry and recover only after a successful rollback, dump only with a checkpoint, always exit.
+ROLLED_BACK = ["retry", "recover", "dump", "exit"]
+ROLLED_BACK_NO_CHECKPOINT = ["retry", "recover", "exit"]
+NOT_ROLLED_BACK = ["dump", "exit"]
+ANNOTATIONS = [("retry", "recover", "dump"), ("recover", "dump"), ("dump",), ("retry",)]
+
+
+@pytest.mark.parametrize(
+    ("strategies", "offer", "pick"),
+    [
+        # the offer after a rollback that worked: training goes on under every annotation that
+        # lists retry or recover, and dump is the job's own choice otherwise
+        (("retry", "recover", "dump"), ROLLED_BACK, "retry"),
+        (("recover", "dump"), ROLLED_BACK, "recover"),
+        (("dump",), ROLLED_BACK, "dump"),
+        (("retry",), ROLLED_BACK, "retry"),
+        (("dump",), ROLLED_BACK_NO_CHECKPOINT, "exit"),
+        # the offer after a rollback that failed: never retry or recover
+        (("retry", "recover", "dump"), NOT_ROLLED_BACK, "dump"),
+        (("recover", "dump"), NOT_ROLLED_BACK, "dump"),
+        (("dump",), NOT_ROLLED_BACK, "dump"),
+        (("retry",), NOT_ROLLED_BACK, "exit"),
+        # the agent's old offer (recover without retry) under the common annotation: retry is
+        # tried first and, not offered, recover is skipped too (the bug of issue 18 item 1)
+        (("retry", "recover", "dump"), ["recover", "exit"], "exit"),
+    ],
+    ids=lambda value: ",".join(value) if isinstance(value, (list, tuple)) else value,
+)
+def test_choice_per_annotation_and_offer(
+    make_setup: Callable[..., Setup], strategies: Sequence[str], offer: list[str], pick: str
+) -> None:
+    """upstream chooseStrategy (docs/clusterd.md#failed-switch-and-fault-recovery): retry first
+    whenever the annotation lists it, else recover, then dump, then exit; each only if offered.
+    After retry or recover reported OK the job is back in INIT and a new switch is accepted."""
+    setup = make_setup(jobs=_job(strategies))
+    agent, worker, _, uuid = _fail_switch(setup)
+    _to_global_fault(setup, agent, uuid, offer)
+    _change_strategy(agent, uuid, pick)
+    if pick in ("retry", "recover"):
+        status = setup.agent.recover_status(0, pick)
+        assert (status.code, status.info) == (0, received(JOB, uuid, "ReportRecoverStatus"))
+        _assert_back_in_init(setup, agent, worker)
+        assert setup.view().path_history[-1][-2:] == ["CheckRecoverResultState(recoverSuccess)", "INIT"]
+    elif pick == "dump":
+        assert setup.agent.recover_status(0, "dump").code == 0
+        _change_strategy(agent, uuid, "exit", extra="dump_exit")
+    assert setup.view().violations == []
+
+
 def test_empty_strategy_in_report_resets(make_setup: Callable[..., Setup]) -> None:
     """ReportRecoverStatus with strategy "" -> trigger error 599 -> reset at once."""
     setup = make_setup(jobs=_job(("recover", "dump")), schedule_wait_s=30.0, restart_wait_s=30.0)

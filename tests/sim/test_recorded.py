@@ -5,6 +5,8 @@
 - ``ReportStopComplete``/``ReportRecoverStatus`` without ``status``, and a second reply blocked on
   the full one-slot channel when the job resets: the real server crashes. By default the simulator
   records it and logs an ERROR; with ``crash_like_clusterd`` it goes down the same way.
+- A server that goes down (SIGKILL or SIGTERM): every open stream ends with UNAVAILABLE, never
+  cleanly (a clean end is what a reset looks like to a client).
 - Init answering 403 (``process-recover-enable`` off), SwitchNicTrack answering 413 ``not exist``
   for a registered job (no job cache), and a MindSpore job's ``dump`` turned into ``exit``.
 
@@ -301,3 +303,14 @@ def test_simjob_rejects_unknown_names() -> None:
     with pytest.raises(ValueError, match="framework 'tensorflow' unknown"):
         SimJob(JOB, NODES, framework="tensorflow")
 
+
+
+def test_stopping_ends_every_open_stream_with_unavailable(make_setup: Callable[..., Setup]) -> None:
+    """restart (SIGTERM, grpc.Server.Stop): the agent's and the worker's streams end UNAVAILABLE
+    within milliseconds, not OK. An OK end would tell a client that ClusterD reset the job, and
+    three of those with no signal read as another process-manage client (docs/clusterd.md#restarts)."""
+    setup = make_setup()
+    agent, worker = setup.ready()
+    setup.sim.stop()
+    assert agent.wait_end()[0] == UNAVAILABLE
+    assert worker.wait_end()[0] == UNAVAILABLE

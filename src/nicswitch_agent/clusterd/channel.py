@@ -100,7 +100,7 @@ class ChannelSettings:
     keepalive_time_s: float = 10.0
     keepalive_timeout_s: float = 5.0
     reconnect_initial_s: float = 0.2
-    reconnect_max_s: float = 5.0
+    reconnect_max_s: float = 1.0
     max_receive_bytes: int = 8 * 1024 * 1024
     max_send_bytes: int = 4 * 1024 * 1024
     tls: TlsSettings | None = None

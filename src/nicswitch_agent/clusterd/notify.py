@@ -65,7 +65,7 @@ class SubscriberSettings:
     job_id: str
     role: str
     reconnect_initial_s: float = 0.2
-    reconnect_max_s: float = 5.0
+    reconnect_max_s: float = 1.0
     resubscribe_after_eof_s: float = 0.0
     stop_timeout_s: float = 1.0
     # This many clean ends in a row with no message, within EOF_BURST_WINDOW_S, look like a

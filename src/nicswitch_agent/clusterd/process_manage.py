@@ -183,7 +183,7 @@ class ProcessManageSettings:
     role: str
     rpc_timeout_s: float = 10.0
     reconnect_initial_s: float = 0.2
-    reconnect_max_s: float = 5.0
+    reconnect_max_s: float = 1.0
     stop_timeout_s: float = 1.0
     conflict_resets: int = 3
     conflict_window_s: float = 30.0
@@ -247,6 +247,11 @@ class ProcessManageClient(StreamThread):
         self._on_conflict = on_conflict  # told once per conflict, on this client's thread
         self._owns_watch = watch is None
         self._watch = watch or ConnectivityWatch(stub.channel)
+        # The channel left READY (ClusterD went away, if only for a moment) since the conflict
+        # backoff began; _wake is also set by stop(). See _back_off_from_conflict.
+        self._dropped = False
+        self._wake = threading.Event()
+        self._watch.add_listener(self._on_channel)
         self._conflicts = ConflictDetector(settings.conflict_resets, settings.conflict_window_s)
         # Another process-manage client fights for the job's stream (why, in words); "" when not.
         self.conflict = ""
@@ -271,6 +276,13 @@ class ProcessManageClient(StreamThread):
 
     def _on_stop(self) -> None:
         self.gate.close()
+        self._wake.set()
+
+    def _on_channel(self, state: grpc.ChannelConnectivity) -> None:
+        """The shared watch's listener (gRPC's delivery thread): the connection went away."""
+        if state is not grpc.ChannelConnectivity.READY:
+            self._dropped = True
+            self._wake.set()
 
     def stop(self) -> bool:
         """Cancel the call in flight (the stream, or an Init/Register waiting for a connection)
@@ -418,6 +430,7 @@ class ProcessManageClient(StreamThread):
         fail_fast = True  # the next Init fails at once if no connection can be made (and says why)
         while not self._stop.is_set():
             delay = 0.0
+            fighting = False  # the delay is a conflict backoff
             opened = False
             try:
                 if not self.registered:
@@ -454,8 +467,7 @@ class ProcessManageClient(StreamThread):
                     self._conflicts.signal()
                 elif not self._stop.is_set() and self._quiet_end() and not self._stop.is_set():
                     delay = next(conflict_delays)  # stop fighting: leave the stream to the other client
-                    logger.info("process-manage stream: subscribing again in %.0f s (another client holds it)",
-                                delay)
+                    fighting = True
                 quick = ends_at_once.ended(opened_at, time.monotonic(), self.signals != signals_before)
                 if not delay and quick:
                     delay = next(delays)  # a server that ends every stream at once: do not spin
@@ -495,6 +507,8 @@ class ProcessManageClient(StreamThread):
                     break
                 if must_register_again(exc):
                     self.registered = False  # a restarted ClusterD forgot us: Init/Register again
+                    if self._forget_conflict("ClusterD forgot the job or went away"):
+                        conflict_delays = backoff_delays(settings.conflict_backoff_s, settings.conflict_backoff_max_s)
                 if failing != text:
                     logger.warning("process-manage stream error, will retry: %s", text)
                     failing = text
@@ -509,7 +523,12 @@ class ProcessManageClient(StreamThread):
                     self._on_stream_end(reason)
                 except Exception:
                     logger.exception("stream-end handler failed; ignored")
-            if delay > 0 and self._stop.wait(delay):
+            if fighting:
+                if self._back_off_from_conflict(delay):
+                    break
+                if not self.conflict:  # cut short: ClusterD went away, and the fight with it
+                    conflict_delays = backoff_delays(settings.conflict_backoff_s, settings.conflict_backoff_max_s)
+            elif delay > 0 and self._stop.wait(delay):
                 break
 
     def _record_error(self, text: str) -> None:
@@ -538,6 +557,36 @@ class ProcessManageClient(StreamThread):
             except Exception:
                 logger.exception("conflict handler failed; ignored")
         return True
+
+    def _back_off_from_conflict(self, delay: float) -> bool:
+        """Leave the stream to the other client for ``delay`` s, or until the connection to
+        ClusterD is lost: a ClusterD that went away (a restart) took the fight with it, so the
+        stream is reopened as soon as it answers again, not minutes later. True if stop() came."""
+        logger.info("process-manage stream: subscribing again in %.0f s (another client holds it), or as soon "
+                    "as ClusterD comes back if it goes away", delay)
+        self._wake.clear()
+        self._dropped = not self._watch.ready
+        deadline = time.monotonic() + delay
+        while not self._stop.is_set():
+            if self._dropped:
+                self._forget_conflict("the connection to ClusterD was lost during the conflict backoff")
+                return False
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._wake.wait(remaining)
+            self._wake.clear()
+        return True
+
+    def _forget_conflict(self, why: str) -> bool:
+        """ClusterD lost the job (it restarted, or went away): what looked like another client
+        fighting for the stream is not evidence any more. True if a conflict was on."""
+        self._conflicts.signal()
+        with self._lock:
+            was, self.conflict = self.conflict, ""
+        if was:
+            logger.info("process-manage stream: %s; the conflict is over for now, subscribing again", why)
+        return bool(was)
 
     def _conflict_over(self) -> None:
         with self._lock:

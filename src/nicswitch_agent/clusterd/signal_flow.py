@@ -13,11 +13,17 @@ server's behaviour (docs/clusterd.md#failed-switch-and-fault-recovery, docs/clus
 - after a failed switch: ``stopTrain``/``stop_train`` -> ``ReportStopComplete(0)`` (404 would make
   ClusterD kill the job); ``globalFault`` -> roll the failed order's ranks back to their previous
   links on the parked thread, then ``ReportRecoverStrategy`` with what can honestly be done:
-  ``recover`` only if the rollback succeeded, ``dump`` only if a checkpoint of the parked step
-  exists or can be taken, and always ``exit``; ``changeStrategy`` with ClusterD's pick:
-  ``recover`` -> unpark + ``ReportRecoverStatus(0, "recover")``; ``dump`` -> make sure the
-  checkpoint exists (the guard's pre-switch one counts), ``ReportRecoverStatus(code, "dump")``,
-  then stop; ``exit`` -> stop, report nothing.
+  ``retry`` and ``recover`` only if the rollback succeeded, ``dump`` only if a checkpoint of the
+  parked step exists or can be taken, and always ``exit``; ``changeStrategy`` with ClusterD's
+  pick: ``retry`` or ``recover`` -> unpark + ``ReportRecoverStatus(0, <the pick>)``; ``dump`` ->
+  make sure the checkpoint exists (the guard's pre-switch one counts),
+  ``ReportRecoverStatus(code, "dump")``, then stop; ``exit`` -> stop, report nothing.
+
+  Why ``retry`` too: the parked step was never lost, so letting it go on IS retrying it; and
+  ClusterD tries ``retry`` first whenever the job's ``recover-strategy`` annotation lists it: if
+  the agent did not offer it, ClusterD skips ``recover`` and picks ``dump`` or ``exit``
+  (docs/clusterd.md#failed-switch-and-fault-recovery). The common annotation
+  ``retry,recover,dump`` would otherwise stop every job whose failed switch was rolled back.
 - ``killMaster``: stop; call nothing.
 - the process-manage stream ends (ClusterD reset the job, or restarted): nobody will send
   ``continue`` any more, so a parked training thread is let go.
@@ -51,6 +57,7 @@ from nicswitch_agent.clusterd.process_manage import (
     STRATEGY_DUMP,
     STRATEGY_EXIT,
     STRATEGY_RECOVER,
+    STRATEGY_RETRY,
     ProcessManageClient,
     describe_signal,
 )
@@ -221,7 +228,8 @@ class AgentModeController:
     def _strategies_we_can_honour(self) -> list[str]:
         strategies: list[str] = []
         if self._rollback():
-            strategies.append(STRATEGY_RECOVER)
+            # The same promise under both names: the parked step goes on, on the old links.
+            strategies += [STRATEGY_RETRY, STRATEGY_RECOVER]
         if self._checkpoint_available():
             strategies.append(STRATEGY_DUMP)
         strategies.append(STRATEGY_EXIT)
@@ -269,15 +277,15 @@ class AgentModeController:
         if strategy == STRATEGY_CONTINUE:
             self.coordinator.release()
             client.report_recover_status(CODE_OK, STRATEGY_CONTINUE)
-        elif strategy == STRATEGY_RECOVER:
+        elif strategy in (STRATEGY_RETRY, STRATEGY_RECOVER):
             with self._lock:
                 rolled_back = self._rollback_ok
             if rolled_back:
                 self.coordinator.release()
-                client.report_recover_status(CODE_OK, STRATEGY_RECOVER)
+                client.report_recover_status(CODE_OK, strategy)
             else:  # never offered; do not claim a recovery that did not happen
-                client.report_recover_status(CODE_CLIENT_ERROR, STRATEGY_RECOVER, "rollback did not succeed")
-                self._stop_training("recover was chosen but the links could not be rolled back")
+                client.report_recover_status(CODE_CLIENT_ERROR, strategy, "rollback did not succeed")
+                self._stop_training(f"{strategy} was chosen but the links could not be rolled back")
         elif strategy == STRATEGY_DUMP:
             ok = self._ensure_checkpoint()
             client.report_recover_status(CODE_OK if ok else CODE_CLIENT_ERROR, STRATEGY_DUMP,

@@ -329,10 +329,14 @@ class Simulator:
             server, standins = self._server, list(self._standins)
         for standin in standins:
             standin.stop()
-        for controller in self._controllers.values():
-            controller.stop()
+        # The server first: the real one's open streams end with UNAVAILABLE when it goes down,
+        # SIGTERM included (docs/clusterd.md#restarts). Controllers stopped first would end them
+        # cleanly, which a client takes for a reset, and leave a stopping server that accepts
+        # subscribes and ends each at once.
         if server is not None:
             server.stop(grace).wait(5.0)
+        for controller in self._controllers.values():
+            controller.stop()
         logger.info("ClusterD simulator stopped")
 
     def __enter__(self) -> Simulator:
