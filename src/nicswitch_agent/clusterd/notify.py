@@ -21,8 +21,9 @@ reopened at once, waiting for the connection as before.
 "Connected" means a stream is established: one is in flight, the channel is READY, and either a
 message came on it or it has stayed so for ``establish_s`` (ClusterD sends nothing on subscribe,
 and refuses a subscription it does not like within a round trip). It goes false as soon as the
-stream ends or the channel leaves READY, as the channel's :class:`~nicswitch_agent.clusterd.channel.
-ConnectivityWatch` (one per channel, shared with the process-manage client and the replier) tells.
+stream ends (a server that goes away ends it); the channel's :class:`~nicswitch_agent.clusterd.channel.
+ConnectivityWatch` (one per channel, shared with the process-manage client and the replier) tells
+when the channel is READY again, subscribing to gRPC's connectivity only while someone waits for it.
 ``on_connection`` hears every change.
 
 Received lists are handed to ``on_list`` at once; that callback must not block (the agent only
