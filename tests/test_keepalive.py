@@ -130,7 +130,7 @@ def test_idle_agent_pinging_every_3s_stays_connected_without_goaway() -> None:
         # reconnect_initial_s is also gRPC's connect deadline (min_reconnect_backoff_ms): 2 s rather
         # than 0.2 s, so that a first connection slowed by a loaded machine (and the relay) is no error.
         agent = SwitchAgent(server=watch.address, job_id=JOB, pause="agent", dry_run=True, keepalive_time_s=3.0,
-                            reconnect_initial_s=2.0)
+                            reconnect_initial_s=2.0, reconnect_max_s=2.0)
         agent.start()
         try:
             assert sim.wait_until(lambda s: streams_ready(s, JOB), 30), sim.job_view(JOB).open_streams

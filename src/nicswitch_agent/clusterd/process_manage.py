@@ -89,6 +89,8 @@ CODE_CLIENT_ERROR = 499
 GATE_SETTLE_S = 0.01
 # Longest wait for the HealthCheck round trip that follows the subscribe (see _after_subscribe).
 GATE_BARRIER_S = 1.0
+# During a conflict backoff, how often the channel's state is read to notice ClusterD going away.
+CONFLICT_CONNECTION_READ_S = 0.5
 # Init/Register rounds while Register answers 408 (not inited).
 REGISTER_ROUNDS = 3
 # A stream that ends cleanly with no signal within this long: a server that ends every stream at
@@ -574,8 +576,14 @@ class ProcessManageClient(StreamThread):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._wake.wait(remaining)
+            # The watch holds no subscription while the channel is READY (it would wake gRPC's
+            # poller every 200 ms for the agent's whole life), so nobody tells us when the
+            # connection drops: read the state now and then. A dropped connection stays not
+            # READY until something dials again, so a quick restart is not missed between reads.
+            self._wake.wait(min(remaining, CONFLICT_CONNECTION_READ_S))
             self._wake.clear()
+            if not self._watch.ready:
+                self._dropped = True
         return True
 
     def _forget_conflict(self, why: str) -> bool:
