@@ -208,7 +208,7 @@ class SwitchAgent:
         self._fan_out: RankFanOut | None = None  # this rank's Stores and relays (coordination/fan_out.py)
         self._layout = Layout(1)  # who answers on the job's Store (coordination/topology.py), set by start()
         self.rank = 0
-        self.world_size = 1
+        self.world_size = self.config.world_size or 1  # resolved by start(); lists are checked against it
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -554,7 +554,7 @@ class SwitchAgent:
             return
         try:
             order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
-                                world_size=cfg.world_size, max_ranks=cfg.max_ranks)
+                                world_size=self.world_size, max_ranks=cfg.max_ranks)
         except InvalidOrder as exc:
             self._executor.count("lists_received", "lists_rejected")
             logger.error("switch #%d refused, replying false: %s", seq, exc)
