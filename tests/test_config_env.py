@@ -134,5 +134,5 @@ def test_tls_settings_read_alone_name_their_variable() -> None:
 
 
 def test_an_unknown_keyword_gets_a_suggestion() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\): swtich_timeout_s \(did you mean switch_timeout_s\?\)"):
+    with pytest.raises(ConfigError, match=r"unknown setting\(s\): swtich_timeout_s \(did you mean switch_timeout_s"):
         AgentConfig.from_env(BASE_ENV, swtich_timeout_s=5)

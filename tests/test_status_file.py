@@ -91,10 +91,10 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
         with Trainer(agent) as trainer:
             assert sim.wait_until(lambda s: support.streams_ready(s, JOB), 10)
             assert writer.wait_written(lambda d: d["status"]["state"] == "running", 10)
-            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
             assert writer.wait_written(lambda d: counters(d)["replies_delivered"] == 1
                                        and "pause_s" in d["status"]["timings"], 10), writer.last_document
-            assert len(switched) == 1 and switched[0].ranks == (1,)
+            assert len(switched) == 1 and switched[0].ranks == (0,)
 
             on_disk = json.loads(path.read_text())
             assert on_disk["format"] == "nicswitch-agent-status/1"
