@@ -416,6 +416,9 @@ def format_summary(report: StatusReport) -> str:
                      f"subscriptions {stream.get('opens', 0)}, errors {stream.get('errors', 0)}{extra})")
         if s.get("last_error"):
             lines.append(f"last error  {s.get('last_error')}")
+        seen = _error_seen(s, _number(doc.get("written_at")))
+        if seen:
+            lines.append(f"error seen  {seen}")
         conflict = s.get("conflict")
         if isinstance(conflict, dict):
             lines.append(f"conflict    {conflict.get('action')}: {conflict.get('detail')}")
@@ -455,6 +458,17 @@ def _last_switch(last: Any, written_at: float | None) -> str:
     if at is not None and written_at is not None:
         parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
     return ", ".join(parts)
+
+
+def _error_seen(status: dict[str, Any], written_at: float | None) -> str:
+    """The last error the leader met, when, and whether it still holds ("" if none was met)."""
+    seen = status.get("last_error_seen")
+    if not isinstance(seen, dict) or not seen.get("error"):
+        return ""
+    at = _number(seen.get("at"))
+    when = "" if at is None or written_at is None else f"{_duration(max(0.0, written_at - at))} before the write, "
+    holds = "still holds" if status.get("last_error") == seen.get("error") else "over"
+    return f"{seen.get('error')} ({when}{seen.get('stream', '?')} stream; {holds})"
 
 
 _TIMING_LABELS = (("switch_s", "switch"), ("reply_latency_s", "list to reply"), ("pause_s", "parked"))
