@@ -2,9 +2,10 @@
 
 The same inputs go through every entry point: the library (``AgentConfig(server=...)``), the
 environment (``NICSWITCH_SERVER``), and the subcommands that take ``--server`` (switch, watch,
-doctor, launch; ``status`` reads a file and takes no address). Each must make the same decision
-(the same normalised address, or a refusal) and say the same words, led by where the value came
-from: ``server='x': ...``, ``NICSWITCH_SERVER='x': ...``, ``--server='x': ...``.
+doctor, launch, demo; ``status`` reads a file and takes no address, ``sim --port`` is a port to
+listen on). Each must make the same decision (the same normalised address, or a refusal) and say
+the same words, led by where the value came from: ``server='x': ...``, ``NICSWITCH_SERVER='x':
+...``, ``--server='x': ...``.
 """
 
 from __future__ import annotations
@@ -112,8 +113,9 @@ SUBCOMMANDS = {
     "watch": ("watch", "--job", JOB),
     "doctor": ("doctor", "--job", JOB),
     "launch": ("launch", "--job", JOB, "--world-size", "1", "--", "true"),
+    "demo": ("demo", "--job", JOB, "--switches", "1", "--timeout", "5"),
 }
-USAGE = {"switch": 2, "watch": 2, "doctor": 1, "launch": 2}  # doctor: "not ready", the others: usage
+USAGE = {"switch": 2, "watch": 2, "doctor": 1, "launch": 2, "demo": 2}  # doctor: "not ready", the others: usage
 
 
 @pytest.mark.parametrize(("text", "problem"), REFUSED)
