@@ -106,6 +106,9 @@ def test_the_library_and_the_environment_refuse_alike(text: str, problem: str) -
     assert str(info.value) == f"NICSWITCH_SERVER={text.strip()!r}: {problem}"
     assert doctor.gather_inputs(env={"NICSWITCH_SERVER": text}).server_error == (
         f"NICSWITCH_SERVER={text.strip()!r}: {problem}")
+    with pytest.raises(ValueError) as cli_info:  # switch and watch, with the variable set
+        resolve_server(None, {"NICSWITCH_SERVER": text})
+    assert str(cli_info.value) == f"NICSWITCH_SERVER={text.strip()!r}: {problem}"
 
 
 SUBCOMMANDS = {
