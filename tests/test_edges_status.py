@@ -363,3 +363,19 @@ def test_last_error_is_empty_once_connected_and_the_refusal_is_kept_as_history(
         _code, text = status_command(status_file)
         assert "last error  " not in text, text
         assert "error seen  " in text and REFUSED in text and "over" in text, text
+
+
+def test_a_conflict_stays_the_error_now_while_the_agent_keeps_trying(agents: list[SwitchAgent]) -> None:
+    """Subscribing again after its back-off opens the stream on a READY channel, which would
+    otherwise count as "the stream works": while the other client still fights, it does not."""
+    with conflict_sim() as sim:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                            conflict_backoff_s=0.3, conflict_backoff_max_s=0.6)
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status().get("conflict") is not None, 20), agent.status()
+        opens = agent.status()["process_manage"]["opens"]
+        # Two more subscriptions after back-offs, each ended by the stand-in's: still fighting.
+        assert wait_until(lambda: agent.status()["process_manage"]["opens"] >= opens + 2, 20), agent.status()
+        status = agent.status()
+        assert status["conflict"] is not None and CAUSE in status["last_error"], status
+        assert CAUSE in status["process_manage"]["last_error"], status
