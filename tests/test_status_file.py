@@ -202,6 +202,17 @@ def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
 
 
+@pytest.mark.parametrize(("env", "argv", "needle"), [
+    ({"NICSWITCH_STATUS_FILE": "/r/{x}.json"}, (), "NICSWITCH_STATUS_FILE='/r/{x}.json' is not a usable path"),
+    ({}, ("--file", "/r/{x}.json"), "--file='/r/{x}.json' is not a usable path"),
+    ({"NICSWITCH_STATUS_FILE": "/run/s-{rank}.json", "RANK": "three"}, (), "RANK='three' is not a rank"),
+])
+def test_usage_errors_name_the_variable_or_flag(env: dict[str, str], argv: tuple[str, ...], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(status_args(None, *argv), env=env) == ExitCode.USAGE
+    assert needle in capsys.readouterr().err
+
+
 def test_summary_of_an_unreadable_file_says_why(tmp_path: Path) -> None:
     report = read_status(tmp_path / "x.json")
     assert format_summary(report).startswith("status: no status file at")

@@ -540,15 +540,21 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     if not template:
         print(f"nicswitch-agent status: error: --file not given and {STATUS_FILE_ENV} is not set", file=sys.stderr)
         return int(ExitCode.USAGE)
+    source = "--file" if args.file else STATUS_FILE_ENV  # every error names where the value came from
     rank = args.rank
     if rank is None:
         raw = env.get("RANK", "").strip()
-        rank = int(raw) if raw.isdigit() else 0
+        if raw and not (raw.isascii() and raw.isdigit()):
+            print(f"nicswitch-agent status: error: RANK={raw!r} is not a rank (a non-negative integer); "
+                  "pass --rank N", file=sys.stderr)
+            return int(ExitCode.USAGE)
+        rank = int(raw) if raw else 0
     try:
         path = template.replace("{pid}", "*").format(rank=rank, job=env.get("NICSWITCH_JOB_ID")
                                                      or env.get("MINDX_TASK_ID", ""))
     except (KeyError, IndexError, ValueError) as exc:
-        print(f"nicswitch-agent status: error: bad path {template!r}: {exc!r}", file=sys.stderr)
+        print(f"nicswitch-agent status: error: {source}={template!r} is not a usable path: only {{rank}}, "
+              f"{{pid}} and {{job}} may appear in braces ({exc!r})", file=sys.stderr)
         return int(ExitCode.USAGE)
     if "*" in path:  # {pid}: the newest file of that name
         matches = sorted(glob.glob(path), key=_mtime, reverse=True)
