@@ -117,15 +117,15 @@ def test_failover_and_switchback_twice_parked_at_a_step_boundary(harness: Any) -
     for round_ in range(2):
         assert sim.wait_until(streams_ready, 10)
         assert trainer.wait_step(trainer.step + 5)
-        assert op.switch("node-1", ["0", "1"], [True, False]) == "switch nic finish"
+        assert op.switch("node-0", ["0"], [True]) == "switch nic finish"
         assert sim.wait_until(streams_ready, 10)
-        assert op.switch("node-1", ["0", "1"], [False, False]) == "switch nic finish"
+        assert op.switch("node-0", ["0"], [False]) == "switch nic finish"
         assert trainer.wait_step(trainer.step + 5), f"training did not resume after round {round_}"
     view = sim.job_view(JOB)
     assert view.replies == [True, True, True, True]
     assert view.violations == []
     assert [c[0] for c in hook.calls] == ["trainer"] * 4  # guard and switch ran on the parked training thread
-    assert [(c[1], c[2]) for c in hook.calls] == [((2, 3), (True, False)), ((2, 3), (False, False))] * 2
+    assert [(c[1], c[2]) for c in hook.calls] == [((0,), (True,)), ((0,), (False,))] * 2
     assert len(guard_steps) == 4 and all(s is not None for s in guard_steps)
     assert trainer.error is None
     assert agent.status()["pause"] == "agent"
@@ -144,7 +144,7 @@ def test_failed_switch_walks_recovery_to_dump_and_stops_training(harness: Any, c
     trainer = harness.trainer(agent)
     op = harness.operator(sim)
     assert sim.wait_until(streams_ready, 10)
-    assert op.switch("node-1", ["0"], [True]) == "switch nic failed, switch nic failed"
+    assert op.switch("node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
     assert trainer.done.wait(20), "training was not stopped"
     assert isinstance(trainer.error, TrainingStopped)
     assert stops == ["ClusterD chose dump after a failed switch"]
@@ -166,13 +166,13 @@ def test_failed_switch_with_successful_rollback_recovers_and_training_goes_on(ha
     trainer = harness.trainer(agent)
     op = harness.operator(sim)
     assert sim.wait_until(streams_ready, 10)
-    assert op.switch("node-0", ["1"], [True]) == "switch nic failed, switch nic failed"
+    assert op.switch("node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
     assert sim.wait_until(lambda s: s.job_view(JOB).state == "INIT" and streams_ready(s), 10)
     assert trainer.wait_step(trainer.step + 5), "training did not resume after recover"
     assert stops == [] and trainer.error is None
     picks = [s.changeStrategy for s in sim.job_view(JOB).signals_sent if s.signalType == "changeStrategy"]
     assert picks == ["recover"]
-    assert op.switch("node-0", ["1"], [True]) == "switch nic finish"
+    assert op.switch("node-0", ["0"], [True]) == "switch nic finish"
     assert [c[2] for c in hook.calls] == [(True,), (False,), (True,)]
     assert sim.job_view(JOB).violations == []
 
@@ -185,7 +185,7 @@ def test_failed_switch_and_failed_rollback_offers_only_exit(harness: Any, caplog
     trainer = harness.trainer(agent)
     op = harness.operator(sim)
     assert sim.wait_until(streams_ready, 10)
-    assert op.switch("node-1", ["1"], [True]) == "switch nic failed, switch nic failed"
+    assert op.switch("node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
     assert trainer.done.wait(20)
     assert isinstance(trainer.error, TrainingStopped)
     assert "offering recovery strategies ['exit']" in caplog.text

@@ -337,26 +337,36 @@ def test_good_server_targets(server: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("server", "match"),
+    ("server", "normalised"),
+    [("10.0.0.1", "10.0.0.1:8899"), ("clusterd", "clusterd:8899"), ("[::1]", "[::1]:8899"),
+     (" 10.0.0.1:9000 ", "10.0.0.1:9000"), ("host:080", "host:80"), ("dns:///svc.ns", "dns:///svc.ns:8899")],
+)
+def test_a_bare_host_gets_clusterds_port(server: str, normalised: str) -> None:
+    assert make(server=server).server == normalised
+
+
+@pytest.mark.parametrize(
+    ("server", "problem"),
     [
-        ("10.0.0.1", "must look like host:port"),
-        ("10.0.0.1:", "must look like host:port"),
-        (":8899", "must look like host:port"),
-        ("host:port", "must look like host:port"),
-        ("host:0", "must look like host:port"),
-        ("host:65536", "must look like host:port"),
-        ("host:-1", "must look like host:port"),
-        ("host:+80", "must look like host:port"),
-        ("host: 80", "must look like host:port"),
-        ("[::1]", "must look like host:port"),
-        ("::1:8899", "put an IPv6 address in brackets"),
-        ("fd00::1:8899", "put an IPv6 address in brackets"),
-        ("[::1:8899", "put an IPv6 address in brackets"),
+        ("10.0.0.1:", "the port after ':' is missing"),
+        (":8899", "the host is missing (give host:port)"),
+        ("host:port", "the port 'port' is not a number"),
+        ("host:0", "the port 0 is outside 1-65535"),
+        ("host:65536", "the port 65536 is outside 1-65535"),
+        ("host:-1", "the port '-1' is not a number"),
+        ("host:+80", "the port '+80' is not a number"),
+        ("host: 80", "the port ' 80' is not a number"),
+        ("::1:8899", "put an IPv6 address in brackets, e.g. [::1]:8899"),
+        ("fd00::1:8899", "put an IPv6 address in brackets, e.g. [fd00::1]:8899"),
+        ("fd00::1", "put an IPv6 address in brackets, e.g. [fd00::1]:8899"),
+        ("[::1:8899", "an IPv6 address in brackets needs its closing ']'"),
+        ("[::1]x", "expected ':port' after the address in brackets, not 'x'"),
+        ("[zz]:1", "'zz' is not an IPv6 address"),
     ],
 )
-def test_bad_server_targets(server: str, match: str) -> None:
-    message = refused(match, server=server)
-    assert f"server={server!r}" in message
+def test_bad_server_targets(server: str, problem: str) -> None:
+    message = refused(re.escape(problem), server=server)
+    assert message.startswith(f"server={server!r}: "), message
 
 
 def test_non_ascii_digit_port_is_a_config_error() -> None:
@@ -376,7 +386,7 @@ def test_fullwidth_digit_port_refused() -> None:
 
 
 def test_server_from_env_is_validated_too() -> None:
-    with pytest.raises(ConfigError, match=r"server='::1:8899': put an IPv6 address in brackets"):
+    with pytest.raises(ConfigError, match=r"NICSWITCH_SERVER='::1:8899': put an IPv6 address in brackets"):
         from_env({"NICSWITCH_SERVER": "::1:8899", "MINDX_TASK_ID": "j"})
 
 
@@ -412,7 +422,8 @@ def test_job_id_with_spaces_or_control_characters_refused(job_id: str) -> None:
 
 
 def test_unknown_setting_names() -> None:
-    with pytest.raises(ConfigError, match=r"unknown setting\(s\): keepalive_s, zzz"):
+    unknown = r"unknown setting\(s\): keepalive_s \(did you mean keepalive_time_s\?\), zzz"
+    with pytest.raises(ConfigError, match=unknown):
         from_env({}, **BASE, zzz=1, keepalive_s=3)
 
 

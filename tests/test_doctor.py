@@ -208,7 +208,7 @@ def test_job_flag_overrides_env() -> None:
          "127.0.0.1:8899 (from LOCAL_PROXY_ENABLE=on"),
         ({"MINDX_SERVER_IP": "fe80::1"}, True, "[fe80::1]:8899"),
         ({"MINDX_SERVER_IP": "clusterd"}, False, "MINDX_SERVER_IP='clusterd' is not an IP address"),
-        ({"NICSWITCH_SERVER": "no-port"}, False, "server='no-port' must look like host:port"),
+        ({"NICSWITCH_SERVER": "no-port:"}, False, "NICSWITCH_SERVER='no-port:': the port after ':' is missing"),
         ({}, False, "not set: set MINDX_SERVER_IP"),
     ],
 )
@@ -227,8 +227,9 @@ def test_no_server_skips_the_health_check() -> None:
         ({}, True, "pings every 10 s (ClusterD allows one per 3 s)"),
         ({"NICSWITCH_KEEPALIVE_TIME_S": "3"}, True, "pings every 3 s"),
         ({"NICSWITCH_KEEPALIVE_TIME_S": "1"}, False,
-         "keepalive_time_s=1.0 is below 3 s: ClusterD answers faster pings"),
-        ({"NICSWITCH_KEEPALIVE_TIMEOUT_S": "0"}, False, "keepalive_timeout_s=0.0 must be positive"),
+         "NICSWITCH_KEEPALIVE_TIME_S='1': keepalive_time_s=1.0 is below 3 s: ClusterD answers faster pings"),
+        ({"NICSWITCH_KEEPALIVE_TIMEOUT_S": "0"}, False,
+         "NICSWITCH_KEEPALIVE_TIMEOUT_S='0': keepalive_timeout_s=0.0 must be positive"),
         ({"NICSWITCH_KEEPALIVE_TIME_S": "often"}, False, "NICSWITCH_KEEPALIVE_TIME_S='often' is not valid"),
     ],
 )

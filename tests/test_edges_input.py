@@ -215,9 +215,9 @@ def test_every_nicswitch_variable_the_project_mentions_is_known() -> None:
 @pytest.mark.parametrize(
     ("server", "expected"),
     [
-        ("host:99999", "server='host:99999' must look like host:port: the port 99999 is outside 1-65535"),
-        ("host:0", "server='host:0' must look like host:port: the port 0 is outside 1-65535"),
-        ("host:http", "server='host:http' must look like host:port: the port 'http' is not a number"),
+        ("host:99999", "server='host:99999': the port 99999 is outside 1-65535"),
+        ("host:0", "server='host:0': the port 0 is outside 1-65535"),
+        ("host:http", "server='host:http': the port 'http' is not a number"),
         ("http://clusterd:8899", "server='http://clusterd:8899': give host:port without a scheme "
                                  "(gRPC dials it directly), e.g. 'clusterd:8899'"),
         ("grpc://10.0.0.1:8899/", "server='grpc://10.0.0.1:8899/': give host:port without a scheme "
@@ -234,7 +234,7 @@ def test_every_nicswitch_variable_the_project_mentions_is_known() -> None:
                            "(letters, digits, '-' and '.' only)"),
         ("user@clusterd:8899", "server='user@clusterd:8899': 'user@clusterd' is not a host name or IP address "
                                "(letters, digits, '-' and '.' only)"),
-        ("dns:///:8899", "server='dns:///:8899' must look like host:port (IPv6 as [addr]:port)"),
+        ("dns:///:8899", "server='dns:///:8899': the host is missing (give host:port)"),
     ],
 )
 def test_bad_addresses_say_what_is_wrong(server: str, expected: str) -> None:
@@ -243,7 +243,7 @@ def test_bad_addresses_say_what_is_wrong(server: str, expected: str) -> None:
 
 def test_store_address_is_checked_the_same_way() -> None:
     assert refused(store_address="10.0.0.2:70000") == (
-        "store_address='10.0.0.2:70000' must look like host:port: the port 70000 is outside 1-65535")
+        "store_address='10.0.0.2:70000': the port 70000 is outside 1-65535")
 
 
 @pytest.mark.parametrize(

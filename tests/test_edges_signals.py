@@ -230,15 +230,16 @@ class LogLine(logging.Handler):
         return self._seen.wait(timeout)
 
 
-def _switch(sim: Simulator) -> None:
+def _switch(sim: Simulator, devs: tuple[str, ...] = ("0", "1")) -> None:
+    """Switch ``devs`` of node-0 (ranks 0 and 1 by default; one process is a job of rank 0 alone)."""
     from nicswitch_agent._pb import recover_pb2 as pb
     from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 
     channel = open_channel(ChannelSettings(target=sim.address))
     try:
         request = pb.SwitchNics(jobID=MR_JOB)
-        request.nicOps["node-0"].dev.extend(["0", "1"])
-        request.nicOps["node-0"].op.extend([True, True])
+        request.nicOps["node-0"].dev.extend(devs)
+        request.nicOps["node-0"].op.extend([True] * len(devs))
         assert RecoverStub(channel).SwitchNicTrack(request, timeout=5).code == 0
     finally:
         channel.close()
@@ -267,7 +268,7 @@ def test_a_hook_that_raises_on_the_parked_thread_is_logged_once_at_error_with_it
         trainer.thread.start()
         assert sim.wait_until(mr_streams_ready, 10)
         assert trainer.wait_step(2)
-        _switch(sim)
+        _switch(sim, ("0",))
         assert sim.wait_until(lambda s: len(s.job_view(MR_JOB).replies) >= 1, 20)
         assert sim.job_view(MR_JOB).replies == [False]
         with_traceback = [r for r in caplog.records if r.levelno == logging.ERROR and r.exc_info]
@@ -337,7 +338,7 @@ def test_a_stop_while_the_executor_sends_its_reply_ends_the_streams_only_after_i
             return send(*args, **kwargs)
 
         replier.send = held_send  # type: ignore[method-assign]
-        _switch(sim)
+        _switch(sim, ("0",))
         assert sending.wait(20), "the executor never replied"
         stopper = threading.Thread(target=agent.stop, args=("SIGINT received",))
         stopper.start()

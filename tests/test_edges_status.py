@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from soak import JOB, SubprocessBackend
-from support import free_port, wait_until
+from support import Trainer, free_port, wait_until
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -307,3 +307,75 @@ def test_conflict_detector_counts_quiet_ends_within_the_window() -> None:
     assert not detector.quiet_end() and not detector.quiet_end()
     now[0] = 50.0
     assert not detector.quiet_end()  # the first two were 40 s ago
+
+
+# -- last_error means "now"; the last error seen is history (issue 18, item 3) ----------------------
+
+
+@pytest.mark.parametrize("pause", ["external", "agent"])
+def test_last_error_is_empty_once_connected_and_the_refusal_is_kept_as_history(
+    agents: list[SwitchAgent], tmp_path: Path, pause: str,
+) -> None:
+    """Started before ClusterD: "Connection refused" while nothing listens; once the simulator
+    (started after the agent) is up and the agent connected, and after a switch, ``last_error``
+    is empty in status(), in the status file and in ``nicswitch-agent status``; the refusal and
+    when it happened stay in ``last_error_seen``."""
+    status_file = tmp_path / "status.json"
+    port = free_port()
+    replied = threading.Event()
+    agent = SwitchAgent(server=f"127.0.0.1:{port}", job_id=JOB, pause=pause, switch_hook=lambda order: True,
+                        status_file=str(status_file), status_interval_s=0.2, reconnect_max_s=0.5,
+                        on_event=lambda e: e.kind == ev.REPLY_SENT and replied.set())
+    agents.append(agent.start())
+    assert wait_until(lambda: REFUSED in agent.status()["last_error"], 10), agent.status()
+    refused_at = agent.status()["last_error_seen"]["at"]
+    settings = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01,
+                           force_release_s=0.01, schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0"]})], settings=settings, port=port,
+                   standin=pause == "external") as sim:
+        assert wait_until(lambda: agent.status()["connected"], 20), agent.status()
+        status = agent.status()
+        assert status["last_error"] == "", status
+        seen = status["last_error_seen"]
+        assert REFUSED in seen["error"] and seen["at"] >= refused_at and seen["stream"], seen
+        if pause == "agent":
+            assert status["process_manage"]["last_error"] == "", status["process_manage"]
+
+        with Trainer(agent):  # pause mode agent parks the training thread at a step boundary
+            channel = open_channel(ChannelSettings(target=sim.address))
+            try:
+                request = pb.SwitchNics(jobID=JOB)
+                request.nicOps["node-0"].dev.extend(["0"])
+                request.nicOps["node-0"].op.extend([True])
+                assert RecoverStub(channel).SwitchNicTrack(request, timeout=10, wait_for_ready=True).code == 0
+            finally:
+                channel.close()
+            assert replied.wait(20), agent.status()
+        assert wait_until(lambda: agent.status()["connected"] and agent.status()["stream"]["opens"] >= 2, 10)
+        assert agent.status()["last_error"] == "", agent.status()
+        assert agent.status()["counters"]["switches_ok"] == 1, agent.status()
+
+        assert wait_until(lambda: status_command(status_file)[0] == ExitCode.OK, 10), status_command(status_file)
+        import json
+
+        written = json.loads(status_file.read_text())["status"]
+        assert written["last_error"] == "" and REFUSED in written["last_error_seen"]["error"], written
+        _code, text = status_command(status_file)
+        assert "last error  " not in text, text
+        assert "error seen  " in text and REFUSED in text and "over" in text, text
+
+
+def test_a_conflict_stays_the_error_now_while_the_agent_keeps_trying(agents: list[SwitchAgent]) -> None:
+    """Subscribing again after its back-off opens the stream on a READY channel, which would
+    otherwise count as "the stream works": while the other client still fights, it does not."""
+    with conflict_sim() as sim:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=lambda order: True,
+                            conflict_backoff_s=0.3, conflict_backoff_max_s=0.6)
+        agents.append(agent.start())
+        assert wait_until(lambda: agent.status().get("conflict") is not None, 20), agent.status()
+        opens = agent.status()["process_manage"]["opens"]
+        # Two more subscriptions after back-offs, each ended by the stand-in's: still fighting.
+        assert wait_until(lambda: agent.status()["process_manage"]["opens"] >= opens + 2, 20), agent.status()
+        status = agent.status()
+        assert status["conflict"] is not None and CAUSE in status["last_error"], status
+        assert CAUSE in status["process_manage"]["last_error"], status

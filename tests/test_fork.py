@@ -63,7 +63,7 @@ class SwitchDriver(threading.Thread):
                     continue
                 flows = len(self.sim.job_view(JOB).path_history)
                 request = pb.SwitchNics(jobID=JOB)
-                request.nicOps["node-0"].dev.append("1")
+                request.nicOps["node-0"].dev.append("0")  # rank 0: the job is this one process
                 request.nicOps["node-0"].op.append(on)
                 status = stub.SwitchNicTrack(request, timeout=10)
                 assert status.code == 0, status

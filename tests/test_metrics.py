@@ -64,7 +64,7 @@ def run_one_switch(sim: Simulator, *listeners: Any) -> Events:
     try:
         with Trainer(agent):
             assert sim.wait_until(switch_streams_open, 10)
-            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
             assert kinds.wait_all("reply_sent", "resumed")
     finally:
         agent.stop()
@@ -264,7 +264,7 @@ def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator
     try:
         with Trainer(agent):
             assert sim.wait_until(switch_streams_open, 10)
-            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
             assert kinds.wait_all("reply_sent", "resumed")
         timings = agent.status()["timings"]
         assert timings["switch_s"]["count"] == 1 and timings["reply_latency_s"]["count"] == 1

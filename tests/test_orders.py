@@ -15,7 +15,7 @@ from nicswitch_agent.orders import MAX_RANK_DIGITS, build_order, parse_rank_id
 CANONICAL = re.compile(rf"0|[1-9][0-9]{{0,{MAX_RANK_DIGITS - 1}}}")
 
 
-def order(rank_ids: list[str], ops: list[Any], *, world_size: int | None = None, max_ranks: int = 1 << 20,
+def order(rank_ids: list[str], ops: list[Any], *, world_size: int = 1 << 30, max_ranks: int = 1 << 20,
           seq: int = 1, job_id: str = "job-1") -> SwitchOrder:
     return build_order(seq=seq, job_id=job_id, rank_ids=rank_ids, ops=ops, world_size=world_size,
                        max_ranks=max_ranks)
@@ -161,7 +161,14 @@ def test_ranks_outside_world_size_refused(rank_ids: list[str], world_size: int, 
 
 def test_ranks_below_world_size_accepted() -> None:
     assert order(["0", "7"], [True, True], world_size=8).ranks == (0, 7)
-    assert order(["100"], [True], world_size=None).ranks == (100,)
+    assert order(["100"], [True], world_size=101).ranks == (100,)
+
+
+@pytest.mark.parametrize("world_size", [None, 0, -1, True, 2.0])
+def test_an_unknown_world_size_refuses_every_list(world_size: Any) -> None:
+    """No "world size unknown, anything goes": a one-process job is a world of one."""
+    with pytest.raises(InvalidOrder, match="the job's size must be known"):
+        order(["0"], [True], world_size=world_size)
 
 
 @pytest.mark.parametrize(
@@ -281,7 +288,7 @@ def test_parse_rank_id_accepts_exactly_the_canonical_form(text: str, index: int)
 @given(st.lists(st.one_of(st.text(max_size=12), st.integers(0, 50).map(str)), max_size=8), st.data())
 def test_build_order_never_raises_anything_but_invalid_order(rank_ids: list[str], data: st.DataObject) -> None:
     ops = data.draw(st.lists(st.booleans(), max_size=10))
-    world_size = data.draw(st.one_of(st.none(), st.integers(1, 60)))
+    world_size = data.draw(st.integers(1, 60))
     try:
         got = order(rank_ids, ops, world_size=world_size, max_ranks=8)
     except InvalidOrder as exc:
@@ -289,7 +296,7 @@ def test_build_order_never_raises_anything_but_invalid_order(rank_ids: list[str]
     else:
         assert [str(r) for r in got.ranks] == rank_ids
         assert len(set(got.ranks)) == len(got.ranks)
-        assert world_size is None or all(r < world_size for r in got.ranks)
+        assert all(r < world_size for r in got.ranks)
 
 
 @given(ranks_and_ops(), st.integers(min_value=0, max_value=80))

@@ -205,7 +205,7 @@ def test_registers_again_only_when_clusterd_forgot_the_job(failure: tuple[grpc.S
         assert server.subscribes.acquire(timeout=10) and server.subscribes.acquire(timeout=10)
         twice = ["Init", "Register"] if again else []
         assert server.calls == ["Init", "Register", "Subscribe", *twice, "Subscribe"]
-        assert client.errors == 1 and client.last_error == f"{failure[0].name}: {failure[1]}"
+        assert client.errors == 1 and client.last_error_seen["error"] == f"{failure[0].name}: {failure[1]}"
     finally:
         client.stop()
         channel.close()

@@ -91,10 +91,10 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
         with Trainer(agent) as trainer:
             assert sim.wait_until(lambda s: support.streams_ready(s, JOB), 10)
             assert writer.wait_written(lambda d: d["status"]["state"] == "running", 10)
-            assert support.operator_switch(sim.address, JOB, ["1"], [True]) == "switch nic finish"
+            assert support.operator_switch(sim.address, JOB, ["0"], [True]) == "switch nic finish"
             assert writer.wait_written(lambda d: counters(d)["replies_delivered"] == 1
                                        and "pause_s" in d["status"]["timings"], 10), writer.last_document
-            assert len(switched) == 1 and switched[0].ranks == (1,)
+            assert len(switched) == 1 and switched[0].ranks == (0,)
 
             on_disk = json.loads(path.read_text())
             assert on_disk["format"] == "nicswitch-agent-status/1"
@@ -200,6 +200,17 @@ def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run(status_args(None), env=env) == ExitCode.OK
     assert run(status_args(None, "--rank", "4"), env=env) == ExitCode.NO_FILE
     capsys.readouterr()
+
+
+@pytest.mark.parametrize(("env", "argv", "needle"), [
+    ({"NICSWITCH_STATUS_FILE": "/r/{x}.json"}, (), "NICSWITCH_STATUS_FILE='/r/{x}.json' is not a usable path"),
+    ({}, ("--file", "/r/{x}.json"), "--file='/r/{x}.json' is not a usable path"),
+    ({"NICSWITCH_STATUS_FILE": "/run/s-{rank}.json", "RANK": "three"}, (), "RANK='three' is not a rank"),
+])
+def test_usage_errors_name_the_variable_or_flag(env: dict[str, str], argv: tuple[str, ...], needle: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(status_args(None, *argv), env=env) == ExitCode.USAGE
+    assert needle in capsys.readouterr().err
 
 
 def test_summary_of_an_unreadable_file_says_why(tmp_path: Path) -> None:

@@ -174,7 +174,7 @@ def notify_open(sim: Simulator) -> bool:
     return bool(sim.job_view(JOB).open_streams.get("SubscribeNotifySwitch", 0) >= 1)
 
 
-NIC_OPS = {"node-1": (["0", "1"], [True, False])}
+NIC_OPS = {"node-0": (["0"], [True])}  # rank 0: one process is a job of one rank
 
 
 # -- a real switch over TLS --------------------------------------------------------------------------
@@ -190,12 +190,12 @@ def test_agent_switches_over_tls_and_the_om_command_too(
     assert sim.wait_idle(JOB, 10) and sim.wait_until(notify_open, 10)
     parser = argparse.ArgumentParser()
     add_switch_arguments(parser)
-    args = parser.parse_args(["--server", sim.address, "--job", JOB, "--node", "node-1", "--dev", "0,1",
-                              "--op", "standby,primary", "--tls-ca", pki.ca, "--timeout", "20", "--json"])
+    args = parser.parse_args(["--server", sim.address, "--job", JOB, "--node", "node-0", "--dev", "0",
+                              "--op", "standby", "--tls-ca", pki.ca, "--timeout", "20", "--json"])
     assert run_switch(args, env={}) == ExitCode.OK
     report = json.loads(capsys.readouterr().out)
     assert report["message"] == "switch nic finish" and report["tls"] is True
-    assert [(o.ranks, o.ops) for o in orders] == [((2, 3), (True, False))]
+    assert [(o.ranks, o.ops) for o in orders] == [((0,), (True,))]
     view = sim.job_view(JOB)
     assert view.replies == [True]
     assert view.violations == []

@@ -209,7 +209,7 @@ class SwitchAgent:
         self._fan_out: RankFanOut | None = None  # this rank's Stores and relays (coordination/fan_out.py)
         self._layout = Layout(1)  # who answers on the job's Store (coordination/topology.py), set by start()
         self.rank = 0
-        self.world_size = 1
+        self.world_size = self.config.world_size or 1  # resolved by start(); lists are checked against it
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -449,8 +449,9 @@ class SwitchAgent:
 
         ``connected`` is true only while the notify stream is established (see clusterd/notify.py);
         ``disconnected_s`` says for how long it has not been. ``last_error`` is the error that
-        keeps it from being so: the process-manage client's while that stream, which the notify
-        stream waits for, is not open. ``conflict`` is set while another process-manage client
+        keeps it from being so now ("" once connected): the process-manage client's while that
+        stream, which the notify stream waits for, is not open. ``last_error_seen`` keeps the
+        last error met and when, after it is over. ``conflict`` is set while another process-manage client
         fights for the job's stream (see clusterd/process_manage.py).
         """
         session = self._session
@@ -463,9 +464,7 @@ class SwitchAgent:
         now = time.monotonic()
         last_msg = sub.last_message_mono if sub else None
         connected = bool(sub and sub.running and sub.connected())
-        last_error = sub.last_error if sub else ""
-        if pm is not None and pm.last_error and (not pm.stream_open or not last_error):
-            last_error = pm.last_error
+        from nicswitch_agent.clusterd.stream_thread import error_now, error_seen  # no grpc: members call it too
         conflict = None
         if pm is not None and pm.conflict:
             conflict = {"detail": pm.conflict, "action": "backing off: the other client keeps the stream"}
@@ -484,7 +483,8 @@ class SwitchAgent:
             "connected": connected,
             "disconnected_s": None if connected or sub is None else round(now - sub.connection_changed_mono, 3),
             "stream_open": bool(sub and sub.stream_open),
-            "last_error": last_error,
+            "last_error": error_now(sub, pm),
+            "last_error_seen": error_seen(notify=sub, process_manage=pm),
             "conflict": conflict,
             "last_message_age_s": None if last_msg is None else round(time.monotonic() - last_msg, 3),
             "uptime_s": None if self._started_mono is None else round(time.monotonic() - self._started_mono, 3),
@@ -507,6 +507,7 @@ class SwitchAgent:
                 "opens": pm.opens,
                 "errors": pm.errors,
                 "last_error": pm.last_error,
+                "last_error_seen": pm.last_error_seen,
                 "last_signal": controller.last_signal if controller else "",
                 "quiet_resets": pm.conflict_resets,
             },
@@ -557,7 +558,7 @@ class SwitchAgent:
             return
         try:
             order = build_order(seq=seq, job_id=cfg.job_id, rank_ids=message.rankID, ops=message.op,
-                                world_size=cfg.world_size, max_ranks=cfg.max_ranks)
+                                world_size=self.world_size, max_ranks=cfg.max_ranks)
         except InvalidOrder as exc:
             self._executor.count("lists_received", "lists_rejected")
             logger.error("switch #%d refused, replying false: %s", seq, exc)

@@ -8,7 +8,15 @@ class NicSwitchError(Exception):
 
 
 class ConfigError(NicSwitchError, ValueError):
-    """A setting is missing or invalid; the message names the setting and the value."""
+    """A setting is missing or invalid; the message names the setting and the value.
+
+    ``settings`` are the :class:`~nicswitch_agent.config.AgentConfig` fields the error is about,
+    so that a value read from the environment can be named by its variable as well.
+    """
+
+    def __init__(self, message: str, *, settings: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.settings = settings
 
 
 class InvalidOrder(NicSwitchError, ValueError):

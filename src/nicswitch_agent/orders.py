@@ -109,14 +109,18 @@ def build_order(
     job_id: str,
     rank_ids: Sequence[str],
     ops: Sequence[bool],
-    world_size: int | None,
+    world_size: int,
     max_ranks: int,
 ) -> SwitchOrder:
     """Validate a received list and turn it into a :class:`SwitchOrder`.
 
-    Checks, in order: sizes within ``max_ranks``; equal lengths; each rank id canonical decimal;
-    each rank below ``world_size`` when known; no rank listed twice (the same rank twice is either
-    a duplicate or a conflict, and HCCL's behaviour for either is undefined).
+    Checks, in order: sizes within ``max_ranks``; equal lengths; each rank id canonical decimal
+    (no sign, so never negative); each rank below ``world_size``; no rank listed twice (the same
+    rank twice is either a duplicate or a conflict, and HCCL's behaviour for either is undefined).
+
+    ``world_size`` is the job's resolved size, never "unknown": a single process whose
+    configuration names none is a job of one rank, and a true reply for a rank the job does not
+    have would tell ClusterD that a link moved when nothing did.
 
     Raises:
         InvalidOrder: with a message that says exactly what is wrong.
@@ -131,10 +135,11 @@ def build_order(
         ranks = tuple(map(int, rank_ids))
     else:
         ranks = tuple(parse_rank_id(text, i) for i, text in enumerate(rank_ids))
-    if world_size is not None:
-        for i, rank in enumerate(ranks):
-            if rank >= world_size:
-                raise InvalidOrder(f"rankID[{i}]={rank} is outside the job (world_size={world_size})")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise InvalidOrder(f"world_size={world_size!r}: the job's size must be known to check the list")
+    for i, rank in enumerate(ranks):
+        if rank >= world_size:
+            raise InvalidOrder(f"rankID[{i}]={rank} is outside the job (world_size={world_size})")
     if len(set(ranks)) != len(ranks):
         seen: set[int] = set()
         for i, rank in enumerate(ranks):

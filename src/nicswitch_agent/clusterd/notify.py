@@ -14,9 +14,10 @@ How an error is read and how long to wait are :mod:`nicswitch_agent.clusterd.rpc
 
 A stream opened with ``wait_for_ready`` waits silently while no connection can be made, so the
 first open (and each one after an error) fails fast instead: a connection that cannot be made
-then shows up at once in ``last_error`` and the log, in plain words (a plaintext/TLS mismatch
-above all, see :func:`~nicswitch_agent.clusterd.channel.explain_connect_failure`), and the stream is
-reopened at once, waiting for the connection as before.
+then shows up at once in ``last_error`` (until a stream is established) and the log, in plain
+words (a plaintext/TLS mismatch above all, see
+:func:`~nicswitch_agent.clusterd.channel.explain_connect_failure`), and the stream is reopened at
+once, waiting for the connection as before.
 
 "Connected" means a stream is established: one is in flight, the channel is READY, and either a
 message came on it or it has stayed so for ``establish_s`` (ClusterD sends nothing on subscribe,
@@ -111,7 +112,6 @@ class NotifySubscriber(StreamThread):
         self.messages = 0
         self.last_message_mono: float | None = None
         self.last_open_mono: float | None = None
-        self.last_error = ""
         # Optimistic until the first error: a stream that is open but silent looks the same as
         # a healthy idle one (ClusterD sends no headers before the first message).
         self.healthy = True
@@ -175,6 +175,8 @@ class NotifySubscriber(StreamThread):
             if (call is not self._conn_call or not self._watch.ready
                     or (callable(done) and done()) or not self._set_connected_locked(True)):
                 return
+        with self._lock:
+            self._error_gone()  # established: whatever kept it from being so is over
         self._tell_connection(True, why)
         if why != "message received":  # the message path tells the health itself
             self._set_health(True, "stream established")
@@ -284,7 +286,7 @@ class NotifySubscriber(StreamThread):
                 text = unreachable or describe(exc)
                 with self._lock:
                     self.errors += 1
-                    self.last_error = text
+                    self._error(text)
                     if job_unknown(exc):
                         self.job_unknown += 1
                 self._set_health(False, text)
@@ -314,7 +316,7 @@ class NotifySubscriber(StreamThread):
                 logger.exception("notify stream handler failed; resubscribing")
                 with self._lock:
                     self.errors += 1
-                    self.last_error = f"{type(exc).__name__}: {exc}"
+                    self._error(f"{type(exc).__name__}: {exc}")
                 delay = next(delays)
             finally:
                 self._set_call(None)

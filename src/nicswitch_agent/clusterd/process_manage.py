@@ -19,8 +19,9 @@ resubscribes only after a long, growing pause (``conflict_backoff_s`` up to
 ``conflict_backoff_max_s``), so the other client keeps its stream in between.
 
 A connection that cannot be made shows at once: the first Init is sent without waiting for a
-connection, so a refused port or a plaintext/TLS mismatch is in ``last_error`` and the log right
-away; the next waits for the connection, cancellably (``stop()`` cancels it).
+connection, so a refused port or a plaintext/TLS mismatch is in ``last_error`` (until ClusterD
+answers) and the log right away; the next waits for the connection, cancellably (``stop()``
+cancels it).
 
 This module only talks to ClusterD and hands signals to ``on_signal`` (which must not block: the
 agent queues them to its own worker). Deciding what a signal means is the agent's job.
@@ -265,7 +266,6 @@ class ProcessManageClient(StreamThread):
         self.errors = 0
         self.signals = 0
         self.last_keepalive_mono: float | None = None
-        self.last_error = ""
         # Reports answer a signal of one stream. Once that stream has ended, ClusterD has reset
         # the job, and a late report would sit in its one-slot channel until the *next* wait
         # took it as that wait's answer (a pause "complete" before anything paused). So a
@@ -420,6 +420,7 @@ class ProcessManageClient(StreamThread):
         if not self.registered:
             logger.info("registered job %s with ClusterD", self._settings.job_id)
         self.registered = True
+        self._works()  # ClusterD answered: a connection error before is over
 
     def _run(self) -> None:
         settings = self._settings
@@ -449,6 +450,8 @@ class ProcessManageClient(StreamThread):
                 real_before = self._real_signals
                 if self._after_subscribe(request):
                     self.gate.open()
+                    if self._watch.ready:
+                        self._works()
                 for signal in call:
                     self._dispatch(signal)
                     if failing is not None:
@@ -536,7 +539,14 @@ class ProcessManageClient(StreamThread):
     def _record_error(self, text: str) -> None:
         with self._lock:
             self.errors += 1
-            self.last_error = text
+            self._error(text)
+
+    def _works(self) -> None:
+        """The stream works (ClusterD answered, or the stream is open on a READY channel): no
+        error now, unless another client still fights for the stream."""
+        with self._lock:
+            if not self.conflict:
+                self._error_gone()
 
     def _quiet_end(self) -> bool:
         """Our stream ended cleanly with no signal: another client's subscribe, most likely. True
@@ -552,7 +562,7 @@ class ProcessManageClient(StreamThread):
         logger.warning("%s", text)  # first: whoever sees the state can find the line that explains it
         with self._lock:
             self.conflict = text
-            self.last_error = text
+            self._error(text)
         if self._on_conflict is not None:
             try:
                 self._on_conflict(text)
@@ -599,6 +609,7 @@ class ProcessManageClient(StreamThread):
     def _conflict_over(self) -> None:
         with self._lock:
             self.conflict = ""
+            self._error_gone()  # the stream is held, and a signal came on it
         self._conflicts.signal()
         logger.info("process-manage stream held again: the other process-manage client is gone")
 
@@ -619,6 +630,7 @@ class ProcessManageClient(StreamThread):
             logger.warning("ignoring a process-manage signal for job %r: %s", signal.jobId[:128],
                            describe_signal(signal))
             return
+        self._works()
         if signal.signalType == KEEP_ALIVE:
             self.last_keepalive_mono = time.monotonic()
             return

@@ -5,6 +5,10 @@ The notify subscriber and the process-manage client share this lifecycle (python
 in flight (the reading thread then gets CANCELLED at once: a blocked ``__next__`` has no timeout
 of its own, grpc/grpc#20562), and joins with a bound. Subclasses implement ``_run`` and publish
 their call through ``_set_call`` so that ``stop()`` can reach it.
+
+Errors have two faces: ``last_error`` is the error that keeps the stream from working *now* ("" once
+it works again: an operator reading "connected yes" beside an old "Connection refused" cannot tell
+which one is true), and ``last_error_seen`` keeps the last error and when it happened, for history.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import abc
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +34,29 @@ class StreamThread(abc.ABC):
         self._call: Any = None
         self._thread: threading.Thread | None = None
         self.on_open: Callable[[int], None] | None = None  # told the number of opens after each open
+        self._error_now = ""  # see last_error
+        self._error_seen: tuple[str, float] | None = None  # see last_error_seen
+
+    @property
+    def last_error(self) -> str:
+        """The error that keeps this stream from working now; "" while it works."""
+        return self._error_now
+
+    @property
+    def last_error_seen(self) -> dict[str, Any] | None:
+        """The last error this stream met, whether or not it still holds: ``{"error": text, "at":
+        wall-clock seconds}``; None if it never met one."""
+        seen = self._error_seen
+        return None if seen is None else {"error": seen[0], "at": seen[1]}
+
+    def _error(self, text: str) -> None:
+        """An error now (call with ``self._lock`` held, as the counters are)."""
+        self._error_now = text
+        self._error_seen = (text, time.time())
+
+    def _error_gone(self) -> None:
+        """The stream works again: no error now (the last one stays in ``last_error_seen``)."""
+        self._error_now = ""
 
     def _opened(self, opens: int) -> None:
         """Tell ``on_open`` that a stream was opened (a listener's error never reaches the loop)."""
@@ -84,3 +112,19 @@ class StreamThread(abc.ABC):
     @abc.abstractmethod
     def _run(self) -> None:
         """The thread's loop; must return soon after ``self._stop`` is set."""
+
+
+def error_now(notify: StreamThread | None, process_manage: StreamThread | None) -> str:
+    """The leader's error now: the notify stream's, or the process-manage stream's while that
+    stream, which the notify stream waits for, is not open (or the notify stream has none)."""
+    error = notify.last_error if notify is not None else ""
+    if process_manage is not None and process_manage.last_error and (not process_manage.stream_open or not error):
+        error = process_manage.last_error
+    return error
+
+
+def error_seen(**streams: StreamThread | None) -> dict[str, Any] | None:
+    """The most recent error any of ``streams`` met, with when and on which stream (its keyword)."""
+    seen = [{**record, "stream": name} for name, stream in streams.items()
+            if stream is not None and (record := stream.last_error_seen) is not None]
+    return max(seen, key=lambda record: record["at"], default=None)

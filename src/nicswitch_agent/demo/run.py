@@ -330,6 +330,13 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     problem = check_arguments(ranks, False)
     if problem is None and switches < 0:
         problem = f"--switches must be 0 or more, got {switches}"
+    if problem is None:
+        from nicswitch_agent.config import ConfigError, parse_server
+
+        try:  # the agent's one grammar, named as the user typed it
+            server = parse_server(server, "--server")
+        except ConfigError as exc:
+            problem = str(exc)
     if problem is not None:
         print(f"nicswitch-agent demo: error: {problem}", file=sys.stderr)
         return EXIT_USAGE

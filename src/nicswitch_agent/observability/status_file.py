@@ -417,6 +417,9 @@ def format_summary(report: StatusReport) -> str:
                      f"subscriptions {stream.get('opens', 0)}, errors {stream.get('errors', 0)}{extra})")
         if s.get("last_error"):
             lines.append(f"last error  {s.get('last_error')}")
+        seen = _error_seen(s, _number(doc.get("written_at")))
+        if seen:
+            lines.append(f"error seen  {seen}")
         conflict = s.get("conflict")
         if isinstance(conflict, dict):
             lines.append(f"conflict    {conflict.get('action')}: {conflict.get('detail')}")
@@ -459,6 +462,17 @@ def _last_switch(last: Any, written_at: float | None) -> str:
     if at is not None and written_at is not None:
         parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
     return ", ".join(parts)
+
+
+def _error_seen(status: dict[str, Any], written_at: float | None) -> str:
+    """The last error the leader met, when, and whether it still holds ("" if none was met)."""
+    seen = status.get("last_error_seen")
+    if not isinstance(seen, dict) or not seen.get("error"):
+        return ""
+    at = _number(seen.get("at"))
+    when = "" if at is None or written_at is None else f"{_duration(max(0.0, written_at - at))} before the write, "
+    holds = "still holds" if status.get("last_error") == seen.get("error") else "over"
+    return f"{seen.get('error')} ({when}{seen.get('stream', '?')} stream; {holds})"
 
 
 _TIMING_LABELS = (("switch_s", "switch"), ("reply_latency_s", "list to reply"), ("pause_s", "parked"))
@@ -530,15 +544,21 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     if not template:
         print(f"nicswitch-agent status: error: --file not given and {STATUS_FILE_ENV} is not set", file=sys.stderr)
         return int(ExitCode.USAGE)
+    source = "--file" if args.file else STATUS_FILE_ENV  # every error names where the value came from
     rank = args.rank
     if rank is None:
         raw = env.get("RANK", "").strip()
-        rank = int(raw) if raw.isdigit() else 0
+        if raw and not (raw.isascii() and raw.isdigit()):
+            print(f"nicswitch-agent status: error: RANK={raw!r} is not a rank (a non-negative integer); "
+                  "pass --rank N", file=sys.stderr)
+            return int(ExitCode.USAGE)
+        rank = int(raw) if raw else 0
     try:
         path = template.replace("{pid}", "*").format(rank=rank, job=env.get("NICSWITCH_JOB_ID")
                                                      or env.get("MINDX_TASK_ID", ""))
     except (KeyError, IndexError, ValueError) as exc:
-        print(f"nicswitch-agent status: error: bad path {template!r}: {exc!r}", file=sys.stderr)
+        print(f"nicswitch-agent status: error: {source}={template!r} is not a usable path: only {{rank}}, "
+              f"{{pid}} and {{job}} may appear in braces ({exc!r})", file=sys.stderr)
         return int(ExitCode.USAGE)
     if "*" in path:  # {pid}: the newest file of that name
         matches = sorted(glob.glob(path), key=_mtime, reverse=True)

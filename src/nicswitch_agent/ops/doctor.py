@@ -54,6 +54,7 @@ from nicswitch_agent.config import (
     EXTERNAL_PAUSE_MARKERS,
     TLS_FIELDS,
     AgentConfig,
+    parse_server,
     resolve_pause_mode,
     tls_from_env,
     unknown_env_names,
@@ -151,8 +152,9 @@ def gather_inputs(
     env = dict(os.environ if env is None else env)
     server_source = _server_source(server, env)
     try:
-        resolved_server: str | None = AgentConfig.from_env(
-            _subset(env, _SERVER_ENV), server=server, job_id=_PLACEHOLDER_JOB).server
+        resolved_server: str | None = AgentConfig.from_env(  # --server named as such, in the agent's grammar
+            _subset(env, _SERVER_ENV), server=None if server is None else parse_server(server, "--server"),
+            job_id=_PLACEHOLDER_JOB).server
         server_error = ""
     except ConfigError as exc:
         resolved_server, server_error = None, str(exc)

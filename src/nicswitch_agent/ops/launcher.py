@@ -287,6 +287,14 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
         env[FRESH_RDZV_STORE] = "1"
     for flag, name in (("server", "NICSWITCH_SERVER"), ("job_id", "NICSWITCH_JOB_ID"), ("pause", "NICSWITCH_PAUSE")):
         value = getattr(args, flag, None)
+        if value is not None and flag == "server":
+            from nicswitch_agent.config import parse_server
+            from nicswitch_agent.errors import ConfigError
+
+            try:  # in the agent's one grammar, named as the user typed it
+                value = parse_server(str(value), "--server")
+            except ConfigError as exc:
+                raise LaunchError(str(exc)) from None
         if value is not None:
             env[name] = str(value)
 

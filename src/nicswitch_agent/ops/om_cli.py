@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import enum
-import ipaddress
 import json
 import os
 import shlex
@@ -43,8 +42,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from nicswitch_agent.config import server_from_mindcluster, tls_from_env
-from nicswitch_agent.errors import ConfigError
+from nicswitch_agent.config import parse_server, server_from_mindcluster, tls_from_env
 from nicswitch_agent.ops.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_RPC_TIMEOUT_S,
@@ -62,8 +60,6 @@ from nicswitch_agent.ops.om import (
     op_name,
     parse_nic_groups,
 )
-
-CLUSTERD_PORT = 8899
 
 
 class ExitCode(enum.IntEnum):
@@ -308,48 +304,31 @@ def nic_groups_from_flags(flags: Sequence[tuple[str, str]]) -> list[tuple[str, s
     return [(g["--node"], g["--dev"], g["--op"]) for g in groups]
 
 
-def normalize_server(text: str) -> str:
-    """``host:port`` as given; a bare host or IP gets ``:8899``; a bare IPv6 is bracketed.
+def normalize_server(text: str, source: str = "--server") -> str:
+    """``--server`` (or ``source``) in the agent's one grammar (:func:`~nicswitch_agent.config.parse_server`):
+    ``host:port``, a bare host or IP getting ``:8899``, IPv6 in brackets.
 
     Raises:
-        ValueError: naming ``--server`` and the value.
+        ValueError: naming ``source`` and the value, in the agent's words (a ConfigError).
     """
-    value = text.strip()
-    if not value:
-        raise ValueError("--server: empty value")
-    try:
-        addr = ipaddress.ip_address(value.strip("[]"))
-    except ValueError:
-        addr = None
-    if addr is not None and addr.version == 6 and not value.startswith("["):
-        return f"[{addr}]:{CLUSTERD_PORT}"
-    host, sep, port = value.rpartition(":")
-    if not sep or (value.startswith("[") and value.endswith("]")):
-        return f"{value}:{CLUSTERD_PORT}"
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--server: {text!r} must look like host:port (IPv6 as [addr]:port)")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ValueError(f"--server: {text!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
-    return value
+    return parse_server(text, source)
 
 
 def resolve_server(given: str | None, env: Mapping[str, str]) -> str:
     """``--server``, else the agent's discovery: NICSWITCH_SERVER, the local mTLS proxy when
     LOCAL_PROXY_ENABLE=on (it wins over MINDX_SERVER_IP, as in taskd's GetClusterdAddr), else
-    MINDX_SERVER_IP:8899.
+    MINDX_SERVER_IP:8899. Every value is read by the agent's own parser, so the decisions and
+    the messages are the library's.
 
     Raises:
-        ValueError: nothing set, or a malformed value (named).
+        ValueError: nothing set, or a malformed value (named with where it came from).
     """
     if given is not None:
         return normalize_server(given)
     explicit = env.get("NICSWITCH_SERVER", "").strip()
     if explicit:
-        return normalize_server(explicit)
-    try:
-        discovered = server_from_mindcluster(env)  # the agent's own rule, so both always agree
-    except ConfigError as exc:
-        raise ValueError(f"--server: {exc}") from None
+        return normalize_server(explicit, "NICSWITCH_SERVER")
+    discovered = server_from_mindcluster(env)  # the agent's own rule, so both always agree
     if discovered:
         return discovered
     raise ValueError("--server: not given, and none of NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE=on")

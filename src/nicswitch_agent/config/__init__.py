@@ -18,21 +18,20 @@ import ipaddress
 import logging
 import math
 import os
-import re
 import threading
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nicswitch_agent.config.addresses import CLUSTERD_PORT, parse_server
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.status_file import expand_path
 
 if TYPE_CHECKING:  # transport imports grpc, which only the leader needs (members never dial)
     from nicswitch_agent.clusterd.channel import TlsSettings
 
-CLUSTERD_PORT = 8899
 CLUSTERD_REPORT_TIMEOUT_S = 15 * 60.0
 CLUSTERD_MIN_PING_INTERVAL_S = 3.0
 LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
@@ -55,6 +54,42 @@ def _env_name(field_name: str) -> str:
 def _describe(value: Any) -> str:
     """``int 123``: the type and the value, for messages about a value of the wrong type."""
     return f"{type(value).__name__} {value!r}"
+
+
+def _invalid(message: str, *settings: str) -> ConfigError:
+    """The error for ``settings`` (field names), which :meth:`AgentConfig.from_env` extends with the
+    variable and the value of each one that came from the environment."""
+    return ConfigError(message, settings=settings)
+
+
+def did_you_mean(given: str, candidates: Sequence[str]) -> str:
+    """``"; did you mean 'external'?"`` for a near miss among ``candidates`` (difflib), else ""."""
+    close = difflib.get_close_matches(given.lower(), list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        hint = did_you_mean(value, choices) if isinstance(value, str) else ""
+        raise _invalid(f"{name}={value!r} is not supported; choose one of {', '.join(choices)}{hint}", name)
+
+
+def _unknown_settings(names: Sequence[str], known: Sequence[str]) -> ConfigError:
+    """``unknown setting(s): swtich_timeout_s (did you mean switch_timeout_s?)``."""
+    parts = []
+    for name in names:
+        close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+        parts.append(f"{name} (did you mean {close[0]}?)" if close else name)
+    return ConfigError(f"unknown setting(s): {', '.join(parts)}")
+
+
+def _name_sources(exc: ConfigError, sources: Mapping[str, tuple[str, str]]) -> ConfigError:
+    """``exc`` led by the variable and value of each of its settings that came from the environment
+    (``NICSWITCH_SWITCH_TIMEOUT_S='-5': switch_timeout_s=-5.0 must not be negative``)."""
+    named = [f"{sources[name][0]}={sources[name][1]!r}" for name in exc.settings if name in sources]
+    if not named:
+        return exc
+    return ConfigError(f"{', '.join(named)}: {exc}", settings=exc.settings)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,9 +238,9 @@ class AgentConfig:
     (``grpc.ssl_target_name_override``), e.g. when ``server`` is an IP address."""
 
     def __post_init__(self) -> None:
-        for name in ("pause", "leader"):  # enumerations: any case (NICSWITCH_PAUSE=External)
-            value = getattr(self, name)
-            if isinstance(value, str) and value != value.lower() and value.lower() in PAUSE_MODES + LEADER_PLACES:
+        for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS)):
+            value = getattr(self, name)  # enumerations: any case (NICSWITCH_PAUSE=External)
+            if isinstance(value, str) and value != value.lower() and value.lower() in choices:
                 object.__setattr__(self, name, value.lower())
         self._validate()
 
@@ -215,97 +250,106 @@ class AgentConfig:
     def from_env(cls, env: Mapping[str, str] | None = None, /, **explicit: Any) -> AgentConfig:
         """Build from explicit keywords, then ``NICSWITCH_*``, then MindCluster env, then defaults.
 
-        Keywords whose value is ``None`` count as not given.
+        Keywords whose value is ``None`` count as not given. An error about a value read from the
+        environment names its variable and the value as written there.
         """
         env = os.environ if env is None else env
         names = _field_types(cls)
         unknown = sorted(set(explicit) - set(names))
         if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+            raise _unknown_settings(unknown, list(names))
         warn_unknown_env(env)
         values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
-        for name, kind in names.items():
-            if name in values:
-                continue
-            raw = env.get(_env_name(name))
-            if raw is not None and raw.strip() != "":
-                values[name] = _parse(name, kind, raw.strip(), _env_name(name))
+        sources: dict[str, tuple[str, str]] = {}  # field -> (variable, value) it was read from
+
+        def read(name: str, variable: str) -> None:
+            raw = env.get(variable, "").strip()
+            if name not in values and raw:
+                values[name] = _parse(name, names[name], raw, variable)
+                sources[name] = (variable, raw)
+
+        for name in names:
+            read(name, _env_name(name))
+        for name, variable in (("job_id", "MINDX_TASK_ID"), ("world_size", "WORLD_SIZE"),
+                               ("local_world_size", "LOCAL_WORLD_SIZE"), ("rank", "RANK")):
+            read(name, variable)
+        for name, default_port in (("server", CLUSTERD_PORT), ("store_address", None)):
+            if name in sources:  # so that its message names the variable, as every other does
+                values[name] = parse_server(values[name], sources[name][0], default_port=default_port)
         if "server" not in values:
             values["server"] = server_from_mindcluster(env)
-        if "job_id" not in values:
-            values["job_id"] = env.get("MINDX_TASK_ID", "").strip()
-        if "world_size" not in values and env.get("WORLD_SIZE", "").strip():
-            values["world_size"] = _parse("world_size", names["world_size"], env["WORLD_SIZE"].strip(), "WORLD_SIZE")
-        if "local_world_size" not in values and env.get("LOCAL_WORLD_SIZE", "").strip():
-            values["local_world_size"] = _parse("local_world_size", names["local_world_size"],
-                                                env["LOCAL_WORLD_SIZE"].strip(), "LOCAL_WORLD_SIZE")
-        if "rank" not in values and env.get("RANK", "").strip():
-            values["rank"] = _parse("rank", names["rank"], env["RANK"].strip(), "RANK")
-        return cls(**values)
+        values.setdefault("job_id", "")
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise _name_sources(exc, sources) from None
 
     def replace(self, **changes: Any) -> AgentConfig:
         """A copy with ``changes`` applied (and validated)."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(changes) - set(known))
         if unknown:
-            raise ConfigError(f"unknown setting(s): {', '.join(unknown)}")
+            raise _unknown_settings(unknown, known)
         return dataclasses.replace(self, **changes)
 
     # -- validation ----------------------------------------------------------------------------
 
     def _validate(self) -> None:
+        """Every check, each error naming its field(s) (``ConfigError.settings``) and the value."""
         if not isinstance(self.server, str):
-            raise ConfigError(f"server must be a string 'host:port', got {_describe(self.server)}")
+            raise _invalid(f"server must be a string 'host:port', got {_describe(self.server)}", "server")
         if not self.server.strip():
-            raise ConfigError(
+            raise _invalid(
                 "server is not set: pass server='host:port', or set NICSWITCH_SERVER, "
-                "MINDX_SERVER_IP or LOCAL_PROXY_ENABLE=on"
+                "MINDX_SERVER_IP or LOCAL_PROXY_ENABLE=on", "server"
             )
-        _check_target("server", self.server)
+        object.__setattr__(self, "server", parse_server(self.server))  # a bare host gets :8899
         if not isinstance(self.job_id, str):
-            raise ConfigError(f"job_id must be a string, got {_describe(self.job_id)}")
+            raise _invalid(f"job_id must be a string, got {_describe(self.job_id)}", "job_id")
         if not self.job_id.strip():
-            raise ConfigError("job_id is not set: pass job_id=..., or set NICSWITCH_JOB_ID or MINDX_TASK_ID")
+            raise _invalid("job_id is not set: pass job_id=..., or set NICSWITCH_JOB_ID or MINDX_TASK_ID", "job_id")
         if self.job_id != self.job_id.strip() or any(ord(c) < 32 for c in self.job_id):
-            raise ConfigError(f"job_id={self.job_id!r} has surrounding spaces or control characters")
-        if self.leader not in LEADER_PLACES:
-            raise ConfigError(f"leader={self.leader!r} is not supported; choose one of {', '.join(LEADER_PLACES)}")
+            raise _invalid(f"job_id={self.job_id!r} has surrounding spaces or control characters", "job_id")
+        _check_choice("leader", self.leader, LEADER_PLACES)
         if self.store_address is not None:
             if not isinstance(self.store_address, str):
-                raise ConfigError(f"store_address must be a string 'host:port', got {_describe(self.store_address)}")
-            _check_target("store_address", self.store_address)
-        if self.pause not in PAUSE_MODES:
-            raise ConfigError(
-                f"pause={self.pause!r} is not supported; choose one of {', '.join(PAUSE_MODES)}"
-            )
+                raise _invalid(f"store_address must be a string 'host:port', got {_describe(self.store_address)}",
+                               "store_address")
+            object.__setattr__(self, "store_address",
+                               parse_server(self.store_address, "store_address", default_port=None))
+        _check_choice("pause", self.pause, PAUSE_MODES)
         for name in ("dry_run", "handle_signals"):
             if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a bool")
+                raise _invalid(f"{name}={getattr(self, name)!r} must be a bool", name)
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
                 value = getattr(self, f.name)
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise ConfigError(f"{f.name}={value!r} must be a finite number of seconds")
+                    raise _invalid(f"{f.name}={value!r} must be a finite number of seconds", f.name)
                 if value < 0:
-                    raise ConfigError(f"{f.name}={value!r} must not be negative")
+                    raise _invalid(f"{f.name}={value!r} must not be negative", f.name)
         if self.keepalive_time_s < CLUSTERD_MIN_PING_INTERVAL_S:
-            raise ConfigError(
+            raise _invalid(
                 f"keepalive_time_s={self.keepalive_time_s!r} is below 3 s: ClusterD answers faster "
-                "pings with GOAWAY too_many_pings (and resets the job if this is its process-manage client)"
+                "pings with GOAWAY too_many_pings (and resets the job if this is its process-manage client)",
+                "keepalive_time_s",
             )
         if self.keepalive_timeout_s <= 0:
-            raise ConfigError(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive")
+            raise _invalid(f"keepalive_timeout_s={self.keepalive_timeout_s!r} must be positive", "keepalive_timeout_s")
         for name in ("status_file", "events_file"):
             template = getattr(self, name)
             if template is not None:
+                if not isinstance(template, str) or not template.strip():
+                    raise _invalid(f"{name}={template!r} must be the path of a file", name)
                 try:
                     expand_path(template, rank=0, job_id="job")
                 except ValueError as exc:
-                    raise ConfigError(f"{name}={template!r}: {exc}") from None
+                    raise _invalid(f"{name}={template!r}: {exc}", name) from None
         if self.metrics_port is not None and (
             isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
             or not 0 <= self.metrics_port < 65536
         ):
-            raise ConfigError(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)")
+            raise _invalid(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)", "metrics_port")
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
@@ -314,63 +358,73 @@ class AgentConfig:
                     "node_store_timeout_s", "notify_reopen_wait_s")
         for name in positive:
             if getattr(self, name) <= 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be positive")
+                raise _invalid(f"{name}={getattr(self, name)!r} must be positive", name)
         if self.reconnect_initial_s > self.reconnect_max_s:
-            raise ConfigError(
-                f"reconnect_initial_s={self.reconnect_initial_s!r} exceeds reconnect_max_s={self.reconnect_max_s!r}"
+            raise _invalid(
+                f"reconnect_initial_s={self.reconnect_initial_s!r} exceeds reconnect_max_s={self.reconnect_max_s!r}",
+                "reconnect_initial_s", "reconnect_max_s",
             )
         if isinstance(self.conflict_resets, bool) or not isinstance(self.conflict_resets, int) \
                 or self.conflict_resets < 2:
-            raise ConfigError(f"conflict_resets={self.conflict_resets!r} must be an integer of at least 2")
+            raise _invalid(f"conflict_resets={self.conflict_resets!r} must be an integer of at least 2",
+                           "conflict_resets")
         if self.conflict_backoff_s > self.conflict_backoff_max_s:
-            raise ConfigError(
+            raise _invalid(
                 f"conflict_backoff_s={self.conflict_backoff_s!r} exceeds "
-                f"conflict_backoff_max_s={self.conflict_backoff_max_s!r}"
+                f"conflict_backoff_max_s={self.conflict_backoff_max_s!r}",
+                "conflict_backoff_s", "conflict_backoff_max_s",
             )
         if self.resubscribe_after_eof_s > 60:
-            raise ConfigError(f"resubscribe_after_eof_s={self.resubscribe_after_eof_s!r} must be at most 60 s")
+            raise _invalid(f"resubscribe_after_eof_s={self.resubscribe_after_eof_s!r} must be at most 60 s",
+                           "resubscribe_after_eof_s")
         if self.reply_attempt_timeout_s > self.reply_timeout_s:
-            raise ConfigError(
+            raise _invalid(
                 f"reply_attempt_timeout_s={self.reply_attempt_timeout_s!r} exceeds "
-                f"reply_timeout_s={self.reply_timeout_s!r}"
+                f"reply_timeout_s={self.reply_timeout_s!r}",
+                "reply_attempt_timeout_s", "reply_timeout_s",
             )
         if self.pause_timeout_s >= CLUSTERD_REPORT_TIMEOUT_S:
-            raise ConfigError(
-                f"pause_timeout_s={self.pause_timeout_s!r} must stay below ClusterD's 900 s wait for the pause report"
+            raise _invalid(
+                f"pause_timeout_s={self.pause_timeout_s!r} must stay below ClusterD's 900 s wait for the pause report",
+                "pause_timeout_s",
             )
         budget = self.guard_timeout_s + self.switch_timeout_s + self.reply_timeout_s
         if budget >= CLUSTERD_REPORT_TIMEOUT_S:
-            raise ConfigError(
+            raise _invalid(
                 f"guard_timeout_s + switch_timeout_s + reply_timeout_s = {budget:g} s must stay below "
-                "ClusterD's 900 s wait for the result, or ClusterD gives up first"
+                "ClusterD's 900 s wait for the result, or ClusterD gives up first",
+                "guard_timeout_s", "switch_timeout_s", "reply_timeout_s",
             )
         if self.world_size is not None and (
             isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1
         ):
-            raise ConfigError(f"world_size={self.world_size!r} must be a positive integer")
+            raise _invalid(f"world_size={self.world_size!r} must be a positive integer", "world_size")
         bad_rank = isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0
         if self.rank is not None and bad_rank:
-            raise ConfigError(f"rank={self.rank!r} must be a non-negative integer")
+            raise _invalid(f"rank={self.rank!r} must be a non-negative integer", "rank")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
-            raise ConfigError(f"rank={self.rank!r} is outside world_size={self.world_size!r}")
-        if self.fan_out not in FAN_OUTS:
-            raise ConfigError(f"fan_out={self.fan_out!r} is not supported; choose one of {', '.join(FAN_OUTS)}")
+            raise _invalid(f"rank={self.rank!r} is outside world_size={self.world_size!r}", "rank", "world_size")
+        _check_choice("fan_out", self.fan_out, FAN_OUTS)
         if self.local_world_size is not None and (
                 isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
                 or self.local_world_size < 1):
-            raise ConfigError(f"local_world_size={self.local_world_size!r} must be a positive integer")
+            raise _invalid(f"local_world_size={self.local_world_size!r} must be a positive integer",
+                           "local_world_size")
         if self.nodes_per_group is not None and (
                 isinstance(self.nodes_per_group, bool) or not isinstance(self.nodes_per_group, int)
                 or self.nodes_per_group < 2):
-            raise ConfigError(f"nodes_per_group={self.nodes_per_group!r} must be an integer of at least 2")
+            raise _invalid(f"nodes_per_group={self.nodes_per_group!r} must be an integer of at least 2",
+                           "nodes_per_group")
         for name in ("max_ranks", "max_message_bytes", "max_pending_lists"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{name}={value!r} must be a positive integer")
+                raise _invalid(f"{name}={value!r} must be a positive integer", name)
         if not isinstance(self.role, str):
-            raise ConfigError(f"role must be a string, got {_describe(self.role)}")
+            raise _invalid(f"role must be a string, got {_describe(self.role)}", "role")
         if not self.role:
-            raise ConfigError(f"role={self.role!r} must be a non-empty string")
+            raise _invalid(f"role={self.role!r} must be a non-empty string", "role")
+        if any(ord(c) < 32 for c in self.role):
+            raise _invalid(f"role={self.role!r} has control characters", "role")
         _check_tls(self.tls, self.tls_ca_file, self.tls_cert_file, self.tls_key_file, self.tls_server_name)
 
     @property
@@ -414,6 +468,10 @@ def resolve_pause_mode(pause: str, env: Mapping[str, str] | None = None) -> tupl
 def server_from_mindcluster(env: Mapping[str, str]) -> str:
     """MindCluster's own discovery (taskd ``utils.GetClusterdAddr``); "" when nothing is set.
 
+    ``LOCAL_PROXY_ENABLE=on``: the local mTLS sidecar, ``127.0.0.1:8899``. Else ``MINDX_SERVER_IP``,
+    which MindCluster sets to ClusterD's IP address alone and dials at port 8899: a host name or a
+    port there is refused (MindCluster's own clients would refuse it too), with the fix.
+
     Raises:
         ConfigError: MINDX_SERVER_IP is not an IP address.
     """
@@ -425,9 +483,11 @@ def server_from_mindcluster(env: Mapping[str, str]) -> str:
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
-        raise ConfigError(f"MINDX_SERVER_IP={ip!r} is not an IP address") from None
+        raise ConfigError(f"MINDX_SERVER_IP={ip!r} is not an IP address (MindCluster sets it to ClusterD's IP "
+                          f"and dials port {CLUSTERD_PORT}); for a host name or another port set "
+                          "NICSWITCH_SERVER=host:port instead") from None
     host = f"[{addr}]" if addr.version == 6 else str(addr)
-    return f"{host}:{CLUSTERD_PORT}"
+    return parse_server(f"{host}:{CLUSTERD_PORT}", "MINDX_SERVER_IP")
 
 
 TLS_FIELDS = ("tls", "tls_ca_file", "tls_cert_file", "tls_key_file", "tls_server_name")
@@ -444,16 +504,21 @@ def tls_from_env(env: Mapping[str, str] | None = None, /, **explicit: Any) -> Tl
     env = os.environ if env is None else env
     unknown = sorted(set(explicit) - set(TLS_FIELDS))
     if unknown:
-        raise ConfigError(f"unknown TLS setting(s): {', '.join(unknown)}")
+        raise _unknown_settings(unknown, TLS_FIELDS)
     warn_unknown_env(env)
     types = _field_types(AgentConfig)
     values: dict[str, Any] = {k: v for k, v in explicit.items() if v is not None}
+    sources: dict[str, tuple[str, str]] = {}
     for name in TLS_FIELDS:
-        raw = env.get(_env_name(name))
-        if name not in values and raw is not None and raw.strip() != "":
-            values[name] = _parse(name, types[name], raw.strip(), _env_name(name))
+        raw = env.get(_env_name(name), "").strip()
+        if name not in values and raw:
+            values[name] = _parse(name, types[name], raw, _env_name(name))
+            sources[name] = (_env_name(name), raw)
     args = (values.get("tls", False), *(values.get(name) for name in TLS_FIELDS[1:]))
-    _check_tls(*args)
+    try:
+        _check_tls(*args)
+    except ConfigError as exc:
+        raise _name_sources(exc, sources) from None
     if not _tls_on(*args):
         return None
     from nicswitch_agent.clusterd.channel import TlsSettings
@@ -473,22 +538,22 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
     """Types, files readable and PEM, the key belonging to the certificate: every TLS mistake
     that can be found before dialing. Messages name files by path, never by content."""
     if not isinstance(tls, bool):
-        raise ConfigError(f"tls={tls!r} must be a bool")
+        raise _invalid(f"tls={tls!r} must be a bool", "tls")
     files = {"tls_ca_file": ca_file, "tls_cert_file": cert_file, "tls_key_file": key_file}
     for name, path in files.items():
         if path is None:
             continue
         if not isinstance(path, str) or not path.strip():
-            raise ConfigError(f"{name}={path!r} must be the path of a PEM file")
+            raise _invalid(f"{name}={path!r} must be the path of a PEM file", name)
         try:
             with open(path, "rb") as file:
                 file.read(1)
         except OSError as exc:
-            raise ConfigError(f"{name}={path!r} cannot be read: {exc.strerror or exc}") from None
+            raise _invalid(f"{name}={path!r} cannot be read: {exc.strerror or exc}", name) from None
     if (cert_file is None) != (key_file is None):
         given, missing = ("tls_cert_file", "tls_key_file") if key_file is None else ("tls_key_file", "tls_cert_file")
-        raise ConfigError(f"{given}={files[given]!r} is set without {missing}: a client certificate "
-                          "and its key go together (set both, or neither)")
+        raise _invalid(f"{given}={files[given]!r} is set without {missing}: a client certificate "
+                       "and its key go together (set both, or neither)", given)
     if ca_file is None and cert_file is None:
         _check_server_name(server_name)
         return
@@ -499,14 +564,16 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
         try:
             context.load_verify_locations(cafile=ca_file)
         except (ssl.SSLError, ValueError) as exc:
-            raise ConfigError(f"tls_ca_file={ca_file!r} holds no usable PEM certificate ({_ssl_reason(exc)})") from None
+            raise _invalid(f"tls_ca_file={ca_file!r} holds no usable PEM certificate ({_ssl_reason(exc)})",
+                           "tls_ca_file") from None
     if cert_file is not None:
         try:
             context.load_cert_chain(cert_file, key_file, password=_no_password)
         except (ssl.SSLError, ValueError) as exc:
-            raise ConfigError(
+            raise _invalid(
                 f"tls_cert_file={cert_file!r} and tls_key_file={key_file!r} cannot be used together "
-                f"({_ssl_reason(exc)}): both must be PEM, the key unencrypted and belonging to the certificate"
+                f"({_ssl_reason(exc)}): both must be PEM, the key unencrypted and belonging to the certificate",
+                "tls_cert_file", "tls_key_file",
             ) from None
     _check_server_name(server_name)
 
@@ -516,59 +583,12 @@ def _check_server_name(server_name: Any) -> None:
         not isinstance(server_name, str) or not server_name or server_name != server_name.strip()
         or any(ord(c) <= 32 for c in server_name)
     ):
-        raise ConfigError(f"tls_server_name={server_name!r} must be a host name without spaces")
+        raise _invalid(f"tls_server_name={server_name!r} must be a host name without spaces", "tls_server_name")
 
 
 def _ssl_reason(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None)
     return str(reason) if reason else type(exc).__name__
-
-
-# A DNS name (Kubernetes service names included): dot-separated labels of letters, digits, "-" and
-# "_" (seen in some internal resolvers), none empty or longer than 63 characters.
-_HOST_LABEL = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
-
-
-def _check_target(name: str, target: str) -> None:
-    """``host:port`` with a port in 1-65535 and a host that is an IP address or a DNS name.
-
-    gRPC's ``unix:`` targets pass as they are; ``dns:`` ones (``dns:///svc.ns:8899``) are checked
-    after the scheme and authority."""
-    if target.startswith(("unix:", "unix-abstract:")):
-        return
-    address = target
-    if address.startswith("dns:"):  # gRPC name syntax: dns:[//authority/]host:port
-        address = address[len("dns:"):]
-        if address.startswith("//"):
-            address = address[2:].partition("/")[2]
-    elif "://" in address:
-        raise ConfigError(f"{name}={target!r}: give host:port without a scheme (gRPC dials it directly), "
-                          f"e.g. {address.partition('://')[2].rstrip('/')!r}")
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port:
-        raise ConfigError(f"{name}={target!r} must look like host:port (IPv6 as [addr]:port)")
-    if not (port.isascii() and port.isdigit()):
-        raise ConfigError(f"{name}={target!r} must look like host:port: the port {port!r} is not a number")
-    if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise ConfigError(f"{name}={target!r}: put an IPv6 address in brackets, e.g. [::1]:{port}")
-    if not 0 < int(port) < 65536:
-        raise ConfigError(f"{name}={target!r} must look like host:port: the port {int(port)} is outside 1-65535")
-    if host.startswith("["):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise ConfigError(f"{name}={target!r}: {host[1:-1]!r} is not an IPv6 address") from None
-        return
-    if host.replace(".", "").isdigit():  # looks like IPv4: it has to be one
-        try:
-            ipaddress.IPv4Address(host)
-        except ValueError:
-            raise ConfigError(f"{name}={target!r}: {host!r} is not an IPv4 address") from None
-        return
-    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")  # a trailing dot: fully qualified
-    if len(host) > 253 or not all(label.isascii() and _HOST_LABEL.fullmatch(label) for label in labels):
-        raise ConfigError(f"{name}={target!r}: {host!r} is not a host name or IP address "
-                          "(letters, digits, '-' and '.' only)")
 
 
 def known_env_names() -> frozenset[str]:
@@ -647,4 +667,4 @@ def _non_optional(kind: Any) -> Any:
     return kind
 
 
-__all__ = ["AgentConfig", "ConfigError"]
+__all__ = ["CLUSTERD_PORT", "AgentConfig", "ConfigError", "parse_server"]
