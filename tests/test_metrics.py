@@ -50,7 +50,7 @@ def switch_streams_open(sim: Simulator) -> bool:
 
 
 def run_one_switch(sim: Simulator, *listeners: Any) -> Events:
-    """A real agent (pause mode agent) and one failover of rank 1, with ``listeners`` attached."""
+    """A real agent (pause mode agent) and one failover of rank 0 (the job's only rank), with ``listeners`` attached."""
     kinds = Events()
 
     def hook(order: SwitchOrder) -> bool:
@@ -119,9 +119,9 @@ def test_jsonl_stats_and_prometheus_after_a_real_switch(sim: Simulator, tmp_path
     assert value("nicswitch_pause_duration_seconds_count") == 1
     assert value("nicswitch_rank_duration_seconds_count", kind="switch") == 1
     assert value("nicswitch_stream_up") == 0  # the agent has stopped
-    # A PrometheusMetrics of one's own knows only this process's rank (rank 1 moved, rank 0 did not).
+    # A PrometheusMetrics of one's own knows only this process's rank (rank 0, moved to its standby link).
     links = [s for f in registry.collect() if f.name == "nicswitch_link_standby" for s in f.samples]
-    assert [(s.labels["rank"], s.value) for s in links] == [("0", 0.0)]
+    assert [(s.labels["rank"], s.value) for s in links] == [("0", 1.0)]
     decided = value("nicswitch_last_switch_timestamp_seconds")
     assert decided is not None and by_kind["list_received"]["wall"] <= decided <= by_kind["reply_sent"]["wall"]
     assert value("nicswitch_phase_duration_seconds_count", phase="switch") == 1

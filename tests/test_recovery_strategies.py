@@ -87,7 +87,7 @@ def test_a_rolled_back_failed_switch_under_each_annotation(simulator: Simulator,
     try:
         assert sim.wait_until(idle, 10)
         assert trainer.wait_step(3)
-        assert operator_switch(sim.address, JOB, ["1"], [True]) == FAILED
+        assert operator_switch(sim.address, JOB, ["0"], [True]) == FAILED
         assert sim.wait_until(lambda s: picks(s) != [], 10)
         assert picks(sim) == [pick]
         assert OFFERED_AFTER_ROLLBACK in caplog.text  # logged before ReportRecoverStrategy was sent
@@ -99,7 +99,7 @@ def test_a_rolled_back_failed_switch_under_each_annotation(simulator: Simulator,
             assert stops == [] and trainer.error is None
             failed_flow = sim.job_view(JOB).path_history[-1]
             assert failed_flow[-2:] == ["CheckRecoverResultState(recoverSuccess)", "INIT"], failed_flow
-            assert operator_switch(sim.address, JOB, ["1"], [True]) == FINISH  # the next switch works
+            assert operator_switch(sim.address, JOB, ["0"], [True]) == FINISH  # the next switch works
             assert sim.job_view(JOB).replies == [False, True]
             assert hook.calls == [(True,), (False,), (True,)]  # switch, its rollback, the next switch
         else:
