@@ -75,8 +75,9 @@ def expand_paths(paths: Sequence[str]) -> tuple[list[str], list[str]]:
     return sorted(set(files)), problems
 
 
-def read_events(paths: Sequence[str], *, job_id: str | None = None) -> EventSet:
-    """Read every event of the files named by ``paths`` (see :func:`expand_paths`).
+def read_events(paths: Sequence[str], *, job_id: str | None = None, since: float | None = None) -> EventSet:
+    """Read every event of the files named by ``paths`` (see :func:`expand_paths`); with ``since``
+    (wall clock) only the later ones (the demo, appending to files that may hold earlier runs).
 
     Events of several jobs: those of ``job_id`` are kept, or of the job with the most events,
     and the others are counted in :attr:`EventSet.other_jobs`.
@@ -98,6 +99,8 @@ def read_events(paths: Sequence[str], *, job_id: str | None = None) -> EventSet:
             continue
         read.append(path)
         problems.extend(_parse(path, data.decode("utf-8", errors="replace").splitlines(), records))
+    if since is not None:
+        records = [r for r in records if r.wall >= since]
     if not records:
         raise TimelineError(f"no events in {_files_text(read or files)}" + (f" ({'; '.join(problems[:3])})"
                                                                             if problems else ""))
