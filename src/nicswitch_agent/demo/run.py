@@ -102,13 +102,13 @@ class ThreadJob:
         from nicswitch_agent.coordination import InProcessStore
 
         store = InProcessStore()  # a torch job coordinates through its own TCPStore (--processes)
+        settings: dict[str, Any] = {"events_file": self.events_file} if self.events_file else {}
         for r in range(self.world):
             progress = self.progress if r == 0 else Progress()
             links = LinkTable(self.world)
             guard = FileCheckpoint(os.path.join(self.workdir, f"rank{r}"), progress.current)
             agent = SwitchAgent(server=address, job_id=self.job_id, pause="agent", rank=r, world_size=self.world,
-                                store=store, switch_hook=links, checkpoint_hook=guard,
-                                **({"events_file": self.events_file} if self.events_file else {}))
+                                store=store, switch_hook=links, checkpoint_hook=guard, **settings)
             rank = _ThreadRank(r, agent, links, guard, progress)
             agent.add_listener(functools.partial(self._on_event, rank=rank))
             if r == 0 and self.leader_listener is not None:  # before start(): it must not miss the first events

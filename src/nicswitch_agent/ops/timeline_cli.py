@@ -12,8 +12,14 @@ import argparse
 import os
 import sys
 
-from nicswitch_agent.observability.timeline import TimelineError, build, read_events, render_html, render_svg, \
-    summary_text
+from nicswitch_agent.observability.timeline import (
+    TimelineError,
+    build,
+    read_events,
+    render_html,
+    render_svg,
+    summary_text,
+)
 from nicswitch_agent.observability.timeline.model import DEFAULT_RANKS_PER_NODE
 
 EXIT_OK, EXIT_NO_EVENTS = 0, 2

@@ -23,10 +23,10 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from nicswitch_agent.observability import events as ev
-from nicswitch_agent.observability.timeline.reading import EventSet, Record
+from nicswitch_agent.observability.timeline.reading import EventSet, Record, collecting_later
 
 AGGREGATE_ABOVE = 256  # rank lanes per switch; above this, one lane per node
 DEFAULT_RANKS_PER_NODE = 8
@@ -41,8 +41,7 @@ _UNSEQUENCED_LEADER = frozenset({ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RES
 _FAR_S = 60.0  # a rank without leader timestamps this far from the leader's times: say its clock may differ
 
 
-@dataclass(frozen=True)
-class Bar:
+class Bar(NamedTuple):
     """One phase on a lane, in seconds from the switch's start. ``ok`` False: it failed."""
 
     phase: str
@@ -52,8 +51,7 @@ class Bar:
     note: str = ""
 
 
-@dataclass(frozen=True)
-class Mark:
+class Mark(NamedTuple):
     """A moment on a lane (the leader's messages, a rank resuming), in seconds from the switch's start."""
 
     at: float
@@ -61,7 +59,7 @@ class Mark:
     ok: bool = True
 
 
-@dataclass
+@dataclass(slots=True)
 class Lane:
     """One row: a rank, or a node (its slowest rank's bars, with the spread of its ranks' answers)."""
 
@@ -138,7 +136,7 @@ class Timeline:
 # -- building ------------------------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class _Pause:
     requested: float | None = None
     parked: float | None = None
@@ -148,7 +146,7 @@ class _Pause:
     sent_at: float | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class _RankPart:
     """What one rank did for one switch (times on the leader's clock)."""
 
@@ -164,10 +162,15 @@ class _RankPart:
 def build(events: EventSet, *, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
           aggregate_above: int = AGGREGATE_ABOVE, only_switch: int | None = None) -> Timeline:
     """The timeline of ``events`` (one job's). ``only_switch``: just that list number."""
+    with collecting_later():
+        return _build(events, ranks_per_node, aggregate_above, only_switch)
+
+
+def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_switch: int | None) -> Timeline:
     problems = list(events.problems)
     by_source: dict[tuple[int | None, int | None], list[Record]] = defaultdict(list)
     for record in events.records:
-        by_source[record.source].append(record)
+        by_source[(record.rank, record.pid)].append(record)
     leaders = {s for s, recs in by_source.items() if any(_is_leader(r) for r in recs)}
     alignment, offset = _align(by_source, leaders)
     parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
@@ -326,8 +329,8 @@ def _int(value: Any) -> int | None:
 
 def _expected_ranks(records: Iterable[Record], seen: set[int]) -> int:
     """The job's world size: the leader's word for it, else the highest rank seen + 1."""
-    sizes = [n for r in records if (n := _int(r.detail.get("ranks" if r.kind == ev.SWITCH_DONE else "world_size")))
-             is not None and r.kind in (ev.SWITCH_DONE, ev.AGENT_STARTED)]
+    kinds = {ev.SWITCH_DONE: "ranks", ev.AGENT_STARTED: "world_size"}
+    sizes = [n for r in records if r.kind in kinds and (n := _int(r.detail.get(kinds[r.kind]))) is not None]
     return max([*sizes, max(seen) + 1 if seen else 0])
 
 
@@ -374,16 +377,7 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     by_kind = {r.kind: (t, r) for t, r in mine}
     rank_pauses = {rank: pauses.get(rank, {}).get(part.epoch) for rank, part in parts.items()
                    if part.epoch is not None}
-    times = [t for t, _ in mine]
-    for rank, part in parts.items():
-        pause = rank_pauses.get(rank)
-        times += [x for x in (part.order_sent, part.outcome, part.outcome_sent) if x is not None]
-        times += [x for span in (part.guard, part.result) if span for x in span[:2]]
-        times += [x for b in part.extras for x in (b.start, b.end)]
-        if pause is not None:
-            times += [x for x in (pause.requested, pause.parked, pause.resumed, pause.sent_at) if x is not None]
-    t0 = min(times) if times else 0.0
-    t1 = max(times) if times else 0.0
+    t0, t1 = _window(mine, parts, rank_pauses)
     done = by_kind.get(ev.SWITCH_DONE)
     size = _int(done[1].detail.get("ranks")) if done else None
     world = size or expected
@@ -403,6 +397,23 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     else:
         switch.lanes = list(lanes.values())
     return switch
+
+
+def _window(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
+            rank_pauses: dict[int, _Pause | None]) -> tuple[float, float]:
+    """The first and the last moment of a switch: every time any of its events names."""
+    lows, highs = [t for t, _ in mine], [t for t, _ in mine]
+    for rank, part in parts.items():
+        times = [x for x in (part.order_sent, part.outcome, part.outcome_sent) if x is not None]
+        times += [x for span in (part.guard, part.result) if span for x in span[:2]]
+        times += [x for b in part.extras for x in (b.start, b.end)]
+        pause = rank_pauses.get(rank)
+        if pause is not None:
+            times += [x for x in (pause.requested, pause.parked, pause.resumed, pause.sent_at) if x is not None]
+        if times:
+            lows.append(min(times))
+            highs.append(max(times))
+    return (min(lows), max(highs)) if lows else (0.0, 0.0)
 
 
 def _verdict(by_kind: dict[str, tuple[float, Record]], parts: dict[int, _RankPart]) -> tuple[bool | None, str]:
@@ -499,13 +510,13 @@ def _critical(lanes: dict[int, Lane], parts: dict[int, _RankPart], rank_pauses: 
     return found
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, ``q`` in [0, 100], of non-empty ``values``."""
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
+def percentile(values: Sequence[float], q: float, *, ordered: bool = False) -> float:
+    """Linear-interpolated percentile, ``q`` in [0, 100], of non-empty ``values`` (``ordered``: sorted already)."""
+    ordered_values = values if ordered else sorted(values)
+    pos = (len(ordered_values) - 1) * q / 100.0
     low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+    high = min(low + 1, len(ordered_values) - 1)
+    return ordered_values[low] + (ordered_values[high] - ordered_values[low]) * (pos - low)
 
 
 def _stats(lanes: dict[int, Lane]) -> list[PhaseStats]:
@@ -518,8 +529,9 @@ def _stats(lanes: dict[int, Lane]) -> list[PhaseStats]:
     for phase in sorted(durations, key=lambda p: (order.get(p, len(order)), p)):
         values = durations[phase]
         worst, worst_rank = max(values)
-        plain = [v for v, _ in values]
-        stats.append(PhaseStats(phase, len(values), percentile(plain, 50), percentile(plain, 99), worst, worst_rank))
+        plain = sorted(v for v, _ in values)
+        stats.append(PhaseStats(phase, len(values), percentile(plain, 50, ordered=True),
+                                percentile(plain, 99, ordered=True), worst, worst_rank))
     return stats
 
 
@@ -531,7 +543,7 @@ def _slowest(parts: dict[int, _RankPart], t0: float, count: int = 5) -> list[tup
 
 def _missing(seq: int, by_kind: dict[str, tuple[float, Record]], parts: dict[int, _RankPart], world: int,
              rank_pauses: dict[int, _Pause | None]) -> list[str]:
-    missing = []
+    missing: list[str] = []
     if ev.LIST_REJECTED in by_kind:
         return missing
     if ev.SWITCH_DONE not in by_kind:

@@ -77,8 +77,8 @@ def _tick_step(span: float) -> float:
     if span <= 0:
         return 0.001
     raw = span / 8
-    power = 10 ** math.floor(math.log10(raw))
-    return next(m * power for m in (1, 2, 5, 10) if m * power >= raw)
+    power = 10.0 ** math.floor(math.log10(raw))
+    return float(next(m * power for m in (1, 2, 5, 10) if m * power >= raw))
 
 
 def switch_svg(switch: Switch, *, standalone: bool = False) -> str:

@@ -19,8 +19,9 @@ def summary_text(timeline: Timeline) -> str:
             lines.append(f"  {st.phase:<10} p50 {_ms(st.p50):>10}  p99 {_ms(st.p99):>10}  max {_ms(st.max):>10}"
                          f"  (rank {st.max_rank}, {st.count} ranks)")
         if s.slowest:
-            lines.append("  last to answer: " + ", ".join(f"rank {rank} (+{_ms(at)}{'' if what == 'answered' else ', failed'})"
-                                                        for rank, at, what in s.slowest))
+            answers = (f"rank {rank} (+{_ms(at)}{'' if what == 'answered' else ', failed'})"
+                       for rank, at, what in s.slowest)
+            lines.append("  last to answer: " + ", ".join(answers))
         lines.extend(f"  waited for: {c}" for c in s.critical)
         lines.extend(f"  missing: {m}" for m in s.missing)
     lines.extend(f"note: {p}" for p in timeline.problems)
