@@ -15,7 +15,7 @@ from nicswitch_agent.observability.timeline.model import Lane, Mark, Switch, Tim
 
 WIDTH = 1100
 LABEL_W = 210
-RIGHT_W = 150  # room for "parked last" notes right of the plot
+RIGHT_W = 180  # room for "parked last" notes right of the plot
 PLOT_W = WIDTH - LABEL_W - RIGHT_W
 AXIS_H = 24
 LEADER_H = 30
@@ -162,7 +162,7 @@ def _lane(lane: Lane, y: int, h: int, x: object, *, show_label: bool) -> str:
         parts.append(f'<text x="{LABEL_W - 8}" y="{y + h / 2 + size * 0.35:.1f}" font-size="{size}" '
                      f'text-anchor="end" fill="{colour}"{weight}>{_e(label)}</text>')
     if lane.critical and h >= 8:
-        parts.append(f'<text x="{WIDTH - RIGHT_W + 6}" y="{y + h / 2 + 4:.1f}" font-size="11" fill="#7a5b00" '
+        parts.append(f'<text x="{WIDTH - RIGHT_W + 6}" y="{y + h / 2 + 4:.1f}" font-size="10.5" fill="#7a5b00" '
                      f'font-weight="600">&#9664; {_e(_short_critical(lane.critical))}</text>')
     parts.append("</g>")
     return "".join(parts)
@@ -170,7 +170,8 @@ def _lane(lane: Lane, y: int, h: int, x: object, *, show_label: bool) -> str:
 
 def _short_critical(text: str) -> str:
     """``parked last`` from ``parked last (+17.1 ms); answered last (...)``: the right margin is narrow."""
-    return " & ".join(part.split(" (")[0] for part in text.split("; "))[:24]
+    words = [part.split(" (")[0] for part in text.split("; ")]
+    return (", ".join(words) if len(words) < 3 else f"{words[0]} and {len(words) - 1} more")[:30]
 
 
 def _lane_title(lane: Lane) -> str:
