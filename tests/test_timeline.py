@@ -85,6 +85,24 @@ def test_each_switch_has_a_lane_per_rank_with_its_phases_in_order(timeline: Time
         assert max(m.at for lane in switch.lanes for m in lane.marks) <= switch.duration + 1e-9
 
 
+def test_bars_are_the_durations_and_times_the_ranks_wrote(job_dir: Path, timeline: Timeline) -> None:
+    import json
+
+    for rank in range(WORLD):
+        records = [json.loads(line) for line in (job_dir / "events" / f"rank-{rank}.jsonl").read_text().splitlines()]
+        shift = timeline.alignment.offsets.get(rank, 0.0)
+        for switch in timeline.switches:
+            phase = bars(switch.lanes[rank])
+            guard = next(r for r in records if r["kind"] == "guard_done" and r["seq"] == switch.seq)
+            result = next(r for r in records if r["kind"] == "member_result" and r["seq"] == switch.seq)
+            epoch = result["detail"]["epoch"]
+            parked = next(r for r in records if r["kind"] == "parked" and r["detail"]["epoch"] == epoch)
+            # wall clocks near 1.8e9 s keep about a microsecond through the subtractions
+            assert phase["guard"][1] - phase["guard"][0] == pytest.approx(guard["detail"]["duration_s"], abs=1e-6)
+            assert switch.start_wall + phase["switch"][1] == pytest.approx(result["wall"] - shift, abs=1e-6)
+            assert switch.start_wall + phase["parked"][0] == pytest.approx(parked["wall"] - shift, abs=1e-6)
+
+
 def test_the_leader_lane_has_the_clusterd_messages_in_protocol_order(timeline: Timeline) -> None:
     for switch in timeline.switches:
         labels = [m.label.split(":")[0] for m in switch.leader]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.timeline import build, read_events, render_html
 from nicswitch_agent.observability.timeline.model import Timeline
 from nicswitch_agent.observability.timeline.render import FAILED
@@ -144,7 +146,9 @@ def test_a_failed_rank_is_drawn_as_failed_and_decides_the_critical_path(events: 
     switch_bar = next(b for b in lane.bars if b.phase == "switch")
     assert not switch_bar.ok and switch_bar.note == "switch hook returned False"
     assert any(c.startswith("rank 2 failed first") for c in timeline.switches[0].critical)
-    assert f'fill="{FAILED}"' in render_html(timeline)
+    page = render_html(timeline)
+    assert re.search(rf'<rect [^>]*fill="{FAILED}"', page), "no bar drawn in the failure colour"
+    assert re.search(rf'<text [^>]*fill="{FAILED}"[^>]*>rank 2<', page), "rank 2's label is not in the failure colour"
 
 
 def test_an_older_agents_hours_off_clock_is_used_raw_and_said_so(events: Path) -> None:
@@ -161,6 +165,36 @@ def test_an_older_agents_hours_off_clock_is_used_raw_and_said_so(events: Path) -
                for p in timeline.problems), timeline.problems
     page = render_html(timeline)
     assert "Raw wall clock" in page and "5.0 h away" in page
+
+
+@pytest.mark.parametrize("documented", [False, True], ids=["verify-unknown", "verify-in-EVENT_KINDS"])
+def test_verify_and_phases_of_a_newer_agent_are_drawn_as_bars(events: Path, documented: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify_*`` events are the verify phase, documented kinds or not; a kind this version does
+    not know, with a duration, is drawn as a phase of its own name (a newer agent's files render)."""
+    if documented:
+        monkeypatch.setitem(ev.EVENT_KINDS, "verify_done", ev.EventKind("verify_done", "every rank", "", ()))
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    at = next(i for i, r in enumerate(records) if r["kind"] == "member_result" and r["seq"] == 1)
+    result = records[at]
+    extra = [{**result, "kind": "verify_done", "wall": result["wall"] + 0.002,
+              "detail": {"rank": 1, "ok": False, "duration_s": 0.0015, "reason": "no traffic on the standby link"}},
+             {**result, "kind": "probe_links", "wall": result["wall"] + 0.003, "detail": {"duration_s": 0.001}},
+             {**result, "kind": "something_new", "wall": result["wall"] + 0.004, "detail": {"note": "no duration"}}]
+    save(path, records[:at + 1] + extra + records[at + 1:])
+    timeline = timeline_of(events)
+    lane = timeline.switches[0].lanes[1]
+    switch_end = next(b.end for b in lane.bars if b.phase == "switch")
+    verify = next(b for b in lane.bars if b.phase == "verify")
+    assert not verify.ok and verify.note == "no traffic on the standby link" and lane.failed == 1
+    assert verify.end == pytest.approx(switch_end + 0.002, abs=1e-6)
+    assert verify.end - verify.start == pytest.approx(0.0015, abs=1e-6)
+    assert [b.phase for b in lane.bars if b.phase not in ("pause", "parked", "guard", "switch", "verify")] == \
+        ["probe_links"]
+    assert [st.phase for st in timeline.switches[0].stats] == ["pause", "parked", "guard", "switch", "verify",
+                                                              "probe_links"]
+    assert all(b.phase != "verify" for lane in timeline.switches[1].lanes for b in lane.bars)
 
 
 def test_node_lanes_show_each_nodes_slowest_rank_and_spread(events: Path) -> None:
