@@ -283,9 +283,9 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
         sim_logger.setLevel(old_level)
         sim_logger.propagate = old_propagate
     timeline.render(out)
-    code = _summarise(out, ranks, results, links_after, moved_ranks, summaries)
+    out.write("\n")
     write_timeline_page(out, events_file, output_dir, since=timeline.started)
-    return code
+    return _summarise(out, ranks, results, links_after, moved_ranks, summaries)
 
 
 def _summarise(out: TextIO, world: int, results: list[str], links_after: list[list[bool]], moved_ranks: list[int],
