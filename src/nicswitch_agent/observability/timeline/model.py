@@ -3,14 +3,7 @@
 Pure data, no drawing: the page (render.py) and the text summary (summary.py) only read a
 :class:`Timeline`, and the tests check it without rendering anything.
 
-**Clocks.** Every rank's events carry its own host's wall clock. The leader stamps every message
-it publishes to the ranks with its wall clock, and members copy it into their events as
-``sent_at``. A rank received such a message no earlier than the leader sent it, so
-``wall - sent_at`` is the rank's clock offset plus a delay >= 0; the smallest value over a
-rank's messages is the offset plus the shortest delay (well under a millisecond on one host,
-about a network round trip across hosts), and each rank's times are shifted by it onto the
-leader's clock. The leader's own process is the reference (shift 0). A rank whose events have no
-``sent_at`` (an older agent) keeps its raw wall clock, and the page says so.
+**Clocks** are aligned on the leader's first (clocks.py).
 
 **Which switch.** ``guard_done``, ``member_result`` and ``switch_outcome`` carry the leader's
 list number (``seq``) and the pause they ran in (``epoch``); ``pause_requested`` and ``parked``
@@ -26,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.timeline.clocks import Alignment, align, number
 from nicswitch_agent.observability.timeline.reading import EventSet, Record, collecting_later
 
 AGGREGATE_ABOVE = 256  # rank lanes per switch; above this, one lane per node
@@ -107,21 +101,6 @@ class Switch:
 
 
 @dataclass
-class Alignment:
-    method: str
-    offsets: dict[int, float]  # rank -> seconds subtracted from its wall clock
-    messages: dict[int, int]  # rank -> leader messages the offset was taken over
-    unaligned: list[int]  # ranks whose raw wall clock is used
-    leader_found: bool
-
-    def largest(self) -> tuple[int, float] | None:
-        if not self.offsets:
-            return None
-        rank = max(self.offsets, key=lambda r: abs(self.offsets[r]))
-        return rank, self.offsets[rank]
-
-
-@dataclass
 class Timeline:
     job_id: str
     switches: list[Switch]
@@ -172,7 +151,7 @@ def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_swi
     for record in events.records:
         by_source[(record.rank, record.pid)].append(record)
     leaders = {s for s, recs in by_source.items() if any(_is_leader(r) for r in recs)}
-    alignment, offset = _align(by_source, leaders)
+    alignment, offset = align(by_source, leaders)
     parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
     pauses: dict[int, dict[int, _Pause]] = defaultdict(dict)  # rank -> epoch -> pause
     leader_events: list[tuple[float, Record]] = []
@@ -218,38 +197,6 @@ def _is_leader(record: Record) -> bool:
     return record.kind in _LEADER_ONLY or (record.kind == ev.AGENT_STARTED and record.detail.get("role") == "leader")
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        return None
-    return float(value)
-
-
-def _align(by_source: dict[tuple[int | None, int | None], list[Record]],
-           leaders: set[tuple[int | None, int | None]]) -> tuple[Alignment, dict[Any, float]]:
-    offset: dict[Any, float] = {}
-    offsets: dict[int, float] = {}
-    messages: dict[int, int] = {}
-    unaligned: set[int] = set()
-    for source, records in by_source.items():
-        if source in leaders:
-            offset[source] = 0.0
-            continue
-        gaps = [r.wall - sent for r in records if (sent := _number(r.detail.get("sent_at"))) is not None]
-        offset[source] = min(gaps) if gaps else 0.0
-        rank = source[0]
-        if rank is None:
-            continue
-        if gaps:
-            offsets[rank] = offset[source]
-            messages[rank] = messages.get(rank, 0) + len(gaps)
-        else:
-            unaligned.add(rank)
-    unaligned -= set(offsets)
-    method = ("each rank's clock shifted onto the leader's by the smallest gap between the leader sending a "
-              "message (its time in the rank's events, sent_at) and the rank's event about it")
-    return Alignment(method, offsets, messages, sorted(unaligned), bool(leaders)), offset
-
-
 def _walk(records: Sequence[Record], shift: float, rank: int | None, parts: dict[int, dict[int, _RankPart]],
           pauses: dict[int, dict[int, _Pause]], leader_events: list[tuple[float, Record]]) -> None:
     """One process's records, in its own order: pauses by epoch, parts by list number."""
@@ -268,7 +215,7 @@ def _walk(records: Sequence[Record], shift: float, rank: int | None, parts: dict
         if kind == ev.PAUSE_REQUESTED:
             epoch = _int(d.get("epoch"))
             if epoch is not None:
-                own_pauses[epoch] = _Pause(requested=t, sent_at=_number(d.get("sent_at")))
+                own_pauses[epoch] = _Pause(requested=t, sent_at=number(d.get("sent_at")))
         elif kind == ev.PARKED:
             epoch = _int(d.get("epoch"))
             if epoch is not None:
@@ -296,14 +243,16 @@ def _walk(records: Sequence[Record], shift: float, rank: int | None, parts: dict
 
 
 def _is_phase(kind: str, detail: dict[str, Any]) -> bool:
-    """A phase the page does not know by name (``verify_*`` and any newer kind with a duration)."""
-    return kind not in ev.EVENT_KINDS and _number(detail.get("duration_s")) is not None
+    """A phase bar besides the guard and the switch: ``verify_*``, or a kind this version does not
+    know, with a ``duration_s`` (the event's time is the phase's end)."""
+    phase = kind.startswith(VERIFY_PREFIX) or kind not in ev.EVENT_KINDS
+    return phase and number(detail.get("duration_s")) is not None
 
 
 def _take(part: _RankPart, kind: str, t: float, d: dict[str, Any]) -> None:
-    duration = max(0.0, _number(d.get("duration_s")) or 0.0)
+    duration = max(0.0, number(d.get("duration_s")) or 0.0)
     ok = d.get("ok") is not False
-    sent = _number(d.get("sent_at"))
+    sent = number(d.get("sent_at"))
     if kind == ev.GUARD_DONE:
         status = "skipped" if d.get("skipped") else str(d.get("status") or "")
         part.guard = (t - duration, t, ok, status if ok else f"{status}: {d.get('detail', '')}")
