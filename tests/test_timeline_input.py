@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scripted import End, ScriptedClusterD, Send, rank_list
 
+from nicswitch_agent import SwitchAgent
+from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.timeline import build, read_events, render_html
 from nicswitch_agent.observability.timeline.model import Timeline
@@ -235,3 +238,28 @@ def test_no_file_at_all_exits_2_without_a_traceback(tmp_path: Path) -> None:
 def test_an_unknown_switch_number_is_said(events: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     code, out, _ = run_cli([str(events), "--switch", "7", "-o", str(tmp_path / "t.html")], capsys)
     assert code == 0 and "switch 7 is not in these events (switches found: 1, 2)" in out
+
+
+def test_a_rejected_list_takes_its_number_and_the_next_switch_keeps_its_own(clusterd: ScriptedClusterD,
+                                                                           tmp_path: Path) -> None:
+    """ClusterD's first list is invalid (answered false, never run), its second runs on both ranks
+    (threads on one store, pause mode external): the ranks' events name the list they ran (``seq``
+    rides on the order), so switch 2 gets the lanes and switch 1 only the leader's rejection."""
+    clusterd.script(Send(rank_list(["1", "1"], [True, False])), Send(rank_list(["0", "1"], [True, True])), End())
+    store, template = InProcessStore(), str(tmp_path / "events-{rank}.jsonl")
+    agents = [SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", rank=rank, world_size=2,
+                          store=store, switch_hook=lambda order: True, events_file=template) for rank in (1, 0)]
+    try:
+        for agent in agents:
+            agent.start()
+        assert [r.result for r in clusterd.wait_replies(2)] == [False, True]
+    finally:
+        for agent in agents:
+            agent.stop()
+    timeline = build(read_events([template]))
+    first, second = timeline.switches
+    assert (first.seq, first.ok, first.lanes) == (1, False, [])
+    assert first.reason.startswith("list rejected: ") and "listed more than once" in first.reason
+    assert (second.seq, second.ok) == (2, True)
+    assert [lane.label for lane in second.lanes] == ["rank 0", "rank 1"]
+    assert all({"guard", "switch"} <= {b.phase for b in lane.bars} for lane in second.lanes)
