@@ -263,3 +263,15 @@ def test_a_rejected_list_takes_its_number_and_the_next_switch_keeps_its_own(clus
     assert (second.seq, second.ok) == (2, True)
     assert [lane.label for lane in second.lanes] == ["rank 0", "rank 1"]
     assert all({"guard", "switch"} <= {b.phase for b in lane.bars} for lane in second.lanes)
+
+
+def test_a_closed_stdout_still_writes_the_page_without_a_traceback(events: Path, tmp_path: Path) -> None:
+    """``nicswitch-agent timeline ... | head -1``: the reader is gone before the summary is printed."""
+    page = tmp_path / "t.html"
+    process = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "timeline", str(events), "-o", str(page)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before the child has even imported the package
+    err = process.stderr.read().decode()
+    assert process.wait(30) == 0, err
+    assert "Traceback" not in err and page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
