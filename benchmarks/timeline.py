@@ -43,7 +43,7 @@ def write_events(directory: Path, ranks: int, seed: int, switches: int = 2) -> i
         answers = []
         for r in range(ranks):
             delay = rng.uniform(0.0002, 0.002)
-            parked = t + rng.uniform(0.001, 0.02) + (0.05 if r == slow else 0.0)
+            parked = t + delay + rng.uniform(0.001, 0.02) + (0.05 if r == slow else 0.0)
             order = t + 0.08
             guard = order + delay + rng.uniform(0.0005, 0.003)
             answer = guard + rng.uniform(0.0005, 0.004) + (0.02 if r == slow else 0.0)
@@ -94,7 +94,8 @@ def run(settings: Settings) -> BenchResult:
             cpu.append(time.process_time() - cpu_started)
             size = len(page.encode("utf-8"))
             lanes = len(timeline.switches[0].lanes)
-        if timeline.problems or len(timeline.switches) != 2 or timeline.ranks_seen != ranks:
+        counts = {st.count for s in timeline.switches for st in s.stats}
+        if timeline.problems or len(timeline.switches) != 2 or timeline.ranks_seen != ranks or counts != {ranks}:
             raise RuntimeError(f"the synthetic job did not come out whole: {timeline.problems}")
     full = not settings.quick
     result.add(single_metric("render_s", min(times), "s", target=f"< {TARGET_S:g} s at {RANKS:,} ranks" if full else "",

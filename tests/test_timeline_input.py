@@ -89,6 +89,19 @@ def test_cut_and_stray_lines_are_skipped_and_named(events: Path, tmp_path: Path,
     assert "not JSON" in out and "not JSON" in (tmp_path / "t.html").read_text(encoding="utf-8")
 
 
+def test_events_stamped_out_of_order_still_pair_up(events: Path) -> None:
+    """A process's threads write to its file in turn: ``parked`` (training thread) may carry an
+    earlier time than ``pause_requested`` (member thread) after a clock step; the pause still pairs."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    asked = next(r for r in records if r["kind"] == "pause_requested")
+    parked = next(r for r in records if r["kind"] == "parked")
+    asked["mono"], parked["mono"] = parked["mono"], asked["mono"]
+    save(path, records)
+    lane = timeline_of(events).switches[0].lanes[1]
+    assert {"pause", "parked"} <= {b.phase for b in lane.bars}
+
+
 def test_two_jobs_mixed_shows_one_and_says_which_were_left_out(events: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     for rank in (0, 1):  # another job's files in the same directory, fewer events

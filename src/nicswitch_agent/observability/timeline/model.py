@@ -214,8 +214,9 @@ def _walk(records: Sequence[Record], shift: float, rank: int | None, parts: dict
             continue
         if kind == ev.PAUSE_REQUESTED:
             epoch = _int(d.get("epoch"))
-            if epoch is not None:
-                own_pauses[epoch] = _Pause(requested=t, sent_at=number(d.get("sent_at")))
+            if epoch is not None:  # kept if parked came first (one process's threads race to its file)
+                pause = own_pauses.setdefault(epoch, _Pause())
+                pause.requested, pause.sent_at = t, number(d.get("sent_at"))
         elif kind == ev.PARKED:
             epoch = _int(d.get("epoch"))
             if epoch is not None:
