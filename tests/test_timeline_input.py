@@ -102,6 +102,23 @@ def test_events_stamped_out_of_order_still_pair_up(events: Path) -> None:
     assert {"pause", "parked"} <= {b.phase for b in lane.bars}
 
 
+def test_alignment_uses_when_the_work_started_not_when_it_was_reported(events: Path) -> None:
+    """Rank 1 got the pauses and outcomes late (5 ms) and the orders at once: its offset must come
+    from when each order's work began (``wall - duration_s``), or its guard would start before the
+    leader sent the order."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    for r in records:
+        if r["kind"] in ("pause_requested", "switch_outcome"):
+            r["wall"] += 0.005
+    save(path, records)
+    timeline = timeline_of(events)
+    for switch in timeline.switches:
+        order_sent = next(m.at for m in switch.leader if m.label.startswith("order sent"))
+        guard = next(b for b in switch.lanes[1].bars if b.phase == "guard")
+        assert guard.start >= order_sent - 1e-6, (guard, order_sent)
+
+
 def test_two_jobs_mixed_shows_one_and_says_which_were_left_out(events: Path, tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     for rank in (0, 1):  # another job's files in the same directory, fewer events

@@ -2,7 +2,8 @@
 
 Every rank's events carry its own host's wall clock. The leader stamps every message it publishes
 to the ranks with its wall clock, and members copy it into their events as ``sent_at``. A rank
-received such a message no earlier than the leader sent it, so ``wall - sent_at`` is the rank's
+received such a message no earlier than the leader sent it, so ``wall - sent_at`` (less the
+event's ``duration_s``, if it has one: the work started when the message arrived) is the rank's
 clock offset plus a delay >= 0; the smallest value over a rank's messages is the offset plus the
 shortest delay (well under a millisecond on one host, about a network round trip across hosts),
 and each rank's times are shifted by it onto the leader's clock. The leader's own process is the
@@ -19,7 +20,8 @@ from nicswitch_agent.observability.timeline.reading import Record
 
 Source = tuple[int | None, int | None]  # (rank, pid): one process, one clock
 METHOD = ("each rank's clock shifted onto the leader's by the smallest gap between the leader sending a "
-          "message (its time in the rank's events, sent_at) and the rank's event about it")
+          "message (its time in the rank's events, sent_at) and the rank's event about it (or the start of the "
+          "work it reports)")
 
 
 @dataclass
@@ -57,7 +59,10 @@ def align(by_source: dict[Source, list[Record]], leaders: set[Source]) -> tuple[
         if source in leaders:
             offset[source] = 0.0
             continue
-        gaps = [r.wall - sent for r in records if (sent := number(r.detail.get("sent_at"))) is not None]
+        # An event with a duration started when its work did (a member_result: when the order
+        # arrived): that start too came after the leader sent the message.
+        gaps = [r.wall - (number(r.detail.get("duration_s")) or 0.0) - sent for r in records
+                if (sent := number(r.detail.get("sent_at"))) is not None]
         offset[source] = min(gaps) if gaps else 0.0
         rank = source[0]
         if rank is None:

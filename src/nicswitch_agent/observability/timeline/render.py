@@ -94,8 +94,9 @@ def switch_svg(switch: Switch, *, standalone: bool = False) -> str:
 
     out: list[str] = []
     ns = ' xmlns="http://www.w3.org/2000/svg"' if standalone else ""
+    # crispEdges: a bar a pixel wide keeps its colour instead of blending into the background
     out.append(f'<svg{ns} width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" role="img" '
-               f'aria-label="switch {switch.seq} timeline">')
+               f'shape-rendering="crispEdges" aria-label="switch {switch.seq} timeline">')
     out.append(f'<rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#fff"/>')
     step = _tick_step(span)
     tick = 0.0
