@@ -212,12 +212,14 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
     output_dir = output_dir or tempfile.mkdtemp(prefix="nicswitch-demo-")
     events_file = events_template(output_dir)
     events_dir = os.path.dirname(events_file)
-    try:
-        if "{" not in events_dir:
-            os.makedirs(events_dir or ".", exist_ok=True)
-    except OSError as exc:
-        print(f"nicswitch-agent demo: error: cannot create {events_dir}: {exc.strerror or exc}", file=err or sys.stderr)
-        return EXIT_USAGE
+    for directory in (output_dir, events_dir):
+        try:
+            if directory and "{" not in directory:
+                os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            print(f"nicswitch-agent demo: error: cannot create {directory}: {exc.strerror or exc}",
+                  file=err or sys.stderr)
+            return EXIT_USAGE
     nodes = job_nodes(ranks)
     node, moved, moved_ranks = failover_devices(nodes)
     timeline = Timeline()
