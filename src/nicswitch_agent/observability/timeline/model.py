@@ -373,9 +373,9 @@ def _verdict(by_kind: dict[str, tuple[float, Record]], parts: dict[int, _RankPar
     rejected = by_kind.get(ev.LIST_REJECTED)
     if rejected is not None:
         return False, f"list rejected: {rejected[1].detail.get('reason', '')}"
-    failed = sorted(rank for rank, part in parts.items() if part.result and not part.result[2])
+    failed = sorted((rank, part.result[3]) for rank, part in parts.items() if part.result and not part.result[2])
     if failed:
-        return False, f"rank {failed[0]}: {parts[failed[0]].result[3]}"  # type: ignore[index]
+        return False, f"rank {failed[0][0]}: {failed[0][1]}"
     return None, "the leader's switch_done is not in these events"
 
 

@@ -38,11 +38,6 @@ class Record(NamedTuple):
     pid: int | None
     detail: dict[str, Any]
 
-    @property
-    def source(self) -> tuple[int | None, int | None]:
-        """The process that wrote it: (rank, pid). Its clock is one clock."""
-        return (self.rank, self.pid)
-
 
 @dataclass
 class EventSet:
