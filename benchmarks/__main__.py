@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale
+from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale, timeline
 from benchmarks._common import (
     RESULTS_DIR,
     BenchResult,
@@ -41,6 +41,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "store_scale": (store_scale.run, ("store_scale",)),
     "store_scale_node": (store_scale.run_node, ("store_scale_node",)),
     "store_scale_group": (store_scale.run_group, ("store_scale_group",)),
+    "timeline": (timeline.run, ("timeline",)),
 }
 
 

@@ -87,7 +87,9 @@ class Coordinator:
 
     def _publish(self, message: dict[str, object]) -> None:
         self._n += 1
-        text = p.encode(message)
+        # "at": this leader's wall clock as it publishes; members put it in their events so that a
+        # timeline can line up ranks whose hosts' clocks differ (observability/timeline).
+        text = p.encode({**message, "at": time.time()})
         self.kv.set_many([p.queue_key(rank, self._n) for rank in range(self.world_size)], [text] * self.world_size)
         self.kv.set(p.QUEUE_HEAD, str(self._n))
 
@@ -195,7 +197,8 @@ class Coordinator:
             epoch = self._new_epoch() if session else self._epoch
             name = f"{epoch}.{order.seq}.{kind}"
             self.kv.set(p.order_key(name), p.encode_order(order))
-            self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s})
+            self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
+                           "seq": order.seq})
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
             self._tell_outcome(epoch, name, kind, order.seq, outcome)

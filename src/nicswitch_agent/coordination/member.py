@@ -213,7 +213,7 @@ class Member:
                 self.kv.set(p.nostep_key(epoch, self.slot), "1")
             self.kv.set(p.c_key(epoch, self.slot), str(completed if completed is not None else 0))
             self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
-            self._emit("pause_requested", {"epoch": epoch, "completed_step": completed})
+            self._emit("pause_requested", {"epoch": epoch, "completed_step": completed, "sent_at": message.get("at")})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
             if target_epoch is None:
@@ -232,7 +232,7 @@ class Member:
             result = self._run_order(epoch, message)
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
                                          "reason": result.reason, "duration_s": time.monotonic() - started,
-                                         "parked": self.lot.parked})
+                                         "parked": self.lot.parked, **_origin(message)})
             with self._result_lock:
                 answered_by_stop = self._in_flight != (epoch, name)
                 self._in_flight = None
@@ -241,9 +241,9 @@ class Member:
         elif kind == p.OUTCOME:
             key, op = self._target
             link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
-            self._emit("switch_outcome", {"rank": self.rank, "seq": message.get("seq"), "kind": message.get("kind"),
+            self._emit("switch_outcome", {"rank": self.rank, "kind": message.get("kind"),
                                           "ok": bool(message.get("ok")), "reason": str(message.get("reason", "")),
-                                          "link": link})
+                                          "link": link, **_origin(message)})
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
@@ -311,7 +311,7 @@ class Member:
                     "rank": self.rank, "ok": guard is None or guard.ok, "skipped": guard is None,
                     "status": None if guard is None else guard.status.value,
                     "detail": "no checkpoint hook" if guard is None else guard.detail,
-                    "duration_s": 0.0 if guard is None else guard.duration_s})
+                    "duration_s": 0.0 if guard is None else guard.duration_s, **_origin(message)})
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
                                       guard_ok=execution.guard is not None and execution.guard.ok,
@@ -383,3 +383,8 @@ class Member:
         record = hook_record(hook) if name == "rollback" else None
         return p.MemberResult(self.rank, result.ok, result.detail, attempted=name == "rollback", detail=record)
 
+
+def _origin(message: dict[str, Any]) -> dict[str, Any]:
+    """Which order an event is about and when the leader sent it, for the timeline: ``seq`` (the
+    agent makes it the event's own), the leader's epoch and its wall clock (``sent_at``)."""
+    return {"seq": message.get("seq"), "epoch": message.get("e"), "sent_at": message.get("at")}

@@ -3,12 +3,14 @@
 All keys live under ``nicswitch/<job>/<restart count>/`` (torchrun keeps its store's keys
 across restarts, so a new incarnation must not read the old one's keys).
 
-Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read)::
+Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read);
+every event also carries ``"at"``, the leader's wall clock when it published it (members copy it
+into their events as ``sent_at``, for aligning clocks across hosts)::
 
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
-                                "budget": seconds}
+                                "budget": seconds, "seq": N}
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from nicswitch_agent.observability.events import AgentEvent
+from nicswitch_agent.observability.timeline import TimelineError, build, read_events, render_html
 from nicswitch_agent.orders import SwitchOrder
 
 JOB_ID = "demo-job"
@@ -24,6 +25,8 @@ MAX_THREAD_RANKS = 64
 MAX_PROCESS_RANKS = 16  # each one imports torch: on a laptop more would take minutes to start
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 FINISH = "switch nic finish"
+EVENTS_ENV = "NICSWITCH_EVENTS_FILE"
+TIMELINE_PAGE = "timeline.html"
 
 
 class DemoError(Exception):
@@ -242,3 +245,23 @@ class DemoJob(Protocol):
 
     def stop(self) -> list[RankSummary]:
         """Stop training on every rank at the same step, stop the agents; one summary per rank."""
+
+
+def events_template(output_dir: str) -> str:
+    """Where every rank writes its events: NICSWITCH_EVENTS_FILE when set, else ``events/`` of the output."""
+    return os.environ.get(EVENTS_ENV) or os.path.join(output_dir, "events", "rank-{rank}.jsonl")
+
+
+def write_timeline_page(out: TextIO, template: str, output_dir: str, since: float) -> str | None:
+    """Draw the demo's switches from its ranks' events files (those written since ``since``) into
+    ``output_dir/timeline.html`` and say where it is; None (and why, on ``out``) when it cannot."""
+    path = os.path.join(output_dir, TIMELINE_PAGE)
+    try:
+        timeline = build(read_events([template], since=since))
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(render_html(timeline))
+    except (TimelineError, OSError) as exc:
+        out.write(f"no timeline page: {exc}\n")
+        return None
+    out.write(f"timeline page: {path} (open it in a browser); events files: {template}\n")
+    return path

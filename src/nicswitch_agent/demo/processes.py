@@ -109,8 +109,10 @@ class ProcessJob:
 
     description = "processes: torch.distributed with gloo on CPU over a TCPStore, an all-reduce every step"
 
-    def __init__(self, world: int, timeline: Timeline, workdir: str, *, verbose: bool = False) -> None:
+    def __init__(self, world: int, timeline: Timeline, workdir: str, *, verbose: bool = False,
+                 events_file: str | None = None) -> None:
         self.world = world
+        self.events_file = events_file
         self.timeline = timeline
         self.workdir = Path(workdir)
         self.verbose = verbose
@@ -137,6 +139,8 @@ class ProcessJob:
                        "--checkpoint-dir", str(self.workdir / f"rank{r}"), "--step-interval", str(STEP_INTERVAL_S)]
             if self.verbose:
                 command.append("--verbose")
+            if self.events_file:
+                command += ["--events-file", self.events_file]
             stderr_path = None if self.verbose else self.workdir / f"rank{r}.stderr"
             stderr: IO[bytes] | None = None if stderr_path is None else open(stderr_path, "wb")  # noqa: SIM115
             try:
@@ -310,6 +314,7 @@ def _parse_rank_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--step-interval", type=float, default=STEP_INTERVAL_S)
     parser.add_argument("--verbose", action="store_true")
+    parser.add_argument("--events-file", help="this rank's events file (NICSWITCH_EVENTS_FILE; {rank} allowed)")
     return parser.parse_args(argv)
 
 
@@ -350,7 +355,8 @@ def rank_main(argv: list[str] | None = None) -> int:
             store = TCPStore("127.0.0.1", orders.port, world, False, STORE_TIMEOUT)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=STORE_TIMEOUT)
         agent = SwitchAgent(server=args.server, job_id=args.job_id, pause="agent", rank=rank, world_size=world,
-                            switch_hook=links, checkpoint_hook=guard, on_event=on_event)
+                            switch_hook=links, checkpoint_hook=guard, on_event=on_event,
+                            **({"events_file": args.events_file} if args.events_file else {}))
         agent.start()  # the agents find the job's Store through torch.distributed
         pipe.send("ready", torch=torch.__version__, pid=os.getpid())
         step = _train(agent, orders.stop.wait, args.step_interval, rank, pipe)

@@ -56,9 +56,11 @@ from nicswitch_agent.demo.common import (
     check_arguments,
     describe_event,
     describe_standby,
+    events_template,
     failover_devices,
     job_nodes,
     timeline_event,
+    write_timeline_page,
 )
 from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
@@ -82,8 +84,9 @@ class ThreadJob:
     for the all-reduce); the agents coordinate through an in-process store."""
 
     def __init__(self, world: int, timeline: Timeline, workdir: str, job_id: str = JOB_ID,
-                 leader_listener: Callable[[AgentEvent], None] | None = None) -> None:
+                 leader_listener: Callable[[AgentEvent], None] | None = None, events_file: str | None = None) -> None:
         self.world = world
+        self.events_file = events_file
         self.job_id = job_id
         self.leader_listener = leader_listener
         self.timeline = timeline
@@ -99,12 +102,13 @@ class ThreadJob:
         from nicswitch_agent.coordination import InProcessStore
 
         store = InProcessStore()  # a torch job coordinates through its own TCPStore (--processes)
+        settings: dict[str, Any] = {"events_file": self.events_file} if self.events_file else {}
         for r in range(self.world):
             progress = self.progress if r == 0 else Progress()
             links = LinkTable(self.world)
             guard = FileCheckpoint(os.path.join(self.workdir, f"rank{r}"), progress.current)
             agent = SwitchAgent(server=address, job_id=self.job_id, pause="agent", rank=r, world_size=self.world,
-                                store=store, switch_hook=links, checkpoint_hook=guard)
+                                store=store, switch_hook=links, checkpoint_hook=guard, **settings)
             rank = _ThreadRank(r, agent, links, guard, progress)
             agent.add_listener(functools.partial(self._on_event, rank=rank))
             if r == 0 and self.leader_listener is not None:  # before start(): it must not miss the first events
@@ -185,8 +189,8 @@ def _operator_switch(stub: RecoverStub, nic_ops: dict[str, tuple[list[str], list
 
 
 def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, processes: bool = False,
-             err: TextIO | None = None) -> int:
-    """Run the demo and print its timeline to ``out``.
+             err: TextIO | None = None, output_dir: str | None = None) -> int:
+    """Run the demo, print its timeline to ``out``, and draw it as a page (``timeline.html``).
 
     Args:
         out: Where the timeline and the summary go.
@@ -194,6 +198,8 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
         ranks: Training ranks, 1 to 64 (threads) or 1 to 16 (processes).
         processes: Run each rank as a real torch process instead of a thread.
         err: Where a usage error goes (default ``sys.stderr``).
+        output_dir: Where the ranks' events files (``events/``, unless NICSWITCH_EVENTS_FILE says
+            otherwise) and the page go; default: a new temporary directory, kept.
 
     Returns:
         0 when both switches finished correctly on every rank, 1 when not, 2 for a usage error
@@ -203,6 +209,17 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
     if problem is not None:
         print(f"nicswitch-agent demo: error: {problem}", file=err or sys.stderr)
         return EXIT_USAGE
+    output_dir = output_dir or tempfile.mkdtemp(prefix="nicswitch-demo-")
+    events_file = events_template(output_dir)
+    events_dir = os.path.dirname(events_file)
+    for directory in (output_dir, events_dir):
+        try:
+            if directory and "{" not in directory:
+                os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            print(f"nicswitch-agent demo: error: cannot create {directory}: {exc.strerror or exc}",
+                  file=err or sys.stderr)
+            return EXIT_USAGE
     nodes = job_nodes(ranks)
     node, moved, moved_ranks = failover_devices(nodes)
     timeline = Timeline()
@@ -225,9 +242,9 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
             if processes:
                 from nicswitch_agent.demo.processes import ProcessJob
 
-                job = ProcessJob(ranks, timeline, workdir, verbose=verbose)
+                job = ProcessJob(ranks, timeline, workdir, verbose=verbose, events_file=events_file)
             else:
-                job = ThreadJob(ranks, timeline, workdir)
+                job = ThreadJob(ranks, timeline, workdir, events_file=events_file)
             out.write(f"job {JOB_ID}: {_count(len(nodes), 'node')} x {_count(len(nodes[node]), 'device')} = "
                       f"{_count(ranks, 'rank')} ({job.description}); pause mode agent; a step every "
                       f"{STEP_INTERVAL_S * 1000:.0f} ms; rank 0 leads\n")
@@ -268,6 +285,8 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
         sim_logger.setLevel(old_level)
         sim_logger.propagate = old_propagate
     timeline.render(out)
+    out.write("\n")
+    write_timeline_page(out, events_file, output_dir, since=timeline.started)
     return _summarise(out, ranks, results, links_after, moved_ranks, summaries)
 
 

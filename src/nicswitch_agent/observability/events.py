@@ -82,24 +82,31 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("job_id", "the job it named (first 128 characters)"),)),
     EventKind(PAUSE_REQUESTED, "every rank, pause mode `agent`", "the leader asked this rank to park", (
         ("epoch", "the pause request's number"),
-        ("completed_step", "the last step this rank had completed when it saw the request"))),
+        ("completed_step", "the last step this rank had completed when it saw the request"),
+        ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
     EventKind(PARKED, "every rank, pause mode `agent`", "the training thread parked at a step boundary", (
         ("step", "the step it parked at, the same on every rank"),
         ("epoch", "the pause request's number"))),
-    EventKind(GUARD_DONE, "every rank", "before a switch: the checkpoint guard ran, or there was none to run", (
+    EventKind(GUARD_DONE, "every rank", "before a switch: the checkpoint guard ran, or there was none to run; "
+              "`seq` is the leader's number of the list", (
         ("rank", "this process's global rank"),
         ("ok", "whether the switch may go ahead (true when skipped)"),
         ("skipped", "true when no checkpoint hook is configured, or in a dry run"),
         ("status", "`ok`, `failed`, `raised`, `timeout` or `bad_result`; null when skipped"),
         ("detail", "what the guard said, or why it failed"),
-        ("duration_s", "how long the guard took"))),
-    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a rollback or a checkpoint", (
+        ("duration_s", "how long the guard took"),
+        ("epoch", "the leader's pause (or session) the order ran in"),
+        ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
+    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a rollback or a checkpoint; "
+              "`seq` is the leader's number of the list", (
         ("rank", "this process's global rank"),
         ("kind", "`switch` (checkpoint guard, then switch hook), `rollback` or `checkpoint`"),
         ("ok", "whether it succeeded"),
         ("reason", "why it failed, or what it did"),
         ("duration_s", "how long it took on this rank"),
-        ("parked", "whether it ran on the parked training thread (else on the member thread)"))),
+        ("parked", "whether it ran on the parked training thread (else on the member thread)"),
+        ("epoch", "the leader's pause (or session) the order ran in"),
+        ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
     EventKind(SWITCH_DONE, "leader", "an order ran on every rank, or failed on one", (
         ("ok", "true only if every rank succeeded"),
         ("reason", "`switched on every rank`, or the first failure and where"),
@@ -113,7 +120,9 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("ok", "the leader's decision: true only if every rank succeeded"),
         ("reason", "`switched on every rank`, `dry run: nothing switched`, or the first failure and where"),
         ("link", "this rank's link in the order, `standby` or `primary` (its link now if `ok`), or null when the "
-                 "order did not name this rank, was a dry run, or never ran here"))),
+                 "order did not name this rank, was a dry run, or never ran here"),
+        ("epoch", "the leader's pause (or session) the order ran in"),
+        ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
     EventKind(REPLY_SENT, "leader", "ReplySwitchNicResult was delivered", (
         ("result", "the answer, true or false"),
         ("reason", "why that answer"),

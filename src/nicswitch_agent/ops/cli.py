@@ -9,6 +9,7 @@ Subcommands:
   doctor  check that this pod is ready for link switches (exit code 0: ready)
   status  show the running agent's state from its status file (NICSWITCH_STATUS_FILE)
   launch  run a training command (e.g. torchrun) with the job's leader in this process
+  timeline draw a job's switches from its events files (one HTML page, no network needed)
   version print the version (also ``--version``)
 
 ``-v/--verbose`` (DEBUG logging) is accepted before and after the command. The demo (and its
@@ -39,7 +40,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     import nicswitch_agent.sim.cli as sim_cli
     from nicswitch_agent.observability import status_file
-    from nicswitch_agent.ops import doctor, launcher, om_cli
+    from nicswitch_agent.ops import doctor, launcher, om_cli, timeline_cli
 
     # (name, help, add_arguments, run): each command module owns its flags and its behaviour.
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Runner]] = [
@@ -55,6 +56,8 @@ def _build_parser() -> argparse.ArgumentParser:
          status_file.run),
         ("launch", "run a training command with the job's leader in this process", launcher.add_arguments,
          launcher.run),
+        ("timeline", "draw a job's switches from its events files (one HTML page)", timeline_cli.add_arguments,
+         timeline_cli.run),
         ("version", "print the version", None, _run_version),
     ]
     for name, help_text, add_arguments, run in commands:
@@ -106,6 +109,8 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
                              "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
+    parser.add_argument("--output", metavar="DIR", help="where to write the ranks' events files and the timeline page "
+                                                        "(default: a new temporary directory, kept)")
     join = parser.add_argument_group("join a running ClusterD or simulator (no embedded simulator, no operator: "
                                      "you run `nicswitch-agent switch`)")
     join.add_argument("--server", metavar="HOST:PORT", help="run only the job (threads, pause mode agent) against this "
@@ -127,7 +132,8 @@ def _run_demo(args: argparse.Namespace) -> int:
                        switches=int(args.switches), timeout_s=float(args.timeout), background=bool(args.background))
     from nicswitch_agent.demo import run_demo
 
-    return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes))
+    return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes),
+                    output_dir=args.output)
 
 
 def _run_version(args: argparse.Namespace) -> int:

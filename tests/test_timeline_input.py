@@ -1,0 +1,307 @@
+"""The timeline on bad input: the page renders what is known and says what is missing; no events
+at all is a clear error with exit code 2; never a traceback.
+
+The input is the real events files of one thread demo (4 ranks, two switches), damaged the way
+files get damaged: a line cut short, a stray line, another job's files in the same directory, a
+rank's file missing, a job that died mid-switch, a host whose clock is hours off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from scripted import End, ScriptedClusterD, Send, rank_list
+
+from nicswitch_agent import SwitchAgent
+from nicswitch_agent.coordination import InProcessStore
+from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.timeline import build, read_events, render_html
+from nicswitch_agent.observability.timeline.model import Timeline
+from nicswitch_agent.observability.timeline.render import FAILED
+from nicswitch_agent.ops import cli
+
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def demo_events(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NICSWITCH_", "MINDX_", "PYTEST_"))}
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--output", str(out)],
+                            capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out / "events"
+
+
+@pytest.fixture
+def events(demo_events: Path, tmp_path: Path) -> Path:
+    """A copy of the demo's events files, to damage."""
+    return Path(shutil.copytree(demo_events, tmp_path / "events"))
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+def save(path: Path, records: list[dict[str, Any]]) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def timeline_of(*paths: Path, **kwargs: Any) -> Timeline:
+    return build(read_events([str(p) for p in paths], **{k: v for k, v in kwargs.items() if k == "job_id"}))
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(["timeline", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_the_undamaged_files_have_no_problems(events: Path) -> None:
+    timeline = timeline_of(events)
+    assert timeline.problems == [] and [s.ok for s in timeline.switches] == [True, True]
+    assert all(s.missing == [] for s in timeline.switches)
+
+
+def test_cut_and_stray_lines_are_skipped_and_named(events: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    path = events / "rank-1.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines()
+    lines.insert(3, "Traceback (most recent call last):")  # something else wrote to the file
+    lines.insert(4, "[1, 2, 3]")  # JSON, but no event
+    lines[-1] = lines[-1][: len(lines[-1]) // 2]  # the last line cut short (the disk filled up)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    timeline = timeline_of(events)
+    assert [s.ok for s in timeline.switches] == [True, True]  # the rest is used
+    assert any("rank-1.jsonl: 2 line(s) not JSON" in p and "line 4," in p and "cut short" in p
+               for p in timeline.problems), timeline.problems
+    assert any("rank-1.jsonl: 1 line(s) without a kind and a time" in p for p in timeline.problems)
+    code, out, err = run_cli([str(events), "-o", str(tmp_path / "t.html")], capsys)
+    assert code == 0 and err == ""
+    assert "not JSON" in out and "not JSON" in (tmp_path / "t.html").read_text(encoding="utf-8")
+
+
+def test_events_stamped_out_of_order_still_pair_up(events: Path) -> None:
+    """A process's threads write to its file in turn: ``parked`` (training thread) may carry an
+    earlier time than ``pause_requested`` (member thread) after a clock step; the pause still pairs."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    asked = next(r for r in records if r["kind"] == "pause_requested")
+    parked = next(r for r in records if r["kind"] == "parked")
+    asked["mono"], parked["mono"] = parked["mono"], asked["mono"]
+    save(path, records)
+    lane = timeline_of(events).switches[0].lanes[1]
+    assert {"pause", "parked"} <= {b.phase for b in lane.bars}
+
+
+def test_alignment_uses_when_the_work_started_not_when_it_was_reported(events: Path) -> None:
+    """Rank 1 got the pauses and outcomes late (5 ms) and the orders at once: its offset must come
+    from when each order's work began (``wall - duration_s``), or its guard would start before the
+    leader sent the order."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    for r in records:
+        if r["kind"] in ("pause_requested", "switch_outcome"):
+            r["wall"] += 0.005
+    save(path, records)
+    timeline = timeline_of(events)
+    for switch in timeline.switches:
+        order_sent = next(m.at for m in switch.leader if m.label.startswith("order sent"))
+        guard = next(b for b in switch.lanes[1].bars if b.phase == "guard")
+        assert guard.start >= order_sent - 1e-6, (guard, order_sent)
+
+
+def test_two_jobs_mixed_shows_one_and_says_which_were_left_out(events: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    for rank in (0, 1):  # another job's files in the same directory, fewer events
+        records = load(events / f"rank-{rank}.jsonl")
+        save(events / f"other-{rank}.jsonl", [{**r, "job_id": "other-job"} for r in records])
+    timeline = timeline_of(events)
+    assert timeline.job_id == "demo-job" and timeline.ranks_seen == WORLD
+    assert any("'other-job'" in p and "--job" in p for p in timeline.problems), timeline.problems
+    code, out, _ = run_cli([str(events), "--job", "other-job", "-o", str(tmp_path / "o.html")], capsys)
+    assert code == 0 and "job other-job: 2 switch(es), 2 of 4 rank(s)" in out
+    code, _, err = run_cli([str(events), "--job", "nope", "-o", str(tmp_path / "n.html")], capsys)
+    assert code == 2 and "no events of job 'nope'" in err and "demo-job" in err
+
+
+def test_a_missing_ranks_file_is_named_and_the_others_drawn(events: Path) -> None:
+    (events / "rank-3.jsonl").unlink()
+    timeline = timeline_of(events)
+    assert (timeline.ranks_seen, timeline.ranks_expected, timeline.missing_ranks) == (3, 4, [3])
+    assert any("no events at all from rank 3 of 4" in p for p in timeline.problems)
+    for switch in timeline.switches:
+        assert [lane.label for lane in switch.lanes] == ["rank 0", "rank 1", "rank 2"]
+        assert switch.ok is True  # the leader said so: rank 3 switched, its file is what is missing
+        assert switch.missing == [f"switch {switch.seq}: no result from rank 3"]
+    assert "no result from rank 3" in render_html(timeline)
+
+
+def test_a_switch_that_never_finished_is_drawn_up_to_where_the_events_end(events: Path) -> None:
+    """The job died during switch 2, after every rank ran it: nothing after its result remains."""
+    for rank in range(WORLD):
+        path = events / f"rank-{rank}.jsonl"
+        records = load(path)
+        cut = next(i for i, r in enumerate(records) if r["kind"] == "member_result" and r["seq"] == 2)
+        save(path, records[:cut + 1])
+    timeline = timeline_of(events)
+    first, second = timeline.switches
+    assert first.ok is True and first.missing == []
+    assert second.ok is None and second.reason == "the leader's switch_done is not in these events"
+    assert second.missing[0].startswith("switch 2 never finished in these events: no switch_done")
+    assert "switch 2: no reply to ClusterD in these events" in second.missing
+    assert "switch 2: ranks 0-3 never resumed in these events" in second.missing
+    for lane in second.lanes:  # parked until the end of what is known; no resume tick
+        parked = next(b for b in lane.bars if b.phase == "parked")
+        assert parked.end == pytest.approx(second.duration) and parked.note == "never resumed in these events"
+        assert lane.marks == []
+    assert "outcome unknown" in render_html(timeline)
+
+
+def test_a_failed_rank_is_drawn_as_failed_and_decides_the_critical_path(events: Path) -> None:
+    path = events / "rank-2.jsonl"
+    records = load(path)
+    for r in records:
+        if r["kind"] == "member_result" and r["seq"] == 1:
+            r["detail"].update(ok=False, reason="switch hook returned False")
+    save(path, records)
+    timeline = timeline_of(events)
+    lane = timeline.switches[0].lanes[2]
+    assert lane.failed == 1 and "failed first" in lane.critical
+    switch_bar = next(b for b in lane.bars if b.phase == "switch")
+    assert not switch_bar.ok and switch_bar.note == "switch hook returned False"
+    assert any(c.startswith("rank 2 failed first") for c in timeline.switches[0].critical)
+    page = render_html(timeline)
+    assert re.search(rf'<rect [^>]*fill="{FAILED}"', page), "no bar drawn in the failure colour"
+    assert re.search(rf'<text [^>]*fill="{FAILED}"[^>]*>rank 2<', page), "rank 2's label is not in the failure colour"
+
+
+def test_an_older_agents_hours_off_clock_is_used_raw_and_said_so(events: Path) -> None:
+    """Without sent_at nothing can align a rank: its raw clock is used, and the page warns."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    for r in records:
+        r["wall"] += 5 * 3600
+        r["detail"].pop("sent_at", None)
+    save(path, records)
+    timeline = timeline_of(events)
+    assert timeline.alignment.unaligned == [1]
+    assert any(p.startswith("rank 1: no leader timestamps") and "5.0 h away from the leader's" in p
+               for p in timeline.problems), timeline.problems
+    page = render_html(timeline)
+    assert "Raw wall clock" in page and "5.0 h away" in page
+
+
+@pytest.mark.parametrize("documented", [False, True], ids=["verify-unknown", "verify-in-EVENT_KINDS"])
+def test_verify_and_phases_of_a_newer_agent_are_drawn_as_bars(events: Path, documented: bool,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """``verify_*`` events are the verify phase, documented kinds or not; a kind this version does
+    not know, with a duration, is drawn as a phase of its own name (a newer agent's files render)."""
+    if documented:
+        monkeypatch.setitem(ev.EVENT_KINDS, "verify_done", ev.EventKind("verify_done", "every rank", "", ()))
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    at = next(i for i, r in enumerate(records) if r["kind"] == "member_result" and r["seq"] == 1)
+    result = records[at]
+    extra = [{**result, "kind": "verify_done", "wall": result["wall"] + 0.002,
+              "detail": {"rank": 1, "ok": False, "duration_s": 0.0015, "reason": "no traffic on the standby link"}},
+             {**result, "kind": "probe_links", "wall": result["wall"] + 0.003, "detail": {"duration_s": 0.001}},
+             {**result, "kind": "something_new", "wall": result["wall"] + 0.004, "detail": {"note": "no duration"}}]
+    save(path, records[:at + 1] + extra + records[at + 1:])
+    timeline = timeline_of(events)
+    lane = timeline.switches[0].lanes[1]
+    switch_end = next(b.end for b in lane.bars if b.phase == "switch")
+    verify = next(b for b in lane.bars if b.phase == "verify")
+    assert not verify.ok and verify.note == "no traffic on the standby link" and lane.failed == 1
+    assert verify.end == pytest.approx(switch_end + 0.002, abs=1e-6)
+    assert verify.end - verify.start == pytest.approx(0.0015, abs=1e-6)
+    assert [b.phase for b in lane.bars if b.phase not in ("pause", "parked", "guard", "switch", "verify")] == \
+        ["probe_links"]
+    assert [st.phase for st in timeline.switches[0].stats] == ["pause", "parked", "guard", "switch", "verify",
+                                                              "probe_links"]
+    assert all(b.phase != "verify" for lane in timeline.switches[1].lanes for b in lane.bars)
+
+
+def test_node_lanes_show_each_nodes_slowest_rank_and_spread(events: Path) -> None:
+    timeline = build(read_events([str(events)]), ranks_per_node=2, aggregate_above=2)
+    for switch in timeline.switches:
+        assert switch.by_node and [lane.label for lane in switch.lanes] == ["node 0 (ranks 0-1)",
+                                                                             "node 1 (ranks 2-3)"]
+        per_rank = build(read_events([str(events)]), only_switch=switch.seq).switches[0].lanes
+        for node, lane in enumerate(switch.lanes):
+            ranks = per_rank[2 * node:2 * node + 2]
+            answers = [next(b.end for b in r.bars if b.phase == "switch") for r in ranks]
+            assert lane.ranks == 2 and lane.spread == (min(answers), max(answers))
+            assert lane.rank == ranks[answers.index(max(answers))].rank  # the slowest one is drawn
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("", "no events in"),
+    ("not json at all\n{\"kind\": \n", "no events in"),
+])
+def test_no_events_at_all_is_a_clear_error_with_exit_code_2(tmp_path: Path, content: str, message: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text(content, encoding="utf-8")
+    code, out, err = run_cli([str(path), "-o", str(tmp_path / "t.html")], capsys)
+    assert code == 2 and out == ""
+    assert err.startswith(f"nicswitch-agent timeline: error: {message} {path}")
+    assert not (tmp_path / "t.html").exists()
+
+
+def test_no_file_at_all_exits_2_without_a_traceback(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "timeline", str(tmp_path / "none-{rank}.jsonl"),
+                             str(tmp_path / "empty-dir")], capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 2
+    assert result.stderr.startswith("nicswitch-agent timeline: error: no events file found:"), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_switch_number_is_said(events: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run_cli([str(events), "--switch", "7", "-o", str(tmp_path / "t.html")], capsys)
+    assert code == 0 and "switch 7 is not in these events (switches found: 1, 2)" in out
+
+
+def test_a_rejected_list_takes_its_number_and_the_next_switch_keeps_its_own(clusterd: ScriptedClusterD,
+                                                                           tmp_path: Path) -> None:
+    """ClusterD's first list is invalid (answered false, never run), its second runs on both ranks
+    (threads on one store, pause mode external): the ranks' events name the list they ran (``seq``
+    rides on the order), so switch 2 gets the lanes and switch 1 only the leader's rejection."""
+    clusterd.script(Send(rank_list(["1", "1"], [True, False])), Send(rank_list(["0", "1"], [True, True])), End())
+    store, template = InProcessStore(), str(tmp_path / "events-{rank}.jsonl")
+    agents = [SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", rank=rank, world_size=2,
+                          store=store, switch_hook=lambda order: True, events_file=template) for rank in (1, 0)]
+    try:
+        for agent in agents:
+            agent.start()
+        assert [r.result for r in clusterd.wait_replies(2)] == [False, True]
+    finally:
+        for agent in agents:
+            agent.stop()
+    timeline = build(read_events([template]))
+    first, second = timeline.switches
+    assert (first.seq, first.ok, first.lanes) == (1, False, [])
+    assert first.reason.startswith("list rejected: ") and "listed more than once" in first.reason
+    assert (second.seq, second.ok) == (2, True)
+    assert [lane.label for lane in second.lanes] == ["rank 0", "rank 1"]
+    assert all({"guard", "switch"} <= {b.phase for b in lane.bars} for lane in second.lanes)
+
+
+def test_a_closed_stdout_still_writes_the_page_without_a_traceback(events: Path, tmp_path: Path) -> None:
+    """``nicswitch-agent timeline ... | head -1``: the reader is gone before the summary is printed."""
+    page = tmp_path / "t.html"
+    process = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "timeline", str(events), "-o", str(page)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before the child has even imported the package
+    err = process.stderr.read().decode()
+    assert process.wait(30) == 0, err
+    assert "Traceback" not in err and page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
