@@ -131,7 +131,8 @@ def test_check_refuses_a_file_in_the_way(tmp_path: Path, where: str) -> None:
 def test_check_without_torch_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     guard = TorchCheckpointGuard(tmp_path, state=dict, step=Step())
     monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(ConfigError, match=r"needs torch .*nicswitch-agent\[torch\]"):
+    hint = r"needs torch \(python3 -m pip install '\.\[torch\]' in the nicswitch-agent checkout\)"
+    with pytest.raises(ConfigError, match=hint):
         guard.check()
 
 

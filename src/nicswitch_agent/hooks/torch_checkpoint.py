@@ -257,7 +257,8 @@ class TorchCheckpointGuard(CheckpointGuard):
             importlib.import_module("torch")
         except ImportError as exc:
             raise ConfigError(
-                f"TorchCheckpointGuard needs torch (pip install 'nicswitch-agent[torch]'); import failed: {exc}"
+                f"TorchCheckpointGuard needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent "
+                f"checkout); import failed: {exc}"
             ) from exc
         if self.use_dcp or (self.use_dcp is None and _initialised_dist() is not None):
             try:

@@ -355,7 +355,8 @@ def check_torch(inp: Inputs) -> Check:
         if not why:
             return Check(name, None, f"skipped: not importable ({error}); not needed by a single-process job "
                                      "(WORLD_SIZE=1: no Store to coordinate through)")
-        return Check(name, False, f"cannot import torch ({error}): {why}; pip install 'nicswitch-agent[torch]'")
+        return Check(name, False, f"cannot import torch ({error}): {why}; python3 -m pip install '.[torch]' in "
+                                  "the nicswitch-agent checkout")
     dist = getattr(module, "distributed", None)
     if dist is None or not dist.is_available():
         why = _needs_torch(inp.env)

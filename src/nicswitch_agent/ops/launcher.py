@@ -418,7 +418,8 @@ class HostedLeader:
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:
-            raise LaunchError("hosting the leader needs torch (pip install nicswitch-agent[torch])") from exc
+            raise LaunchError("hosting the leader needs torch (python3 -m pip install '.[torch]' in the "
+                              "nicswitch-agent checkout)") from exc
         # Every member holds sockets here: past the soft file-descriptor limit the Store drops new
         # connections, so raise it now (the training command inherits it: torchrun's agent, which
         # hosts the job's own Store, needs room too), or refuse to start if the hard limit is too low.
