@@ -81,6 +81,9 @@ def test_every_command_with_a_job_calls_it_job_and_the_old_name_still_parses() -
         assert "--job" in options and "--job-id" not in options, name
     parser = cli._build_parser()
     assert parser.parse_args(["launch", "--job-id", "old", "--", "x"]).job_id == "old"
+    for name in ("switch", "watch", "doctor"):  # launch's first name works wherever a job is dialled
+        assert parser.parse_args([name, "--job-id", "old"]).job == "old", name
+        assert parser.parse_args([name]).job is None, name
 
 
 def test_the_deadline_of_one_call_to_clusterd_is_rpc_timeout_in_doctor_as_in_switch() -> None:

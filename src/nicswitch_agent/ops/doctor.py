@@ -652,6 +652,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = DESCRIPTION
     parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
     parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
+    parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="check that the checkpoint guard's directory is writable and has room")
     parser.add_argument("--min-free", type=parse_size, default=DEFAULT_MIN_FREE_BYTES, metavar="SIZE",

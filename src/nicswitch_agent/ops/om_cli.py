@@ -196,6 +196,7 @@ def _positive_int(text: str) -> int:
 def _add_common(parser: argparse.ArgumentParser, *, watch: bool = False) -> None:
     parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
     parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
+    parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
     if watch:
         parser.add_argument("--timeout", type=positive_float, default=None, metavar="S",
                             help="stop watching after S seconds (default: no limit; Ctrl-C stops it)")
