@@ -4,17 +4,16 @@ One line per check, in plain words, each passed (``ok``), failed (``FAIL``) or o
 (``warn``: a warning, or a check skipped because its input is missing or a check before it
 failed). The exit code is 0 when nothing failed ("ready"), 1 otherwise, 2 for a usage error.
 
-Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id,
-the other ``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every
-3 s), TLS (``--tls*`` or ``NICSWITCH_TLS*``: files readable, the key matching its certificate),
-ClusterD answering ``HealthCheck`` (within ``--rpc-timeout``, over TLS when it is on; a plaintext/TLS
-mismatch is named as such), the pause mode and who pauses training, torch, torch_npu and
-``torch_npu.npu._comm_switch_nic`` (or, with ``--switch-hook``, that hook), ``HCCL_OP_RETRY_ENABLE`` enabling
-L2 (without it HCCL accepts a switch and does nothing), ``P2P_HCCL_BUFFSIZE`` (send/recv communicators a
-switch does not visit), HCCL's worst-case switch time, a way to map ClusterD's global ranks
-(torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the file-descriptor limit
-the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and the
-checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
+Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id, the other
+``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every 3 s), TLS (``--tls*`` or
+``NICSWITCH_TLS*``: files readable, the key matching its certificate), ClusterD answering ``HealthCheck``
+(within ``--rpc-timeout``, over TLS when it is on; a plaintext/TLS mismatch is named as such), the pause mode
+and who pauses training, torch, torch_npu and ``torch_npu.npu._comm_switch_nic`` (or, with ``--switch-hook``,
+that hook), ``HCCL_OP_RETRY_ENABLE`` enabling L2 (without it HCCL accepts a switch and does nothing),
+``P2P_HCCL_BUFFSIZE`` (send/recv communicators a switch does not visit), HCCL's worst-case switch time, a way to
+map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the
+file-descriptor limit the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and
+the checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
 
 The doctor only reads: its one call to ClusterD is ``HealthCheck``, which changes nothing there
 (``Init`` or a subscription would reset the job's controller), and the checkpoint directory gets
@@ -64,15 +63,14 @@ from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
-from nicswitch_agent.ops.hook_spec import FLAG as HOOK_FLAG
-from nicswitch_agent.ops.hook_spec import check_switch_hook
+from nicswitch_agent.ops import hook_spec
 from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP, add_tls_arguments, positive_float, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
 ROLE = "nicswitch-doctor"  # ClusterD logs ClientInfo.role: the doctor's call is easy to tell apart
 DESCRIPTION = ("Check that this pod is ready for link switches: ClusterD and the job, the settings, TLS, torch,\n"
-               f"the switch hook (torch_npu's, or {HOOK_FLAG}'s), HCCL, ranks, file descriptors, checkpoints.")
+               f"the switch hook (torch_npu's, or {hook_spec.FLAG}'s), HCCL, ranks, file descriptors, checkpoints.")
 
 _SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
 _JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
@@ -376,7 +374,7 @@ def check_torch(inp: Inputs) -> Check:
 def check_torch_npu(inp: Inputs) -> Check:
     name = "torch_npu"
     if inp.switch_hook is not None:
-        return Check(name, None, f"not checked: the switch hook is {inp.switch_hook} ({HOOK_FLAG})")
+        return Check(name, None, f"not checked: the switch hook is {inp.switch_hook} ({hook_spec.FLAG})")
     module, error = _import("torch_npu")
     if module is None:
         if inp.dry_run:
@@ -388,7 +386,7 @@ def check_torch_npu(inp: Inputs) -> Check:
 
 def check_switch_function(inp: Inputs) -> Check:
     if inp.switch_hook is not None:
-        return Check("switch hook", *check_switch_hook(inp.switch_hook))
+        return Check("switch hook", *hook_spec.check_switch_hook(inp.switch_hook))
     name = SWITCH_FUNCTION
     where = f"{SWITCH_MODULE}.{SWITCH_FUNCTION}"
     if sys.modules.get("torch_npu") is None:  # check_torch_npu could not import it
@@ -663,8 +661,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=positive_float, dest="rpc_timeout", help=argparse.SUPPRESS)  # first name
     parser.add_argument("--world-size", type=int, metavar="N", help="ranks of the job, to check the file-descriptor "
                         "limit the Store's host needs (default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")
-    parser.add_argument(HOOK_FLAG, metavar="MODULE:CALLABLE", help="the job's own switch hook, checked instead of "
-                        "torch_npu's as the agent would at start (a class is built without arguments)")
+    hook_spec.add_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tls_arguments(parser)
     if parser.epilog is None:

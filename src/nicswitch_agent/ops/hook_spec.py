@@ -10,12 +10,19 @@ for torch_npu's switch function). The hook itself is never called.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from typing import Any
 
 from nicswitch_agent.hooks.base import check_hook, require_callable
 
 FLAG = "--switch-hook"
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--switch-hook MODULE:CALLABLE`` (``doctor``'s)."""
+    parser.add_argument(FLAG, metavar="MODULE:CALLABLE", help="the job's own switch hook, checked instead of "
+                        "torch_npu's as the agent would at start (a class is built without arguments)")
 
 
 def load_hook(spec: str) -> Any:
@@ -61,4 +68,4 @@ def check_switch_hook(spec: str) -> tuple[bool, str]:
     return True, f"{spec} can be called with the order{checked}"
 
 
-__all__ = ["FLAG", "check_switch_hook", "load_hook"]
+__all__ = ["FLAG", "add_argument", "check_switch_hook", "load_hook"]
