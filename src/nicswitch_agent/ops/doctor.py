@@ -69,8 +69,6 @@ from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP, add_tls_arguments,
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
 ROLE = "nicswitch-doctor"  # ClusterD logs ClientInfo.role: the doctor's call is easy to tell apart
-DESCRIPTION = ("Check that this pod is ready for link switches: ClusterD and the job, the settings, TLS, torch,\n"
-               f"the switch hook (torch_npu's, or {hook_spec.FLAG}'s), HCCL, ranks, file descriptors, checkpoints.")
 
 _SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
 _JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
@@ -647,7 +645,6 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent doctor``."""
-    parser.description = DESCRIPTION
     parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
     parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
     parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
