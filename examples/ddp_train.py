@@ -14,7 +14,7 @@ terminals::
         torchrun --standalone --nproc-per-node 2 examples/ddp_train.py --wait-for-switch
     nicswitch-agent switch --server 127.0.0.1:8899 --job demo --node node-0 --dev 0,1 --op standby
 
-With the leader outside training (``nicswitch-agent launch --server 127.0.0.1:8899 --job-id demo --
+With the leader outside training (``nicswitch-agent launch --server 127.0.0.1:8899 --job demo --
 torchrun ...``) it works the same: every rank learns the switch's outcome from the leader.
 
 The integration is three lines: create the agent (with a switch hook and a checkpoint guard),

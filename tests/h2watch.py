@@ -29,6 +29,7 @@ class Connection:
     pings: int = 0  # the client's PINGs, in all
     quiet_pings: int = 0  # the client's PINGs since the server's last frame other than a PING
     goaway: tuple[int, bytes] | None = None  # (error code, debug data) of the server's GOAWAY
+    goaway_quiet_pings: int | None = None  # quiet_pings when the GOAWAY came: the ping it answered
     open: bool = True
     server_frames: list[int] = field(default_factory=list)  # frame types, for failure messages
 
@@ -110,6 +111,7 @@ class PingWatch:
                 conn.server_frames.append(kind)
                 if kind == GOAWAY:
                     conn.goaway = (int.from_bytes(payload[4:8], "big"), payload[8:])
+                    conn.goaway_quiet_pings = conn.quiet_pings
                 elif kind != PING:
                     conn.quiet_pings = 0
             self.cond.notify_all()

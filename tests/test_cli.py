@@ -65,7 +65,7 @@ def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("nicswitch-agent demo: error: --processes needs torch")
-    assert "pip install 'nicswitch-agent[torch]'" in lines[0]
+    assert "python3 -m pip install '.[torch]' in the nicswitch-agent checkout" in lines[0]
     assert result.stdout == ""
 
 

@@ -264,6 +264,38 @@ def test_doc_command_exists_with_its_flags(command: DocCommand) -> None:
     assert not missing, f"{command.where}: {missing} not in the help of {command.subcommand or command.module}"
 
 
+# -- the README says what happens -------------------------------------------------------------------
+
+
+def test_readme_runs_of_the_ddp_example_wait_for_the_switch_they_describe() -> None:
+    """examples/ddp_train.py trains its 300 steps in a few seconds: a README run that is to show a
+    switch waits for one (--wait-for-switch), and the page then asks ClusterD for it."""
+    readme = ROOT / "README.md"
+    spans = [(n, span) for n, line in enumerate(read("README.md").splitlines(), 1)
+             for span in INLINE_CODE.findall(line)]
+    runs = [(n, text) for n, text in [*shell_lines(readme), *spans]
+            if re.search(r"\b(torchrun|python3?)\b.*examples/ddp_train\.py", text)]
+    assert runs, "README.md no longer runs examples/ddp_train.py"
+    assert all("--wait-for-switch" in text for _, text in runs), runs
+    first = min(n for n, text in shell_lines(readme) if "examples/ddp_train.py" in text)
+    assert any("nicswitch-agent switch " in text and n > first for n, text in shell_lines(readme)), (
+        "README.md runs the DDP example but asks for no switch after it")
+
+
+def test_readme_says_what_a_switch_for_a_job_nobody_registered_gets() -> None:
+    """The simulator, as ClusterD, refuses it at once (413); the README once said it waited 15 minutes."""
+    from nicswitch_agent.ops.om import OmClient, SwitchInvalid, parse_nic_groups
+    from nicswitch_agent.sim import SimJob, Simulator
+
+    with Simulator(jobs=[SimJob(job_id="job-1", nodes={"node-0": ["0", "1"]})]) as sim, \
+            OmClient(sim.address, rpc_timeout_s=10) as client, pytest.raises(SwitchInvalid) as refused:
+        client.switch("job-1", parse_nic_groups([("node-0", "0,1", "standby")]))
+    assert (refused.value.code, refused.value.info) == (413, "job:job-1 is not registered")
+    flat = " ".join(read("README.md").split())
+    assert "refuses the switch at once: `rejected (413, invalid request): job:job-1 is not registered`, exit code 4" \
+        in flat
+
+
 # -- links between the pages -----------------------------------------------------------------------
 
 MARKDOWN_LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")

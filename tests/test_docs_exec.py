@@ -121,3 +121,14 @@ def test_install_commands_work_from_a_checkout() -> None:
                 if not (ROOT / constraint).is_file():
                     problems.append(f"{rel(page)}:{number}: no constraints file {constraint}")
     assert not problems, "\n".join(problems)
+
+
+def test_install_hints_in_messages_work_from_a_checkout() -> None:
+    """The hints in error messages and docstrings (torch missing, an extra missing) say what the
+    docs say: install the extra from the checkout, not a `nicswitch-agent` the package index lacks."""
+    problems = []
+    for path in sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]):
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if re.search(r"pip install\s+(-\S+\s+)*'?nicswitch-agent", line):
+                problems.append(f"{rel(path)}:{number}: names the package index: {line.strip()}")
+    assert not problems, "\n".join(problems)

@@ -475,6 +475,94 @@ def test_warnings_do_not_make_it_not_ready(monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().out.splitlines()[-1] == "ready (1 warning(s): checkpoint dir)"
 
 
+# -- a switch hook of the job's own (--switch-hook module:callable) ------------------------------------
+
+HOOKS = """
+class Links:
+    def check(self):
+        pass
+    def __call__(self, order):
+        return True
+
+class Broken:
+    def check(self):
+        raise RuntimeError("no RDMA device on this node")
+    def __call__(self, order):
+        return True
+
+class NeedsArgs:
+    def __init__(self, device):
+        pass
+
+def switch_links(order):
+    return True
+
+def two_args(order, extra):
+    return True
+
+NOT_CALLABLE = 42
+"""
+
+
+@pytest.fixture
+def own_hooks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A module ``nicswitch_doctor_hooks`` on sys.path with hooks good and bad."""
+    (tmp_path / "nicswitch_doctor_hooks.py").write_text(HOOKS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "nicswitch_doctor_hooks"
+    sys.modules.pop("nicswitch_doctor_hooks", None)
+
+
+def test_a_custom_switch_hook_is_checked_instead_of_torch_npu(sim: Simulator, own_hooks: str, no_torch_npu: None,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A job that switches with its own hook needs no torch_npu: the doctor checks that hook."""
+    env = ready_env(sim.address)
+    assert run(doctor_args("--json"), env=env) == 1  # torch_npu's hook, and no torch_npu here
+    assert run(doctor_args("--json", "--switch-hook", f"{own_hooks}:switch_links"), env=env) == 0
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out.splitlines()[-1])["checks"]}
+    assert checks["torch_npu"]["status"] == "warn"
+    assert checks["torch_npu"]["detail"] == f"not checked: the switch hook is {own_hooks}:switch_links (--switch-hook)"
+    assert checks["switch hook"] == {"name": "switch hook", "ok": True, "status": "ok",
+                                     "detail": f"{own_hooks}:switch_links can be called with the order"}
+
+
+@pytest.mark.parametrize(("attribute", "ok", "detail"), [
+    ("Links", True, "{m}:Links can be called with the order and its check() passed"),
+    ("Broken", False, "{m}:Broken: its check() failed, so the agent would not start: RuntimeError: no RDMA device "
+                      "on this node"),
+    ("two_args", False, "must be callable with one argument (the order)"),
+    ("NOT_CALLABLE", False, "--switch-hook {m}:NOT_CALLABLE must be callable, got int 42"),
+    ("NeedsArgs", False, "--switch-hook {m}:NeedsArgs: NeedsArgs() failed (TypeError:"),
+    ("missing", False, "--switch-hook {m}:missing: {m} has no attribute 'missing'"),
+    ("Links.nope", False, "--switch-hook {m}:Links.nope: {m}.Links has no attribute 'nope'"),
+])
+def test_what_the_switch_hook_check_finds(own_hooks: str, attribute: str, ok: bool, detail: str) -> None:
+    check = doctor.check_switch_function(gather_inputs(env={}, switch_hook=f"{own_hooks}:{attribute}"))
+    assert check.name == "switch hook" and check.ok is ok
+    assert detail.format(m=own_hooks) in check.detail, check.detail
+
+
+@pytest.mark.parametrize(("spec", "detail"), [
+    ("nicswitch_no_such_module:hook", "--switch-hook nicswitch_no_such_module:hook: cannot import "
+                                      "nicswitch_no_such_module (ModuleNotFoundError"),
+    ("nicswitch_doctor_hooks", "--switch-hook 'nicswitch_doctor_hooks' is not module:callable"),
+    ("nicswitch_doctor_hooks:", "is not module:callable"),
+    (":switch_links", "is not module:callable"),
+])
+def test_a_switch_hook_that_cannot_be_found_is_named(own_hooks: str, spec: str, detail: str) -> None:
+    check = doctor.check_switch_function(gather_inputs(env={}, switch_hook=spec))
+    assert check.ok is False and detail in check.detail, check.detail
+
+
+def test_the_default_hook_named_explicitly_runs_its_own_check(fake_torch_npu: Path) -> None:
+    spec = "nicswitch_agent.hooks.torch_npu:TorchNpuSwitcher"
+    assert doctor.check_switch_function(gather_inputs(env={}, switch_hook=spec)).ok is True
+    (fake_torch_npu / "torch_npu" / "npu" / "__init__.py").write_text("def synchronize():\n    pass\n")
+    _forget_torch_npu()
+    check = doctor.check_switch_function(gather_inputs(env={}, switch_hook=spec))
+    assert check.ok is False and "its check() failed" in check.detail and "_comm_switch_nic" in check.detail
+
+
 @pytest.mark.parametrize(("text", "size"), [("0", 0), ("1024", 1024), ("512M", 512 << 20), ("1G", 1 << 30),
                                             ("1.5GiB", 3 << 29), ("2 TB", 2 << 40)])
 def test_parse_size(text: str, size: int) -> None:
@@ -482,7 +570,7 @@ def test_parse_size(text: str, size: int) -> None:
 
 
 def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--min-free", "lots"], ["--timeout", "0"]):
+    for argv in (["--min-free", "lots"], ["--rpc-timeout", "0"], ["--timeout", "0"]):
         with pytest.raises(SystemExit) as exc:
             doctor_args(*argv)
         assert exc.value.code == 2

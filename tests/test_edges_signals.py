@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import support
 from support import Events
-from test_signals import JOB, Child, fast, request_switch, streams_ready
+from test_signals import JOB, Child, fast, last_frame, request_switch, streams_ready
 
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
@@ -64,6 +64,7 @@ def test_ctrl_c_during_a_hook_on_the_parked_thread_leaves_step_and_training_does
     assert code == -signal.SIGINT, output  # an uncaught KeyboardInterrupt, as without the agent
     assert "KeyboardInterrupt" in output
     assert "in step" in output  # it went up through agent.step()
+    assert "in hook_that_runs_on" in last_frame(output), output  # the user's hook, where Ctrl-C found it
     assert "STEPPED-AFTER-HOOK" not in child.lines, output  # training did not resume
     assert sim.job_view(JOB).replies == [False], output  # exactly one reply, false
     assert child.lines.count("EVENT reply_sent") == 1, output

@@ -196,7 +196,7 @@ def test_rejected_and_failed_paths_are_counted() -> None:
 
 def test_missing_prometheus_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # makes the import fail
-    with pytest.raises(ConfigError, match=r"pip install 'nicswitch-agent\[metrics\]'"):
+    with pytest.raises(ConfigError, match=r"pip install '\.\[metrics\]' in the nicswitch-agent checkout"):
         PrometheusMetrics()
 
 
@@ -279,7 +279,7 @@ def test_metrics_port_without_prometheus_client_refuses_to_start_the_leader_only
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
     leader = SwitchAgent(server="127.0.0.1:1", job_id=JOB, metrics_port=0, dry_run=True, pause="external")
-    with pytest.raises(ConfigError, match="nicswitch-agent\\[metrics\\]"):
+    with pytest.raises(ConfigError, match=r"pip install '\.\[metrics\]'"):
         leader.start()
     assert leader.status()["state"] == "created"  # nothing half-started
     # A member serves no metrics: the same settings (one env for the whole job) start it.

@@ -129,6 +129,18 @@ def test_sigterm_while_idle_stops_the_agent_then_dies_of_the_signal(run) -> None
     assert sim.job_view(JOB).violations == []
 
 
+def frames(output: str) -> list[str]:
+    """The ``File "...", line N, in name`` lines of the tracebacks in ``output``, outermost first."""
+    return [line.strip() for line in output.splitlines() if line.strip().startswith('File "')]
+
+
+def last_frame(output: str) -> str:
+    """The innermost frame of the last traceback in ``output``."""
+    found = frames(output)
+    assert found, output
+    return found[-1]
+
+
 def test_sigint_while_idle_stops_the_agent_and_raises_keyboard_interrupt(run) -> None:  # type: ignore[no-untyped-def]
     _sim, child = run("idle")
     child.proc.send_signal(signal.SIGINT)
@@ -137,6 +149,10 @@ def test_sigint_while_idle_stops_the_agent_and_raises_keyboard_interrupt(run) ->
     assert code == -signal.SIGINT, output  # an uncaught KeyboardInterrupt, as without the agent
     assert "KeyboardInterrupt" in output
     assert "EVENT agent_stopped" in child.lines, output
+    # As without the agent: the traceback ends in the training script (its loop sleeps between
+    # steps), not in a frame of ours, which would read as the library having crashed.
+    assert not [f for f in frames(output) if "/nicswitch_agent/" in f], output
+    assert last_frame(output).startswith(f'File "{TRAIN}"'), output
 
 
 def test_sigterm_while_parked_unparks_and_exits(run) -> None:  # type: ignore[no-untyped-def]

@@ -131,7 +131,8 @@ def test_check_refuses_a_file_in_the_way(tmp_path: Path, where: str) -> None:
 def test_check_without_torch_says_what_to_install(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     guard = TorchCheckpointGuard(tmp_path, state=dict, step=Step())
     monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(ConfigError, match=r"needs torch .*nicswitch-agent\[torch\]"):
+    hint = r"needs torch \(python3 -m pip install '\.\[torch\]' in the nicswitch-agent checkout\)"
+    with pytest.raises(ConfigError, match=hint):
         guard.check()
 
 
@@ -387,7 +388,11 @@ def test_one_info_line_per_save_or_skip(tmp_path: Path, caplog: pytest.LogCaptur
     lines = [r.getMessage() for r in caplog.records if r.name == "nicswitch_agent.hooks"]
     assert len(lines) == 2
     assert lines[0].startswith("[job-1/0/1] checkpoint step 1: saved (path ") and "bytes" in lines[0]
-    assert lines[1].startswith("[job-1/0/2] checkpoint step 1: step 1 already checkpointed")
+    # A skip says it skipped and why, and names the checkpoint it kept: no "0 bytes" of a save.
+    kept = tmp_path / "step-1"
+    assert lines[1].startswith(f"[job-1/0/2] checkpoint step 1: skipped, step 1 already checkpointed (kept {kept}, "), \
+        lines[1]
+    assert "bytes" not in lines[1]
 
 
 # -- the decision every rank takes -----------------------------------------------------------------

@@ -13,7 +13,8 @@ is lost. grpc reads the variable once, when it is
 first imported, so this module runs from the package's ``__init__``, before any of our modules
 imports grpc, and never overrides a value the user set.
 
-**Signals.** Stop live agents cleanly on SIGTERM/SIGINT, then let the signal do what it would have done.
+**Signals.** Stop live agents cleanly on SIGTERM (and on a SIGINT someone else handles in Python),
+then let the signal do what it would have done.
 
 Without this, SIGTERM's default action kills the process at once: a list being executed never
 gets its reply (ClusterD then waits out its 15-minute limit), and members wait for a leader
@@ -23,11 +24,18 @@ that is gone. With it:
    thread of its own, ``nicswitch-signal-stop``. It never stops them in the handler: the
    interrupted main thread may hold a lock that ``stop()`` needs (it may be parked inside
    ``step()``), and a handler waiting for it would deadlock.
-2. It then chains to the handler that was there before: a Python handler (SIGINT's
-   ``KeyboardInterrupt``, a framework's own) is called at once. The default action (SIGTERM) is
-   restored first, so a second signal kills at once as usual, and the stop thread re-raises the
-   signal when the agents are stopped: the process dies of the signal, with the same status as
-   without the agent, only after every owed reply was sent.
+2. It then chains to the handler that was there before: a Python handler (a framework's own)
+   is called at once. The default action (SIGTERM) is restored first, so a second signal kills
+   at once as usual, and the stop thread re-raises the signal when the agents are stopped: the
+   process dies of the signal, with the same status as without the agent, only after every owed
+   reply was sent.
+
+SIGINT under Python's own handler (Ctrl-C raising ``KeyboardInterrupt``) is left to Python. Its
+``KeyboardInterrupt`` is raised by C code in the frame the signal interrupted; a handler of ours
+would have to raise it itself, and every Ctrl-C traceback would then end in a frame of this module,
+reading as a crash of the library. The interrupt stops the agent on its way out instead: ``with
+agent:``, a hook on the parked thread (the list answered false, ``step()`` left at once), and
+interpreter exit all stop it.
 
 Signals that are ignored (``SIG_IGN``) or handled outside Python are left alone. Handlers can
 only be installed from the main thread; an agent started elsewhere logs that it did not.
@@ -128,6 +136,8 @@ class SignalStopper:
                 current = signal.getsignal(sig)
                 if current is signal.SIG_IGN or current is None:
                     continue  # ignored on purpose, or owned by C code we cannot chain to
+                if current is signal.default_int_handler:
+                    continue  # Ctrl-C's KeyboardInterrupt, raised where it interrupts (module docstring)
                 if current == self._handle:  # inherited across fork: chain to what was before
                     continue
                 signal.signal(sig, self._handle)

@@ -235,7 +235,7 @@ def test_help_describes_the_simulator_and_every_option_with_its_default(
     flat = " ".join(text.split())
     assert "Serve a simulated MindCluster ClusterD" in flat
     assert "--crash-like-clusterd it exits with status 2" in flat
-    assert "exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error" in flat
+    assert "exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use" in flat
     for action in _parser()._actions:
         if not action.option_strings or action.dest == "help":
             continue
@@ -283,3 +283,21 @@ def test_cli_process_exits_2_where_the_real_clusterd_crashes() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_busy_port_is_one_clear_line_and_exit_2() -> None:
+    """Issue 18 §7: not gRPC core's raw ``add_port.cc`` error line, but what is wrong and what to do."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:  # listening, as another server would be
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "nicswitch_agent", "sim", "--port", str(port)],
+                              capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2, done
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [
+        f"nicswitch-agent sim: error: port {port} on 127.0.0.1 is in use (another ClusterD or simulator?): "
+        "stop it, or pick another with --port (0 picks a free one)"
+    ], done.stderr

@@ -1,9 +1,11 @@
 """ClusterD's ping policy as recorded: a client pinging every 1 s on an idle stream is cut off with
-GOAWAY ``too_many_pings`` on its 4th ping, 4 s after it opened the stream.
+GOAWAY ``too_many_pings`` on its 4th ping, 3-4 s after it opened the stream, on the notify stream
+and on the process-manage stream alike (docs/clusterd.md#keepalive-policy).
 
 Two clients: a minimal HTTP/2 client written here, which sends the pings itself and so can count
 them exactly (the same frames a gRPC client sends: preface, SETTINGS, then HEADERS and DATA for
-``SubscribeNotifySwitch``, then one PING a second); and a real gRPC channel with keepalive options.
+the subscribe, then one PING a second); and real gRPC channels with keepalive options, whose
+pings a relay counts (tests/h2watch.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable
 
 import grpc
 import pytest
+from h2watch import PingWatch
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import RecoverStub
@@ -94,9 +97,10 @@ class RawPinger:
             if kind == SETTINGS:
                 acked, settled = acked or bool(flags & ACK), settled or not flags & ACK
 
-    def subscribe_notify(self, job_id: str) -> None:
+    def subscribe(self, method: str, job_id: str) -> None:
+        """Open the server stream ``/Recover/<method>`` (a ``ClientInfo`` request) as stream 1."""
         headers = [
-            (":method", "POST"), (":scheme", "http"), (":path", "/Recover/SubscribeNotifySwitch"),
+            (":method", "POST"), (":scheme", "http"), (":path", f"/Recover/{method}"),
             (":authority", self.authority), ("content-type", "application/grpc"), ("te", "trailers"),
         ]
         message = pb.ClientInfo(jobId=job_id, role="raw-pinger").SerializeToString()
@@ -139,14 +143,16 @@ class RawPinger:
         self.sock.close()
 
 
-def test_goaway_too_many_pings_on_the_4th_ping_of_an_idle_stream(make_setup: Callable[..., Setup]) -> None:
+@pytest.mark.parametrize("method", [P.SUBSCRIBE_NOTIFY_SWITCH, P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL])
+def test_goaway_too_many_pings_on_the_4th_ping_of_an_idle_stream(make_setup: Callable[..., Setup],
+                                                                  method: str) -> None:
     setup = make_setup()
     assert setup.agent.init().code == 0 and setup.agent.register().code == 0
     pinger = RawPinger(setup.sim.address)
     try:
         pinger.handshake()
-        pinger.subscribe_notify(JOB)
-        wait_streams(setup.sim, P.SUBSCRIBE_NOTIFY_SWITCH, 1)
+        pinger.subscribe(method, JOB)
+        wait_streams(setup.sim, method, 1)
         goaway = None
         pings = 0  # sent so far; the GOAWAY answers the last one
         next_ping = time.monotonic()
@@ -195,3 +201,33 @@ def test_a_grpc_client_pinging_every_second_gets_goaway_too_many_pings(make_sim:
     finally:
         channel.close()
         agent.close()
+
+
+def test_a_grpc_agent_pinging_every_second_is_cut_off_on_the_4th_ping_of_its_process_manage_stream(
+    make_sim: Callable[..., Simulator],
+) -> None:
+    """The recorded agent case: Init, Register and SubscribeProcessManageSignal on one channel that
+    pings every second. ClusterD cut it off on the 4th ping after its last frame with data (3.2 s
+    after the subscribe); the simulator once did on the 3rd (2.1 s). A relay counts the pings the
+    channel sent since the server's last frame other than a PING."""
+    sim = make_sim()
+    info = pb.ClientInfo(jobId=JOB, role="agent")
+    with PingWatch(sim.address) as watch:
+        channel = grpc.insecure_channel(watch.address, options=[
+            ("grpc.keepalive_time_ms", 1000), ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+        ])
+        try:
+            agent = RecoverStub(channel)
+            assert agent.Init(info, timeout=WAIT).code == 0 and agent.Register(info, timeout=WAIT).code == 0
+            stream = agent.SubscribeProcessManageSignal(info, timeout=20)
+            with pytest.raises(grpc.RpcError) as failure:
+                for _ in stream:
+                    pass
+            assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "too many pings" in (failure.value.details() or "").lower().replace("_", " ")
+            with watch.cond:
+                cut = [(c.goaway, c.goaway_quiet_pings) for c in watch.connections if c.goaway]
+        finally:
+            channel.close()
+    assert cut == [((ENHANCE_YOUR_CALM, b"too_many_pings"), 4)], cut

@@ -151,9 +151,10 @@ class AgentConfig:
     """How long interpreter exit, or a second stop() from another thread, waits for a stop that is
     already under way (its false replies being sent) before giving up on it."""
     handle_signals: bool = True
-    """On SIGTERM/SIGINT, stop the agent first (a false reply for any list owed one, every rank
+    """On SIGTERM, stop the agent first (a false reply for any list owed one, every rank
     unparked), then let the signal take its usual course. Installed only when the agent is started
-    on the main thread; previous handlers are chained, ignored signals left alone."""
+    on the main thread; previous handlers are chained (a SIGINT one too), ignored signals left alone;
+    Ctrl-C's own KeyboardInterrupt is left to Python (process_hooks.py)."""
 
     world_size: int | None = None
     """Ranks in the job (env WORLD_SIZE; else torch.distributed's, else 1). Lists naming a rank

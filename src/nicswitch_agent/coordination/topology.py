@@ -83,7 +83,8 @@ def connect_tcp_store(address: str, timeout_s: float, world_size: int) -> Any:
     try:
         import torch.distributed  # noqa: F401
     except ImportError as exc:
-        raise ConfigError(f"store_address={address!r} needs torch (pip install nicswitch-agent[torch])") from exc
+        raise ConfigError(f"store_address={address!r} needs torch (python3 -m pip install '.[torch]' in the "
+                          "nicswitch-agent checkout)") from exc
     host, _, port = address.rpartition(":")
     return fd_budget.StoreClient(host.strip("[]"), int(port), timeout_s, world_size)
 

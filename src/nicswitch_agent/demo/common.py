@@ -69,7 +69,7 @@ def check_arguments(ranks: int, processes: bool) -> str | None:
     if not 1 <= ranks <= limit:
         return f"--ranks must be between 1 and {limit}{' with --processes' if processes else ''}, got {ranks}"
     if processes and not torch_available():
-        return ("--processes needs torch (pip install 'nicswitch-agent[torch]'); "
+        return ("--processes needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent checkout); "
                 "without --processes the demo runs its ranks as threads and needs no torch")
     return None
 

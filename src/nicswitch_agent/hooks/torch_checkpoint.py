@@ -257,7 +257,8 @@ class TorchCheckpointGuard(CheckpointGuard):
             importlib.import_module("torch")
         except ImportError as exc:
             raise ConfigError(
-                f"TorchCheckpointGuard needs torch (pip install 'nicswitch-agent[torch]'); import failed: {exc}"
+                f"TorchCheckpointGuard needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent "
+                f"checkout); import failed: {exc}"
             ) from exc
         if self.use_dcp or (self.use_dcp is None and _initialised_dist() is not None):
             try:
@@ -303,10 +304,10 @@ class TorchCheckpointGuard(CheckpointGuard):
         saver = _DcpSave(self, dist) if dist is not None else _LocalSave(self)
 
         def record(saved: bool, reason: str, step: int | None, path: str | None = None, size: int = 0,
-                   level: int = logging.INFO, note: str = "") -> None:
+                   level: int = logging.INFO, note: str = "", skipped: bool = False) -> None:
             self._record(order, saver.rank, GuardRecord(
                 saved, reason, step, path, time.monotonic() - started, size, order.seq
-            ), level=level, note=note)
+            ), level=level, note=note, skipped=skipped)
 
         try:
             decision = saver.decide(order)
@@ -318,7 +319,7 @@ class TorchCheckpointGuard(CheckpointGuard):
             record(False, f"refused: {decision.reason}", step, level=logging.WARNING)
             raise GuardRefused(f"checkpoint guard refused order #{order.seq}: {decision.reason}")
         if decision.action == "skip":
-            record(False, decision.reason, step, decision.path)
+            record(False, decision.reason, step, decision.path, skipped=True)
             return
         assert step is not None
         try:
@@ -430,14 +431,18 @@ class TorchCheckpointGuard(CheckpointGuard):
         return removed
 
     def _record(self, order: SwitchOrder, rank: int, record: GuardRecord, *, level: int = logging.INFO,
-                note: str = "") -> None:
+                note: str = "", skipped: bool = False) -> None:
         with self._lock:
             self._history.append(record)
-        what = "saved" if record.saved else record.reason
-        logger.log(
-            level, "[%s/%s/%s] checkpoint step %s: %s (path %s, %d bytes, %.3f s%s)",
-            order.job_id, rank, order.seq, record.step, what, record.path, record.bytes, record.duration_s, note,
-        )
+        where = f"[{order.job_id}/{rank}/{order.seq}] checkpoint step {record.step}"
+        if record.saved:
+            logger.log(level, "%s: saved (path %s, %d bytes, %.3f s%s)", where, record.path, record.bytes,
+                       record.duration_s, note)
+        elif skipped:  # nothing written: a size would read as an empty checkpoint
+            logger.log(level, "%s: skipped, %s (kept %s, %.3f s)", where, record.reason, record.path,
+                       record.duration_s)
+        else:
+            logger.log(level, "%s: %s (nothing written, %.3f s)", where, record.reason, record.duration_s)
 
 
 class _LocalSave:

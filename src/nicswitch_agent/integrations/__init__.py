@@ -3,9 +3,9 @@
 - :mod:`~nicswitch_agent.integrations.loop`: ``enumerate_steps(agent, loader)`` for a plain loop
   (no framework needed);
 - :mod:`~nicswitch_agent.integrations.lightning`: ``NicSwitchCallback``, a PyTorch Lightning
-  ``Callback``, and ``LightningCheckpointGuard`` (``pip install 'nicswitch-agent[lightning]'``);
+  ``Callback``, and ``LightningCheckpointGuard`` (``python3 -m pip install '.[lightning]'`` in the checkout);
 - :mod:`~nicswitch_agent.integrations.huggingface`: ``NicSwitchTrainerCallback``, a Hugging Face
-  ``TrainerCallback``, and ``HFCheckpointGuard`` (``pip install 'nicswitch-agent[hf]'``).
+  ``TrainerCallback``, and ``HFCheckpointGuard`` (``python3 -m pip install '.[hf]'`` in the checkout).
 
 All logic stays in :class:`~nicswitch_agent.SwitchAgent`: the adapters only forward step
 boundaries and offer a checkpoint guard that saves through the framework. Importing this package

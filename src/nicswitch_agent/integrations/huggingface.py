@@ -1,6 +1,6 @@
 """Hugging Face transformers: ``NicSwitchTrainerCallback`` and ``HFCheckpointGuard``.
 
-Install with ``pip install 'nicswitch-agent[hf]'`` (transformers and accelerate, which the
+Install with ``python3 -m pip install '.[hf]'`` in the checkout (transformers and accelerate, which the
 ``Trainer`` needs).
 
 ::
@@ -38,7 +38,8 @@ try:
     from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 except ImportError as exc:
     raise ImportError(
-        "nicswitch_agent.integrations.huggingface needs transformers: pip install 'nicswitch-agent[hf]'"
+        "nicswitch_agent.integrations.huggingface needs transformers: python3 -m pip install '.[hf]' in the "
+        "nicswitch-agent checkout"
     ) from exc
 
 from nicswitch_agent.agent import SwitchAgent

@@ -1,6 +1,6 @@
 """PyTorch Lightning: ``NicSwitchCallback`` and ``LightningCheckpointGuard``.
 
-Install with ``pip install 'nicswitch-agent[lightning]'``. ``lightning`` is imported, and
+Install with ``python3 -m pip install '.[lightning]'`` in the checkout. ``lightning`` is imported, and
 ``pytorch_lightning`` when it is missing; use the one your ``Trainer`` comes from.
 
 ::
@@ -40,7 +40,7 @@ except ImportError:  # the standalone package, older projects
     except ImportError as exc:
         raise ImportError(
             "nicswitch_agent.integrations.lightning needs PyTorch Lightning: "
-            "pip install 'nicswitch-agent[lightning]' (or pytorch_lightning)"
+            "python3 -m pip install '.[lightning]' in the nicswitch-agent checkout (or pytorch_lightning)"
         ) from exc
 
 from nicswitch_agent.agent import SwitchAgent

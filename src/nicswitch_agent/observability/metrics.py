@@ -9,7 +9,7 @@ bookkeeping, and never raises into the agent. All are off by default:
 - :class:`EventStats`: counts and timings (last, max, mean) of switches, replies and pauses, for
   ``agent.status()["timings"]``;
 - :class:`PrometheusMetrics`: the same as Prometheus counters and histograms, when the optional
-  ``prometheus_client`` is installed (``pip install 'nicswitch-agent[metrics]'``), served on a port
+  ``prometheus_client`` is installed (``python3 -m pip install '.[metrics]'`` in the checkout), served on a port
   only when asked (``NICSWITCH_METRICS_PORT``).
 
 The timings every listener derives from events (:func:`event_timings`):
@@ -313,7 +313,8 @@ def _import_prometheus() -> Any:
         return importlib.import_module("prometheus_client")
     except ImportError as exc:
         raise ConfigError(
-            "Prometheus metrics need prometheus_client: pip install 'nicswitch-agent[metrics]' "
+            "Prometheus metrics need prometheus_client: python3 -m pip install '.[metrics]' in the nicswitch-agent "
+            "checkout "
             f"(or unset NICSWITCH_METRICS_PORT); import failed: {exc}"
         ) from exc
 
@@ -332,7 +333,7 @@ def _check_server_returned() -> None:
     if match is not None and (int(match[1]), int(match[2])) < SERVER_MIN_VERSION:
         raise ConfigError(
             f"the metrics endpoint needs prometheus_client>=0.20 (installed: {version}): "
-            "pip install 'nicswitch-agent[metrics]' (or unset NICSWITCH_METRICS_PORT)"
+            "python3 -m pip install '.[metrics]' in the nicswitch-agent checkout (or unset NICSWITCH_METRICS_PORT)"
         )
 
 

@@ -28,6 +28,23 @@ Runner = Callable[..., Any]
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own usage error.
+
+    argparse hands a subcommand's leftovers back to the top-level parser, which then prints the
+    top-level usage (``nicswitch-agent [-h] [-v] [--version] COMMAND ...``) for a mistyped
+    ``switch`` option; the user needs ``switch``'s usage.
+    """
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="nicswitch-agent",
@@ -35,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     parser.add_argument("--version", action="version", version=f"nicswitch-agent {_version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
 
     import nicswitch_agent.sim.cli as sim_cli
@@ -64,6 +81,8 @@ def _build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=help_text, formatter_class=argparse.RawDescriptionHelpFormatter)
         if add_arguments is not None:
             add_arguments(command)
+        if command.description is None:  # a command module may say more; this line at least
+            command.description = help_text[0].upper() + help_text[1:] + "."
         _accept_verbose(command)
         command.set_defaults(run=run)
     # The launcher's log is the leader's log: its INFO lines ("registered job", "switch #N ...
@@ -115,7 +134,7 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
                                      "you run `nicswitch-agent switch`)")
     join.add_argument("--server", metavar="HOST:PORT", help="run only the job (threads, pause mode agent) against this "
                                                             "ClusterD, until --switches switches were replied to")
-    join.add_argument("--job", default="job-1", help="job id to register (default: %(default)s)")
+    join.add_argument("--job", default="job-1", metavar="JOB_ID", help="job id to register (default: %(default)s)")
     join.add_argument("--switches", type=int, default=2, metavar="N",
                       help="stop after N switches (default: %(default)s; 0: until SIGINT/SIGTERM)")
     join.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -4,17 +4,16 @@ One line per check, in plain words, each passed (``ok``), failed (``FAIL``) or o
 (``warn``: a warning, or a check skipped because its input is missing or a check before it
 failed). The exit code is 0 when nothing failed ("ready"), 1 otherwise, 2 for a usage error.
 
-Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id,
-the other ``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every
-3 s), TLS (``--tls*`` or ``NICSWITCH_TLS*``: files readable, the key matching its certificate),
-ClusterD answering ``HealthCheck`` (within ``--timeout``, over TLS when it is on; a plaintext/TLS
-mismatch is named as such), the pause mode and who pauses
-training, torch, torch_npu, ``torch_npu.npu._comm_switch_nic``, ``HCCL_OP_RETRY_ENABLE`` enabling
-L2 (without it HCCL accepts a switch and does nothing), ``P2P_HCCL_BUFFSIZE`` (send/recv communicators a
-switch does not visit), HCCL's worst-case switch time, a way to map ClusterD's global ranks
-(torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the file-descriptor limit
-the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and the
-checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
+Checks, in order: where ClusterD is (``--server`` or the agent's own discovery), the job id, the other
+``NICSWITCH_*`` settings, the keepalive (ClusterD refuses pings more often than every 3 s), TLS (``--tls*`` or
+``NICSWITCH_TLS*``: files readable, the key matching its certificate), ClusterD answering ``HealthCheck``
+(within ``--rpc-timeout``, over TLS when it is on; a plaintext/TLS mismatch is named as such), the pause mode
+and who pauses training, torch, torch_npu and ``torch_npu.npu._comm_switch_nic`` (or, with ``--switch-hook``,
+that hook), ``HCCL_OP_RETRY_ENABLE`` enabling L2 (without it HCCL accepts a switch and does nothing),
+``P2P_HCCL_BUFFSIZE`` (send/recv communicators a switch does not visit), HCCL's worst-case switch time, a way to
+map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the
+file-descriptor limit the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and
+the checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
 
 The doctor only reads: its one call to ClusterD is ``HealthCheck``, which changes nothing there
 (``Init`` or a subscription would reset the job's controller), and the checkpoint directory gets
@@ -64,7 +63,8 @@ from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
-from nicswitch_agent.ops.om_cli import add_tls_arguments, positive_float, tls_overrides
+from nicswitch_agent.ops import hook_spec
+from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP, add_tls_arguments, positive_float, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
@@ -121,6 +121,7 @@ class Inputs:
     tls_error: str = ""
     tls_from_flags: bool = False
     world_size: int | None = None  # --world-size; None: NICSWITCH_WORLD_SIZE, else WORLD_SIZE
+    switch_hook: str | None = None  # --switch-hook module:callable; None: torch_npu's
 
     @property
     def dry_run(self) -> bool:
@@ -143,6 +144,7 @@ def gather_inputs(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     tls_options: Mapping[str, Any] | None = None,
     world_size: int | None = None,
+    switch_hook: str | None = None,
 ) -> Inputs:
     """Resolve server, job and settings as the agent would (explicit > NICSWITCH_* > MindCluster env).
 
@@ -184,7 +186,7 @@ def gather_inputs(
         job_id=resolved_job, job_source=job_source, job_error=job_error, config=config, config_error=config_error,
         checkpoint_dir=None if checkpoint_dir is None else os.fspath(checkpoint_dir),
         min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls=tls, tls_error=tls_error,
-        tls_from_flags=bool(tls_given), world_size=world_size,
+        tls_from_flags=bool(tls_given), world_size=world_size, switch_hook=switch_hook,
     )
 
 
@@ -355,7 +357,8 @@ def check_torch(inp: Inputs) -> Check:
         if not why:
             return Check(name, None, f"skipped: not importable ({error}); not needed by a single-process job "
                                      "(WORLD_SIZE=1: no Store to coordinate through)")
-        return Check(name, False, f"cannot import torch ({error}): {why}; pip install 'nicswitch-agent[torch]'")
+        return Check(name, False, f"cannot import torch ({error}): {why}; python3 -m pip install '.[torch]' in "
+                                  "the nicswitch-agent checkout")
     dist = getattr(module, "distributed", None)
     if dist is None or not dist.is_available():
         why = _needs_torch(inp.env)
@@ -368,6 +371,8 @@ def check_torch(inp: Inputs) -> Check:
 
 def check_torch_npu(inp: Inputs) -> Check:
     name = "torch_npu"
+    if inp.switch_hook is not None:
+        return Check(name, None, f"not checked: the switch hook is {inp.switch_hook} ({hook_spec.FLAG})")
     module, error = _import("torch_npu")
     if module is None:
         if inp.dry_run:
@@ -378,6 +383,8 @@ def check_torch_npu(inp: Inputs) -> Check:
 
 
 def check_switch_function(inp: Inputs) -> Check:
+    if inp.switch_hook is not None:
+        return Check("switch hook", *hook_spec.check_switch_hook(inp.switch_hook))
     name = SWITCH_FUNCTION
     where = f"{SWITCH_MODULE}.{SWITCH_FUNCTION}"
     if sys.modules.get("torch_npu") is None:  # check_torch_npu could not import it
@@ -581,6 +588,7 @@ def run_checks(
     on_check: Callable[[Check], None] | None = None,
     tls_options: Mapping[str, Any] | None = None,
     world_size: int | None = None,
+    switch_hook: str | None = None,
 ) -> list[Check]:
     """Run every check in order; ``on_check`` sees each result as soon as it is known.
 
@@ -593,12 +601,13 @@ def run_checks(
         timeout_s: Deadline of the HealthCheck call.
         tls_options: Explicit TLS settings (``tls``, ``tls_ca_file``, ...) over NICSWITCH_TLS*.
         world_size: Ranks of the job, for the file-descriptor check; None: NICSWITCH_WORLD_SIZE, else WORLD_SIZE.
+        switch_hook: ``module:callable`` of the job's own switch hook, checked instead of torch_npu's.
 
     A check that raises is reported as failed, never raised.
     """
     inputs = gather_inputs(server=server, job_id=job_id, env=env, checkpoint_dir=checkpoint_dir,
                            min_free_bytes=min_free_bytes, timeout_s=timeout_s, tls_options=tls_options,
-                           world_size=world_size)
+                           world_size=world_size, switch_hook=switch_hook)
     results: list[Check] = []
     for check in CHECKS:
         try:
@@ -636,18 +645,20 @@ def parse_size(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent doctor``."""
-    parser.add_argument("--server", metavar="HOST:PORT",
-                        help="ClusterD address (default: NICSWITCH_SERVER, LOCAL_PROXY_ENABLE=on, MINDX_SERVER_IP)")
-    parser.add_argument("--job", metavar="JOB_ID", help="job id (default: NICSWITCH_JOB_ID, else MINDX_TASK_ID)")
+    parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
+    parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
+    parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
     parser.add_argument("--checkpoint-dir", metavar="DIR",
                         help="check that the checkpoint guard's directory is writable and has room")
     parser.add_argument("--min-free", type=parse_size, default=DEFAULT_MIN_FREE_BYTES, metavar="SIZE",
                         help="free space the checkpoint directory must keep beyond the next checkpoint "
                              "(default: 1G, the guard's default)")
-    parser.add_argument("--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
-                        help="how long to wait for ClusterD's HealthCheck answer, seconds (default: %(default)g)")
+    parser.add_argument("--rpc-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help="deadline of the HealthCheck call, seconds (default: %(default)g)")
+    parser.add_argument("--timeout", type=positive_float, dest="rpc_timeout", help=argparse.SUPPRESS)  # first name
     parser.add_argument("--world-size", type=int, metavar="N", help="ranks of the job, to check the file-descriptor "
                         "limit the Store's host needs (default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")
+    hook_spec.add_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tls_arguments(parser)
     if parser.epilog is None:
@@ -664,8 +675,9 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     if not args.json:
         print("nicswitch-agent doctor: is this pod ready for link switches?", flush=True)
     checks = run_checks(server=args.server, job_id=args.job, env=env, checkpoint_dir=args.checkpoint_dir,
-                        min_free_bytes=args.min_free, timeout_s=args.timeout, on_check=None if args.json else say,
-                        tls_options=tls_overrides(args), world_size=getattr(args, "world_size", None))
+                        min_free_bytes=args.min_free, timeout_s=args.rpc_timeout, on_check=None if args.json else say,
+                        tls_options=tls_overrides(args), world_size=getattr(args, "world_size", None),
+                        switch_hook=getattr(args, "switch_hook", None))
     is_ready = ready(checks)
     failed = [c.name for c in checks if c.ok is False]
     warned = [c.name for c in checks if c.ok is None]
@@ -681,16 +693,5 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
     return 0 if is_ready else 1
 
 
-__all__ = [
-    "CHECKS",
-    "DEFAULT_MIN_FREE_BYTES",
-    "DEFAULT_TIMEOUT_S",
-    "Check",
-    "Inputs",
-    "add_arguments",
-    "gather_inputs",
-    "parse_size",
-    "ready",
-    "run",
-    "run_checks",
-]
+__all__ = ["CHECKS", "DEFAULT_MIN_FREE_BYTES", "DEFAULT_TIMEOUT_S", "Check", "Inputs", "add_arguments",
+           "gather_inputs", "parse_size", "ready", "run", "run_checks"]

@@ -418,7 +418,8 @@ class HostedLeader:
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:
-            raise LaunchError("hosting the leader needs torch (pip install nicswitch-agent[torch])") from exc
+            raise LaunchError("hosting the leader needs torch (python3 -m pip install '.[torch]' in the "
+                              "nicswitch-agent checkout)") from exc
         # Every member holds sockets here: past the soft file-descriptor limit the Store drops new
         # connections, so raise it now (the training command inherits it: torchrun's agent, which
         # hosts the job's own Store, needs room too), or refuse to start if the hard limit is too low.
@@ -524,6 +525,8 @@ def exit_code(returncode: int) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``launch`` subcommand's options (the lead's cli.py calls this)."""
+    from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP  # the same words as switch's and doctor's
+
     parser.description = (
         "Run a training command (typically torchrun). On the job's first node, host the job's leader "
         "(the only ClusterD client, and the Store its members coordinate through) in this process, so it "
@@ -556,10 +559,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the first node's address as the other nodes reach it (default: MASTER_ADDR, else "
                              "torchrun's --master-addr or --rdzv-endpoint host); the first node exports "
                              "127.0.0.1 to its own children unless this is given")
-    parser.add_argument("--server", metavar="HOST:PORT",
-                        help="ClusterD address (default: NICSWITCH_SERVER, MINDX_SERVER_IP, LOCAL_PROXY_ENABLE)")
-    parser.add_argument("--job", dest="job_id", metavar="JOB_ID",
-                        help="ClusterD job id (default: NICSWITCH_JOB_ID, MINDX_TASK_ID)")
+    parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
+    parser.add_argument("--job", dest="job_id", metavar="JOB_ID", help=JOB_HELP)
     # --job as in every other command; --job-id, its first name, still works for existing scripts.
     parser.add_argument("--job-id", dest="job_id", help=argparse.SUPPRESS)
     parser.add_argument("-q", "--quiet", action="store_true",

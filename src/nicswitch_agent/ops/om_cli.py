@@ -110,11 +110,14 @@ _EXIT_LINES = {
     ExitCode.INTERRUPTED: "130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD",
 }
 
-_SERVER_HELP = (
+# --server and --job of every command that dials ClusterD for a job (switch, watch, doctor, launch):
+# the sources in the order they apply (config.py: an explicit value, NICSWITCH_SERVER, the local
+# proxy, MINDX_SERVER_IP).
+SERVER_HELP = (
     "ClusterD address host:port (default: $NICSWITCH_SERVER, else 127.0.0.1:8899 if "
     "LOCAL_PROXY_ENABLE=on, else $MINDX_SERVER_IP:8899)"
 )
-_JOB_HELP = "job id, ClusterD's job key (default: $NICSWITCH_JOB_ID, else $MINDX_TASK_ID)"
+JOB_HELP = "job id, ClusterD's job key (default: $NICSWITCH_JOB_ID, else $MINDX_TASK_ID)"
 
 SWITCH_EPILOG = (
     "example:\n"
@@ -191,8 +194,9 @@ def _positive_int(text: str) -> int:
 
 
 def _add_common(parser: argparse.ArgumentParser, *, watch: bool = False) -> None:
-    parser.add_argument("--server", metavar="HOST:PORT", help=_SERVER_HELP)
-    parser.add_argument("--job", metavar="JOB_ID", help=_JOB_HELP)
+    parser.add_argument("--server", metavar="HOST:PORT", help=SERVER_HELP)
+    parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
+    parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
     if watch:
         parser.add_argument("--timeout", type=positive_float, default=None, metavar="S",
                             help="stop watching after S seconds (default: no limit; Ctrl-C stops it)")
@@ -238,8 +242,21 @@ def tls_overrides(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# The subcommands' parsers keep line breaks (RawDescriptionHelpFormatter, for the epilogs' tables).
+SWITCH_DESCRIPTION = """\
+Ask ClusterD to move devices of a job to their standby or primary NICs (SwitchNicTrack), then
+follow the switch (SubscribeSwitchNicSignal) and say how it ended: "switch nic finish", a failure
+(the job goes to recovery) or no result. ClusterD refuses a job that has not registered at once
+(413): the job's agent (or its MindIO) must be running."""
+WATCH_DESCRIPTION = """\
+Follow a job's link switches, whoever asks for them, and print the result of each one as it
+arrives (SubscribeSwitchNicSignal), until --count results, --timeout or Ctrl-C."""
+
+
 def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent switch``."""
+    if parser.description is None:
+        parser.description = SWITCH_DESCRIPTION
     _add_common(parser)
     group = parser.add_argument_group("devices (repeat --node/--dev/--op for more nodes)")
     group.add_argument("--node", dest="nic_flags", action=_NicFlag, metavar="NODE", help="k8s node name of the devices")
@@ -266,6 +283,8 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent watch``."""
+    if parser.description is None:
+        parser.description = WATCH_DESCRIPTION
     _add_common(parser, watch=True)
     parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
                         help="stop after N results (default: no limit)")
@@ -585,8 +604,12 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
 
 
 __all__ = [
+    "JOB_HELP",
+    "SERVER_HELP",
+    "SWITCH_DESCRIPTION",
     "SWITCH_EPILOG",
     "SWITCH_HELP",
+    "WATCH_DESCRIPTION",
     "WATCH_EPILOG",
     "WATCH_HELP",
     "ExitCode",

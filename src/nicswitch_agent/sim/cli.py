@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import math
 import signal
+import socket
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -51,8 +53,8 @@ keeps serving; with --crash-like-clusterd it exits with status 2 instead, as Clu
 docs/operations.md lists every setting and the differences from the real server."""
 
 _EPILOG = """\
-exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error, or crashed as the real
-ClusterD would (--crash-like-clusterd)
+exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use among them),
+or crashed as the real ClusterD would (--crash-like-clusterd)
 
 example:
   nicswitch-agent sim --port 8899 --job job-1 --nodes node-0:0,1 --nodes node-1:0,1 --standin"""
@@ -143,7 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also print every signal, list, reply and report (default: state changes only)")
 
     job = parser.add_argument_group("the job (what ClusterD reads from its PodGroup and caches)")
-    job.add_argument("--job", default="job-1", help="job id, MINDX_TASK_ID (default: %(default)s)")
+    job.add_argument("--job", default="job-1", metavar="JOB_ID", help="job id, MINDX_TASK_ID (default: %(default)s)")
     job.add_argument("--nodes", action="append", type=_node, metavar="NODE:DEV,DEV",
                      help="a node and its device ids, in pod-rank order; repeat per node "
                           f"(default: {' '.join(_DEFAULT_NODES)})")
@@ -300,10 +302,33 @@ class _LineHandler(logging.Handler):
             self.handleError(record)
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether another socket already listens on ``host:port`` (0, a free port: never).
+
+    Asked before gRPC binds: when its bind fails, gRPC core writes its own error line to stderr
+    (``add_port.cc ... Address already in use``) and raises only "Failed to bind". The test bind
+    uses SO_REUSEADDR as gRPC's listener does, so a port in TIME_WAIT is not taken for busy.
+    """
+    if port == 0:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError:
+        return False  # an unknown host: gRPC says so itself
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
+
+
 def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, out: TextIO | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop_event``, for embedding and tests). Returns 0; 2 on a
-    usage error, and after a crash like the real ClusterD's (``--crash-like-clusterd``, which also
-    sets ``stop_event``); 1 when it cannot listen.
+    usage error (a port in use too), and after a crash like the real ClusterD's
+    (``--crash-like-clusterd``, which also sets ``stop_event``); 1 when it cannot listen otherwise.
 
     Prints the address, the rank table, the settings that differ from ClusterD's, then one line per
     state change (and an ERROR where the real ClusterD would crash).
@@ -314,6 +339,10 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
         tls = server_tls(args)
     except ValueError as exc:
         print(f"nicswitch-agent sim: error: {exc}", file=sys.stderr)
+        return 2
+    if port_in_use(args.host, args.port):
+        print(f"nicswitch-agent sim: error: port {args.port} on {args.host} is in use (another ClusterD or "
+              "simulator?): stop it, or pick another with --port (0 picks a free one)", file=sys.stderr)
         return 2
 
     stop = stop_event if stop_event is not None else threading.Event()

@@ -189,8 +189,8 @@ MAX_RECEIVE_BYTES: Final = 4 * 1024 * 1024
 MAX_SEND_BYTES: Final = 8 * 1024 * 1024
 MAX_CONCURRENT_STREAMS: Final = 64
 KEEPALIVE_MIN_TIME_MS: Final = 3000
-# gRPC core's max_ping_strikes for grpc-go's maxPingStrikes=2 (see sim/server.py _server_options).
-KEEPALIVE_MAX_PING_STRIKES: Final = 1
+# grpc-go's maxPingStrikes: GOAWAY on the 3rd strike (see sim/server.py _server_options).
+KEEPALIVE_MAX_PING_STRIKES: Final = 2
 EVENT_QUEUE_LENGTH: Final = 10  # eventChanLength
 OM_QUEUE_LENGTH: Final = 10  # switchNicResponse capacity
 KILL_MASTER_ENQUEUE_TIMEOUT_S: Final = 60.0  # handleKillJob: time.After(time.Minute)

@@ -115,11 +115,12 @@ def _server_options() -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", P.KEEPALIVE_MIN_TIME_MS),
         # grpc-go (ClusterD) allows 2 strikes and sends GOAWAY on the 3rd; the first ping after
-        # a header or data frame from the server is forgiven. gRPC core forgives one ping more:
-        # the connection WINDOW_UPDATE for the client's request, flushed with the first ping's
-        # ACK, resets its count too. One strike fewer gives ClusterD's recorded count: a client
-        # pinging every 1 s on an idle stream is cut off on the 4th ping, 4 s after it opened
-        # the stream (tests/sim/test_keepalive_policy.py).
+        # a header or data frame from the server is forgiven, and so is a connection's first
+        # ping. gRPC core counts the same way, but a connection WINDOW_UPDATE resets its count
+        # too, and it sends the one owed for a request with its next write. So both subscribe
+        # handlers send their headers at once (that write carries the update): from then on
+        # the count is grpc-go's, and a client pinging every 1 s on an idle stream is cut off
+        # on its 4th ping, as recorded on ClusterD (tests/sim/test_keepalive_policy.py).
         ("grpc.http2.max_ping_strikes", P.KEEPALIVE_MAX_PING_STRIKES),
         # A second simulator on a fixed port must fail, not share the port.
         ("grpc.so_reuseport", 0),
@@ -514,8 +515,9 @@ class Simulator:
             return
         token = controller.open_stream(P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL, context.peer())
         self._watch(context, controller, token)
-        # Headers right away: a client can tell its subscribe (and the reset) has happened.
-        # grpc-go ClusterD sends them with the first message; iterating clients see no difference.
+        # Headers right away: a client can tell its subscribe (and the reset) has happened, and
+        # the ping count starts here (_server_options). grpc-go ClusterD sends them with the first
+        # message; iterating clients see no difference.
         context.send_initial_metadata(())
         while True:
             signal = controller.next_signal(token)
@@ -534,6 +536,7 @@ class Simulator:
             return
         token = controller.open_stream(P.SUBSCRIBE_NOTIFY_SWITCH, context.peer())
         self._watch(context, controller, token)
+        context.send_initial_metadata(())  # the ping count starts here (_server_options)
         while True:
             rank_list = controller.next_rank_list(token)
             if rank_list is None:

@@ -1,0 +1,119 @@
+"""The command line's manners (issue 18 §7), read from the parser the CLI really builds.
+
+A usage error prints the usage of the subcommand it was made in; every subcommand says what it
+is for; an option has one name and one metavar wherever it appears (the old names still parse,
+hidden); and the help lists ClusterD's address sources in the order they apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.ops import cli
+
+
+def commands() -> dict[str, argparse.ArgumentParser]:
+    parser = cli._build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+NAMES = sorted(commands())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_an_unknown_option_prints_the_usage_of_its_subcommand(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [name, "--no-such-option"] + (["--", "true"] if name == "launch" else [])
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: nicswitch-agent {name} "), err
+    assert err.rstrip().endswith(f"nicswitch-agent {name}: error: unrecognized arguments: --no-such-option"), err
+
+
+def test_a_bad_value_still_names_its_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["watch", "--count", "zero"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: nicswitch-agent watch ") and "nicswitch-agent watch: error: argument --count" in err
+
+
+def test_an_unknown_option_before_the_subcommand_is_the_top_levels(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["--no-such-option", "version"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: nicswitch-agent [-h]") and "unrecognized arguments: --no-such-option" in err
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_subcommand_describes_itself(name: str) -> None:
+    parser = commands()[name]
+    assert parser.description and parser.description.strip(), name
+    assert parser.description.split()[0] in parser.format_help()
+
+
+def visible_options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    return [a for a in parser._actions if a.option_strings and a.help is not argparse.SUPPRESS]
+
+
+def test_an_option_has_one_metavar_everywhere() -> None:
+    """``--job JOB_ID`` in one command and ``--job JOB`` in another reads as two different things."""
+    seen: dict[str, dict[str, str]] = {}
+    for name, parser in commands().items():
+        for action in visible_options(parser):
+            if action.nargs == 0:  # a switch: no value, no metavar
+                continue
+            metavar = str(action.metavar or action.dest.upper())  # argparse's default for an option
+            for option in action.option_strings:
+                seen.setdefault(option, {})[name] = metavar
+    mixed = {option: by for option, by in seen.items() if len(set(by.values())) > 1}
+    assert not mixed, mixed
+
+
+def test_every_command_with_a_job_calls_it_job_and_the_old_name_still_parses() -> None:
+    parsers = commands()
+    for name in ("switch", "watch", "doctor", "launch", "sim", "demo"):
+        options = {o for a in visible_options(parsers[name]) for o in a.option_strings}
+        assert "--job" in options and "--job-id" not in options, name
+    parser = cli._build_parser()
+    assert parser.parse_args(["launch", "--job-id", "old", "--", "x"]).job_id == "old"
+    for name in ("switch", "watch", "doctor"):  # launch's first name works wherever a job is dialled
+        assert parser.parse_args([name, "--job-id", "old"]).job == "old", name
+        assert parser.parse_args([name]).job is None, name
+
+
+def test_the_deadline_of_one_call_to_clusterd_is_rpc_timeout_in_doctor_as_in_switch() -> None:
+    parsers = commands()
+    for name in ("switch", "doctor"):
+        options = {o for a in visible_options(parsers[name]) for o in a.option_strings}
+        assert "--rpc-timeout" in options, name
+    doctor_options = {o for a in visible_options(parsers["doctor"]) for o in a.option_strings}
+    assert "--timeout" not in doctor_options  # switch's --timeout is how long it waits for the result
+    parser = cli._build_parser()
+    assert parser.parse_args(["doctor", "--rpc-timeout", "4"]).rpc_timeout == 4
+    assert parser.parse_args(["doctor", "--timeout", "5"]).rpc_timeout == 5  # its first name, hidden
+    assert parser.parse_args(["doctor"]).rpc_timeout == 3
+
+
+SOURCES = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")  # first wins
+
+
+def test_the_address_sources_apply_in_this_order() -> None:
+    env = {"NICSWITCH_SERVER": "10.0.0.1:1234", "LOCAL_PROXY_ENABLE": "on", "MINDX_SERVER_IP": "10.0.0.2"}
+    assert AgentConfig.from_env(env, job_id="j").server == "10.0.0.1:1234"
+    del env["NICSWITCH_SERVER"]
+    assert AgentConfig.from_env(env, job_id="j").server == "127.0.0.1:8899"  # the local proxy
+    del env["LOCAL_PROXY_ENABLE"]
+    assert AgentConfig.from_env(env, job_id="j").server == "10.0.0.2:8899"
+
+
+@pytest.mark.parametrize("name", ["switch", "watch", "doctor", "launch"])
+def test_help_lists_the_address_sources_in_the_order_they_apply(name: str) -> None:
+    server = next(a for a in commands()[name]._actions if "--server" in a.option_strings)
+    text = str(server.help)
+    positions = [text.find(source) for source in SOURCES]
+    assert -1 not in positions and positions == sorted(positions), (name, text)
