@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
+# The second round of a switch, once the switch hook succeeded on every rank: an order event of its
+# own (its own result keys), so relays forward and aggregate it as they do any order.
+KIND_VERIFY = "verify"
 
 
 def key_prefix(job_id: str, restart_count: str | None = None) -> str:
@@ -174,19 +177,24 @@ class MemberResult:
     attempted: bool = False  # the switch hook was called (links may have moved)
     guard_ok: bool = False  # a checkpoint of the parked step exists on this rank
     interrupted: bool = False  # the training thread left its parking spot (Ctrl-C, sys.exit) during it
+    # > 0: the switch hook ran and this rank has a verify hook, which may take this long: the
+    # leader runs the verify round (a relay passes on the largest of its ranks').
+    verify_s: float = 0.0
 
     def encode(self) -> str:
-        message = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
-                   "attempted": self.attempted, "guard": self.guard_ok}
+        message: dict[str, Any] = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
+                                   "attempted": self.attempted, "guard": self.guard_ok}
         if self.interrupted:  # only then: a leader of an earlier version reads the same keys as before
             message["interrupted"] = True
+        if self.verify_s > 0:
+            message["verify"] = self.verify_s
         return encode(message)
 
     @classmethod
     def decode(cls, text: str) -> MemberResult:
         v = decode(text)
         return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
-                   bool(v.get("interrupted", False)))
+                   bool(v.get("interrupted", False)), verify_s=float(v.get("verify", 0.0)))
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,

@@ -12,7 +12,9 @@ switch, two sockets per rank on the Store's host, and a single-threaded Store se
   without a relay, on that local Store;
 - it answers the leader once for the node: for a pause, the largest ``c_r`` of its ranks; for the
   target, "parked" once every local rank parked; for an order, the first local failure at once,
-  or one success once every local rank succeeded (any rank attempted, every rank checkpointed).
+  or one success once every local rank succeeded (any rank attempted, every rank checkpointed,
+  the largest verify budget a rank asked for). A switch's ``verify`` round is an order like any
+  other here.
 
 Why the step-aligned pause stays deadlock-free: each member still sets its flag before it reads
 its ``c_r``, and the leader's target is ``max`` over nodes of ``max`` over ranks, which is the
@@ -209,12 +211,13 @@ class NodeRelay:
         self._garbage += [p.result_counter_key(epoch, name),
                           *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
-        attempted, guards, seen, answered = False, 0, 0, set()
+        attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
         for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
+            verify_s = max(verify_s, result.verify_s)
             if not result.ok:
                 self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
                 return
@@ -226,7 +229,7 @@ class NodeRelay:
                 f"{_listed([self._names[slot] for slot in silent])})", attempted=True))
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
-                                                 guard_ok=guards == self.size))
+                                                 guard_ok=guards == self.size, verify_s=verify_s))
 
     def _answer(self, epoch: int, name: str, result: p.MemberResult) -> None:
         index = self.job.add(p.result_counter_key(epoch, name), 1)
