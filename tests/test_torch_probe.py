@@ -182,10 +182,18 @@ def test_a_rank_whose_communicator_is_gone_after_its_switch_gives_false_within_v
 
 
 @pytest.mark.timeout(60)
-def test_the_probe_is_refused_at_start_in_pause_mode_external(cluster: Cluster) -> None:
-    job = cluster.job(2, pause="external", env=PROBE_ENV)
-    assert job.wait_exit(40) == [EXIT_START, EXIT_START]
-    for rank in (0, 1):
-        reason = job.result(rank)["reason"]
-        assert reason.startswith("ConfigError: verify_hook=LoggedProbe(...) runs collectives"), reason
-        assert "pause mode external" in reason and "pause='agent'" in reason
+@pytest.mark.parametrize(("env", "hook"), [
+    (PROBE_ENV, "verify_hook=LoggedProbe(...)"),
+    # issue 18 item 2: the quickstart's collective guard against a MindIO that pauses nothing deadlocked
+    ({"NSW_CHECKPOINT": "dcp"}, "checkpoint_hook=LoggedGuard(...)"),
+], ids=["probe", "dcp-guard"])
+def test_a_hook_that_runs_collectives_is_refused_at_start_in_pause_mode_external(
+        cluster: Cluster, env: dict[str, str], hook: str) -> None:
+    job = cluster.job(2, pause="external", env=env)
+    codes = job.wait_exit(40)
+    # Rank 0 hosts the job's Store: once it is refused and gone, rank 1 may fail in
+    # init_process_group before it reaches agent.start(); either way nothing runs on.
+    assert codes[0] == EXIT_START and codes[1] is not None, codes
+    reason = job.result(0)["reason"]
+    assert reason.startswith(f"ConfigError: {hook} runs collectives"), reason
+    assert "pause mode external" in reason and "pause='agent'" in reason

@@ -222,7 +222,8 @@ class Coordinator:
         self.kv.set(p.order_key(name), p.encode_order(order))
         verify_started = time.monotonic()
         self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s})
-        outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started)
+        outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started,
+                               max_interval_s=p.VERIFY_POLL_MAX_S)
         self._collect(epoch, name)
         took = (time.monotonic() - verify_started) * 1000
         if not outcome.ok:
@@ -247,10 +248,12 @@ class Coordinator:
         except RuntimeError:  # the Store is gone: the members cannot hear it anyway
             logger.debug("could not publish the outcome of %s", name, exc_info=True)
 
-    def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
+    def _gather(self, epoch: int, name: str, deadline: float, started: float,
+                max_interval_s: float = 0.005) -> RunOutcome:
         """Read the results as they arrive; the first failure decides at once."""
         attempted, guards, seen, verify_s = False, 0, 0, 0.0
-        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop):
+        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop,
+                                         max_interval_s=max_interval_s):
             seen += 1
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)

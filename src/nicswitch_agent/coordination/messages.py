@@ -197,15 +197,20 @@ class MemberResult:
                    bool(v.get("interrupted", False)), verify_s=float(v.get("verify", 0.0)))
 
 
+# A verify round lasts about one small collective (milliseconds): its results are polled at most
+# 1 ms apart instead of 5, so the poll does not add more than the probe itself.
+VERIFY_POLL_MAX_S = 0.001
+
+
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
-                     stop: threading.Event | None = None) -> Iterator[MemberResult]:
+                     stop: threading.Event | None = None, *, max_interval_s: float = 0.005) -> Iterator[MemberResult]:
     """The results of order ``name`` as they arrive, read in batches: one counter poll, one check
     and one multi_get per batch, however many answered in it. Ends after ``expected`` results, or
     early when ``deadline`` (monotonic) passes first; the caller counts what it got."""
     counter = result_counter_key(epoch, name)
     seen = 0
     while seen < expected:
-        count = min(kv.poll_count(counter, seen + 1, deadline, stop), expected)
+        count = min(kv.poll_count(counter, seen + 1, deadline, stop, max_interval_s=max_interval_s), expected)
         keys = [result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
         # A member counts first, then writes its result: wait for the keys themselves too.
         if count <= seen or kv.poll_all(keys, deadline, stop):

@@ -168,7 +168,7 @@ class NodeRelay:
             self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
         elif kind == p.ORDER:
             self._answer_order(epoch, str(message["key"]), float(message["budget"]),
-                               float(message.get("slack", ORDER_SLACK_S)))
+                               float(message.get("slack", ORDER_SLACK_S)), verify=message.get("kind") == p.KIND_VERIFY)
         elif kind == p.RELEASE:
             self._clean_up()
 
@@ -206,13 +206,14 @@ class NodeRelay:
         self.job.set(p.parked_key(epoch, self.node), str(target))
         self.job.add(p.parked_counter_key(epoch), 1)
 
-    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float) -> None:
+    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, *, verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
         self._garbage += [p.result_counter_key(epoch, name),
                           *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
         attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
-        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop):
+        poll = p.VERIFY_POLL_MAX_S if verify else 0.005
+        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop, max_interval_s=poll):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted

@@ -54,7 +54,7 @@ def _external_refusal(name: str, hook: Any) -> str:
     kind = type(hook).__name__
     fixes = ["pause='agent' (NICSWITCH_PAUSE=agent: the agent parks training and runs the hook on the "
              "training thread)"]
-    if kind == "TorchCheckpointGuard":
+    if hasattr(hook, "use_dcp"):  # TorchCheckpointGuard and its subclasses
         fixes.append(f"{kind}(..., use_dcp=False) (each rank saves its own state with torch.save, no collective)")
     else:
         fixes.append(f"leave {name} out in pause mode external")
