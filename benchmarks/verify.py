@@ -20,7 +20,6 @@ import time
 from benchmarks._common import ROOT, BenchResult, Settings, dist_metric, median, single_metric
 from benchmarks.e2e import Phase, analyse, column, run_process_group
 
-WORLD = 4
 STEP_S = 0.01
 IDLE_CALLS = 1_000_000
 
@@ -50,12 +49,13 @@ def run(settings: Settings) -> BenchResult:
     log_dir = ROOT / "bench-results" / "logs"
     rounds = settings.pick(1, 2)
     switches = settings.pick(2, 15)
+    world = settings.pick(2, 4)
     rows: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     verifies: list[float] = []
     for round_index in range(rounds):
         for probe in (False, True):
             phase = Phase("probe" if probe else "plain", STEP_S, switches)
-            ranks = run_process_group(WORLD, [phase], settings.seed + 300 + 2 * round_index + probe, log_dir,
+            ranks = run_process_group(world, [phase], settings.seed + 300 + 2 * round_index + probe, log_dir,
                                       probe=probe)
             rows[probe] += analyse(phase.records, ranks)
             if probe:
@@ -80,7 +80,7 @@ def run(settings: Settings) -> BenchResult:
     result.add(single_metric("idle step(): without a verify hook", without, "ns", note="best of 7, alternating"))
     result.add(single_metric("idle step(): with a verify hook", with_hook, "ns", note="best of 7, alternating; "
                              "step() is the same code either way"))
-    result.details = {"switches_per_job": switches, "rounds": rounds, "world": WORLD, "step_s": STEP_S}
+    result.details = {"switches_per_job": switches, "rounds": rounds, "world": world, "step_s": STEP_S}
     result.limits = (
         "2 shared cores run 4 training processes, the simulator and this operator: the two jobs' medians differ by "
         "noise of a few ms as well as by the probe, so the jobs alternate and the difference of medians is the "
