@@ -8,6 +8,7 @@ that no rank verified before every rank had switched.
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +116,15 @@ def test_every_rank_verifies_once_on_its_training_thread_after_every_rank_switch
         assert [(e.detail["rank"], e.detail["ok"]) for e in done] == [(rank.rank, True)] * 2
         assert rank.agent.status()["timings"].get("rank_verify_s", {}).get("count") == 2
     assert sim.job_view(JOB).replies == [True, True]
+    if importlib.util.find_spec("prometheus_client") is not None:  # the same events as Prometheus metrics
+        from nicswitch_agent.observability.metrics import PrometheusMetrics
+
+        metrics = PrometheusMetrics()
+        for event in job.ranks[1].agent.events():
+            metrics(event)
+        labels = {"job": JOB, "kind": "verify"}
+        assert metrics.registry.get_sample_value("nicswitch_rank_duration_seconds_count", labels) == 2
+        assert metrics.registry.get_sample_value("nicswitch_rank_results_total", {**labels, "result": "ok"}) == 2
 
 
 def test_no_rank_verifies_before_every_rank_switched(sim: Simulator, make_job: Any) -> None:
