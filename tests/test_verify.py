@@ -280,3 +280,23 @@ def test_a_verify_hook_waiting_longer_than_verify_timeout_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"timeout_s=1\) must give up before verify_timeout_s=0.5"):
         agent(verify_hook=Collective(), verify_timeout_s=0.5).start()
     agent(verify_hook=Collective(), verify_timeout_s=2).start().stop()
+
+
+def test_pause_auto_does_not_fall_back_to_external_with_a_hook_that_runs_collectives(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Next to MindIO's stand-in, pause mode auto falls back to external (test_edges_status.py),
+    unless a hook runs collectives: off the training thread they would deadlock."""
+    from test_edges_status import JOB as CONFLICT_JOB
+    from test_edges_status import conflict_sim
+
+    with conflict_sim() as conflict:
+        fighting = SwitchAgent(server=conflict.address, job_id=CONFLICT_JOB, pause="auto", store=InProcessStore(),
+                               switch_hook=lambda order: True, verify_hook=Collective()).start()
+        try:
+            assert support.wait_until(lambda: fighting.status().get("conflict") is not None, 20), fighting.status()
+            status = fighting.status()
+            assert status["pause"] == "agent" and "backing off" in status["conflict"]["action"], status
+            assert any("not falling back to pause mode external: Collective run(s) collectives" in r.getMessage()
+                       for r in caplog.records if r.levelname == "ERROR")
+        finally:
+            fighting.stop()
