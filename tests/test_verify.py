@@ -15,7 +15,20 @@ from typing import Any
 
 import pytest
 import support
-from test_multirank import FAN_OUTS, FAST, JOB, NODES, WORLD, Job, standin_if_external, streams_ready, switch
+from test_multirank import (
+    FAN_OUTS,
+    FAST,
+    JOB,
+    NODES,
+    WORLD,
+    Hook,
+    Job,
+    Rank,
+    standin_if_external,
+    streams_ready,
+    switch,
+)
+from test_multirank import Collective as Barrier
 
 from nicswitch_agent import AgentConfig, ConfigError, SwitchAgent, SwitchOrder, TorchCheckpointGuard
 from nicswitch_agent.coordination import InProcessStore
@@ -213,6 +226,35 @@ def test_in_pause_mode_external_the_verify_hook_runs_on_a_hook_thread(sim: Simul
     calls = job.verify_calls()
     assert sorted(c[1] for c in calls) == list(range(WORLD))
     assert all(thread.startswith("nicswitch-verify-") for _, _, thread, _ in calls), calls
+
+
+def test_under_a_launchers_leader_the_members_verify(sim: Simulator) -> None:
+    """The launcher's leader has no hooks of its own: the members' results ask for the verify round."""
+    store = InProcessStore()
+    leader = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", store=store, world_size=2,
+                         leader_only=True, reconnect_initial_s=0.02, reconnect_max_s=0.1).start()
+    log: list[tuple[str, int, str, int]] = []
+    lock = threading.Lock()
+    barrier = Barrier(2)
+    ranks = []
+    for r in range(2):
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=Hook(r, [], lock),
+                            verify_hook=Verify(r, log, lock), store=store, rank=r, world_size=2, leader="launcher")
+        ranks.append(Rank(r, agent.start(), barrier))
+    for rank in ranks:
+        rank.thread.start()
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        assert switch(sim, "node-0", ["0", "1"], [True, True]) == FINISH
+        assert sorted((c[1], c[2]) for c in log) == [(0, "train-0"), (1, "train-1")]
+    finally:
+        for rank in ranks:
+            rank.stop.set()
+        barrier.barrier.abort()
+        for rank in ranks:
+            rank.agent.stop()
+            rank.thread.join(10)
+        leader.stop()
 
 
 # -- refused at construction or at start --------------------------------------------------------
