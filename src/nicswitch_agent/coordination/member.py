@@ -244,7 +244,7 @@ class Member:
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
                                          "reason": result.reason, "duration_s": duration,
                                          "parked": self.lot.parked})
-            if message.get("kind") == p.KIND_VERIFY:
+            if message.get("kind") == p.KIND_VERIFY and self.hooks.verify_hook is not None and not self.hooks.dry_run:
                 self._record_verify(name, result, duration)
             with self._result_lock:
                 answered_by_stop = self._in_flight != (epoch, name)
@@ -284,9 +284,8 @@ class Member:
             record = None  # the hook's report of an earlier order: this one did not finish
         self.last_verify = {"order": name, "ok": result.ok, "reason": result.reason,
                             "duration_s": round(duration, 6), "at": time.time(), "report": record}
-        if self.hooks.verify_hook is not None and not self.hooks.dry_run:
-            self._emit("verify_done", {"rank": self.rank, "ok": result.ok, "reason": result.reason,
-                                       "duration_s": duration, "report": self.last_verify["report"]})
+        self._emit("verify_done", {"rank": self.rank, "ok": result.ok, "reason": result.reason,
+                                   "duration_s": duration, "report": record})
         if not result.ok:
             logger.error("rank %d: verification of order %s failed: %s", self.rank, name, result.reason)
 
