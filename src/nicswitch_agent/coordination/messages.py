@@ -7,8 +7,9 @@ Leader -> each member ``r``, a numbered queue (one key per event, deleted by the
 
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
-                               {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
-                                "budget": seconds}
+                               {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
+                                "budget": seconds}   (verify: a switch's second round, K = "<E>.<seq>.verify",
+                                                      only once every rank's switch hook succeeded)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
@@ -23,7 +24,8 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
-                               [, "interrupted": true]}
+                               [, "interrupted": true] [, "verify": seconds: run the verify round, with
+                               this budget]}
 
 With node-local fan-out (relay.py) the same keys carry nodes instead of ranks on the job's Store
 (``r`` is a node's index, a node's ``c`` is the largest of its ranks', its result the first
