@@ -67,10 +67,13 @@ def main() -> int:
 
     flag = torch.zeros(1)
     step = 0
+    allreduce_s: list[float] = []  # the step's own collective, a floor for a probe's (the last 1000)
     while True:
         time.sleep(float(state["interval"]))
         flag[0] = 1.0 if state["stop"] else 0.0
+        started = time.monotonic()
         dist.all_reduce(flag)
+        allreduce_s = [*allreduce_s[-999:], time.monotonic() - started]
         if flag.item() > 0:
             break
         step += 1
@@ -80,7 +83,7 @@ def main() -> int:
     agent.stop("benchmark done")
     dist.barrier()  # rank 0 hosts the TCPStore: it leaves last
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({**recorder.as_dict(), "steps": step}, f)
+        json.dump({**recorder.as_dict(), "steps": step, "allreduce_s": allreduce_s}, f)
     dist.destroy_process_group()
     return 0
 

@@ -52,6 +52,7 @@ def run(settings: Settings) -> BenchResult:
     world = settings.pick(2, 4)
     rows: dict[bool, list[dict[str, float]]] = {False: [], True: []}
     verifies: list[float] = []
+    allreduces: list[float] = []
     for round_index in range(rounds):
         for probe in (False, True):
             phase = Phase("probe" if probe else "plain", STEP_S, switches)
@@ -60,6 +61,7 @@ def run(settings: Settings) -> BenchResult:
             rows[probe] += analyse(phase.records, ranks)
             if probe:
                 verifies += [v for r in ranks for v in r.get("verifies", [])]
+            allreduces += [v for r in ranks for v in r.get("allreduce_s", [])]
     plain, probed = rows[False], rows[True]
     for label, data in (("without a verify hook", plain), ("with TorchLinkProbe", probed)):
         result.add(dist_metric(f"{label}: total", column(data, "total"), "ms"))
@@ -75,6 +77,9 @@ def run(settings: Settings) -> BenchResult:
                              note="the verify round alone: publish, every rank's probe, gather"))
     result.add(dist_metric("one rank's verify hook (the probe's all_reduce, on the parked training thread)",
                            [v * 1000 for v in verifies], "ms"))
+    result.add(dist_metric("floor: the training step's own all_reduce (one float, same jobs)",
+                           [v * 1000 for v in allreduces], "ms",
+                           note="what one small collective costs on this machine now; the probe's is the same op"))
     calls = settings.pick(100_000, IDLE_CALLS)
     without, with_hook = _idle_step_ns(calls)
     result.add(single_metric("idle step(): without a verify hook", without, "ns", note="best of 7, alternating"))
