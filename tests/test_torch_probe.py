@@ -168,16 +168,17 @@ def test_a_rank_whose_communicator_is_gone_after_its_switch_gives_false_within_v
         assert [(c["seq"], c["ops"]) for c in job.hooks(rank, "switch")] == [(1, [True]), (1, [False])]
     job.wait_steps(max(job.last_step(r) for r in range(4)) + 10)
     assert job.stop() == [EXIT_DONE] * 4, "no process hangs"
-    reports = {r: job.hooks(r, "verify")[0]["report"]["groups"][0] for r in range(4)}
-    assert not any(g["ok"] for g in reports.values())
+    # Rank 2 fails at once, and the leader decides at once: a rank that reads the verify event only
+    # after that skips it (nobody waits for its answer); the others wait out the probe's timeout.
+    reports = {r: job.hooks(r, "verify")[0]["report"]["groups"][0] for r in range(4) if job.hooks(r, "verify")}
     assert reports[2]["detail"].startswith("all_reduce on group dp failed after"), reports[2]
-    for rank in (0, 1, 3):
+    assert not any(g["ok"] for g in reports.values())
+    for rank in set(reports) - {2}:
         assert "did not complete within" in reports[rank]["detail"], reports[rank]
         assert "the communicator may be unusable" in reports[rank]["detail"]
-    leader = job.result(0)["agent"]
-    reason = leader["last_switch"]["reason"]
-    assert reason.startswith("verification failed: rank ") and "group dp" in reason, reason
-    assert "group dp" in job.result(1)["agent"]["last_verify"]["reason"]
+        assert "group dp" in job.result(rank)["agent"]["last_verify"]["reason"]
+    reason = job.result(0)["agent"]["last_switch"]["reason"]
+    assert reason.startswith("verification failed: rank 2: ") and "group dp" in reason, reason
     check_training(job)
 
 

@@ -219,9 +219,10 @@ class Coordinator:
     def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float) -> RunOutcome:
         """The second round: every rank runs its verify hook; the first failure decides."""
         name = f"{epoch}.{order.seq}.{p.KIND_VERIFY}"
-        self.kv.set(p.order_key(name), p.encode_order(order))
         verify_started = time.monotonic()
-        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s})
+        # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
+        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
+                       "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}"})
         outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started,
                                max_interval_s=p.VERIFY_POLL_MAX_S)
         self._collect(epoch, name)
@@ -238,7 +239,9 @@ class Coordinator:
     def _collect(self, epoch: int, name: str) -> None:
         """An order's keys become garbage once it is decided (deleted when the next epoch starts)."""
         self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
-        self._garbage += [p.result_counter_key(epoch, name), p.order_key(name)]
+        self._garbage += [p.result_counter_key(epoch, name)]
+        if not name.endswith(f".{p.KIND_VERIFY}"):  # a verify round has no order key of its own
+            self._garbage.append(p.order_key(name))
 
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
         """Let every member know the decision (members that are not the leader learn it only so)."""

@@ -109,6 +109,7 @@ class Member:
         self.events_handled = 0
         self.lost = ""
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
+        self._last_order: tuple[str, SwitchOrder] | None = None  # (name, order) of the last order run
 
     def start(self) -> None:
         if self._thread is not None:
@@ -235,7 +236,7 @@ class Member:
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
-            if self._stale(name):
+            if self._stale(name, p.order_name(message)):
                 return
             with self._result_lock:
                 self._in_flight = (epoch, name)
@@ -262,13 +263,13 @@ class Member:
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
-    def _stale(self, name: str) -> bool:
+    def _stale(self, name: str, order_name: str) -> bool:
         """True if the leader is already past this order (this rank was busy with an earlier one
         beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
         block for the Store's timeout). The leader publishes its next event only once it has
         decided this order, so a next event in our queue means nobody waits for our answer."""
         moved_on = self.kv.check([p.queue_key(self.slot, self._next)])
-        if moved_on or not self.kv.check([p.order_key(name)]):
+        if moved_on or not self.kv.check([p.order_key(order_name)]):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
             return True
@@ -302,7 +303,11 @@ class Member:
                 logger.exception("member event listener failed; ignored")
 
     def _run_order(self, epoch: int, message: dict[str, Any]) -> p.MemberResult:
-        order = p.decode_order(self.kv.get(p.order_key(str(message["key"]))))
+        name = p.order_name(message)
+        cached = self._last_order  # a verify round runs the switch's order again: not read twice
+        order = cached[1] if cached is not None and cached[0] == name else \
+            p.decode_order(self.kv.get(p.order_key(name)))
+        self._last_order = (name, order)
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])

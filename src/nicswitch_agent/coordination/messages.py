@@ -8,8 +8,9 @@ Leader -> each member ``r``, a numbered queue (one key per event, deleted by the
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
-                                "budget": seconds}   (verify: a switch's second round, K = "<E>.<seq>.verify",
-                                                      only once every rank's switch hook succeeded)
+                                "budget": seconds [, "order": K0]}
+                                   (verify: a switch's second round, only once every rank's switch hook
+                                   succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
@@ -69,6 +70,11 @@ KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 # The second round of a switch, once the switch hook succeeded on every rank: an order event of its
 # own (its own result keys), so relays forward and aggregate it as they do any order.
 KIND_VERIFY = "verify"
+
+
+def order_name(message: dict[str, Any]) -> str:
+    """The name of the order an order event runs: its own key, or (a verify round) the switch's."""
+    return str(message.get("order", message["key"]))
 
 
 def key_prefix(job_id: str, restart_count: str | None = None) -> str:

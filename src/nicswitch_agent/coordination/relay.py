@@ -149,8 +149,10 @@ class NodeRelay:
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
-        if kind == p.ORDER:  # the order itself first: members read it when the event arrives
-            name = str(message["key"])
+        if kind == p.ORDER and p.order_key(p.order_name(message)) not in self._garbage:
+            # The order itself first: members read it when the event arrives (a verify round runs
+            # the switch's order, copied already).
+            name = p.order_name(message)
             # A relay that fell an epoch behind (busy past a budget) finds the order deleted: the
             # leader has decided it without this node. A plain get would wait for the key for the
             # connection's timeout (an hour, the idle wait's).
