@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale, timeline
+from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale, timeline, verify
 from benchmarks._common import (
     RESULTS_DIR,
     BenchResult,
@@ -37,6 +37,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "notify": (notify.run, ("notify_to_hook",)),
     "resubscribe": (resubscribe.run, ("resubscribe",)),
     "e2e": (e2e.run, ("e2e_switch", "scale_coordination", "pause_alignment")),
+    "e2e_probe": (verify.run, ("e2e_probe",)),
     "scale": (scale.run, ("scale_list",)),
     "store_scale": (store_scale.run, ("store_scale",)),
     "store_scale_node": (store_scale.run_node, ("store_scale_node",)),

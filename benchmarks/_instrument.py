@@ -64,6 +64,7 @@ class RankRecorder:
         self.rpc: list[tuple[str, float, float]] = []  # leader: (method, start, end)
         self.signals: list[tuple[str, float]] = []  # leader: process-manage signals received
         self.lists: list[float] = []  # leader: rank lists received
+        self.verifies: list[float] = []  # this rank's verify hook, seconds (member_result of kind verify)
         self.leader_store: CountingStore | None = None
         self.member_store: CountingStore | None = None
 
@@ -77,6 +78,8 @@ class RankRecorder:
     def on_event(self, event: AgentEvent) -> None:
         if event.kind == "parked":
             self.parked.append((event.mono, event.detail.get("step"), self.call_t))
+        elif event.kind == "member_result" and event.detail.get("kind") == "verify":
+            self.verifies.append(float(event.detail.get("duration_s", 0.0)))
 
     # -- wrapping ------------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class RankRecorder:
             "rpc": [list(r) for r in self.rpc],
             "signals": [list(s) for s in self.signals],
             "lists": list(self.lists),
+            "verifies": list(self.verifies),
             "leader_store": self.leader_store.snapshot() if self.leader_store else None,
             "member_store": self.member_store.snapshot() if self.member_store else None,
         }

@@ -31,6 +31,7 @@ def main() -> int:
     parser.add_argument("--job", required=True)
     parser.add_argument("--interval", type=float, required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--probe", action="store_true", help="TorchLinkProbe on the default group as verify hook")
     args = parser.parse_args()
 
     import torch
@@ -38,14 +39,14 @@ def main() -> int:
 
     from benchmarks._common import quiet_logging
     from benchmarks._instrument import RankRecorder
-    from nicswitch_agent import SwitchAgent
+    from nicswitch_agent import SwitchAgent, TorchLinkProbe
 
     quiet_logging()
     dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=120))
     rank = dist.get_rank()
     recorder = RankRecorder(rank)
     agent = SwitchAgent(server=args.server, job_id=args.job, pause="agent", switch_hook=recorder.hook,
-                        on_event=recorder.on_event)
+                        on_event=recorder.on_event, verify_hook=TorchLinkProbe(timeout_s=5) if args.probe else None)
     recorder.instrument(agent)
     agent.start()
     recorder.instrument_started(agent)
@@ -66,10 +67,13 @@ def main() -> int:
 
     flag = torch.zeros(1)
     step = 0
+    allreduce_s: list[float] = []  # the step's own collective, a floor for a probe's (the last 1000)
     while True:
         time.sleep(float(state["interval"]))
         flag[0] = 1.0 if state["stop"] else 0.0
+        started = time.monotonic()
         dist.all_reduce(flag)
+        allreduce_s = [*allreduce_s[-999:], time.monotonic() - started]
         if flag.item() > 0:
             break
         step += 1
@@ -79,7 +83,7 @@ def main() -> int:
     agent.stop("benchmark done")
     dist.barrier()  # rank 0 hosts the TCPStore: it leaves last
     with open(args.out, "w", encoding="utf-8") as f:
-        json.dump({**recorder.as_dict(), "steps": step}, f)
+        json.dump({**recorder.as_dict(), "steps": step, "allreduce_s": allreduce_s}, f)
     dist.destroy_process_group()
     return 0
 

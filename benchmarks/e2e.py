@@ -305,8 +305,10 @@ def run_thread_job(world: int, step_s: float, switches: int, seed: int) -> tuple
 # -- ranks as torch processes -----------------------------------------------------------------------------
 
 
-def run_process_group(world: int, phases: Sequence[Phase], seed: int, log_dir: Path) -> list[dict[str, Any]]:
-    """Start ``world`` torch worker processes, run ``phases`` of switches, collect every rank's stamps."""
+def run_process_group(world: int, phases: Sequence[Phase], seed: int, log_dir: Path, *,
+                      probe: bool = False) -> list[dict[str, Any]]:
+    """Start ``world`` torch worker processes, run ``phases`` of switches, collect every rank's stamps
+    (``probe``: each rank verifies every switch with a TorchLinkProbe)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     with StampedSimulator(jobs=[SimJob(job_id=JOB, nodes=nodes_for(world))], settings=SIM_SETTINGS) as sim, \
             tempfile.TemporaryDirectory(prefix="nicswitch-bench-") as tmp:
@@ -325,7 +327,8 @@ def run_process_group(world: int, phases: Sequence[Phase], seed: int, log_dir: P
                 logs.append(log)
                 procs.append(subprocess.Popen(
                     [sys.executable, "-u", "-m", "benchmarks._worker", "--server", sim.address, "--job", JOB,
-                     "--interval", str(phases[0].step_s), "--out", os.path.join(tmp, f"rank{rank}.json")],
+                     "--interval", str(phases[0].step_s), "--out", os.path.join(tmp, f"rank{rank}.json"),
+                     *(["--probe"] if probe else [])],
                     cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
                 ))
             for rank, proc in enumerate(procs):

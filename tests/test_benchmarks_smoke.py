@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # The suite in three parts (``--only``), so that test workers run them side by side; together they
 # are every benchmark of the suite.
 PARTS = {
-    "idle,notify,resubscribe,scale,timeline": ("idle", "notify_to_hook", "resubscribe", "scale_list", "timeline"),
+    "idle,notify,resubscribe,scale,e2e_probe": ("idle", "notify_to_hook", "resubscribe", "scale_list", "e2e_probe"),
     "e2e,store_scale": ("e2e_switch", "scale_coordination", "pause_alignment", "store_scale"),
-    "store_scale_node,store_scale_group": ("store_scale_node", "store_scale_group"),
+    "store_scale_node,store_scale_group,timeline": ("store_scale_node", "store_scale_group", "timeline"),
 }
 
 pytestmark = pytest.mark.timeout(180)

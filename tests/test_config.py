@@ -40,7 +40,7 @@ def test_float_fields_are_the_expected_ones() -> None:
     assert sorted(FLOAT_FIELDS) == sorted([
         "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s",
         "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
-        "reply_timeout_s",
+        "verify_timeout_s", "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
         "status_interval_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
         "node_store_timeout_s",

@@ -21,7 +21,14 @@ from nicswitch_agent.errors import (
     InvalidOrder,
     NicSwitchError,
 )
-from nicswitch_agent.hooks import CheckpointGuard, DryRunSwitcher, Switcher, TorchCheckpointGuard, TorchNpuSwitcher
+from nicswitch_agent.hooks import (
+    CheckpointGuard,
+    DryRunSwitcher,
+    Switcher,
+    TorchCheckpointGuard,
+    TorchLinkProbe,
+    TorchNpuSwitcher,
+)
 from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.orders import SwitchOrder
 
@@ -40,6 +47,7 @@ __all__ = [
     "SwitchOrder",
     "Switcher",
     "TorchCheckpointGuard",
+    "TorchLinkProbe",
     "TorchNpuSwitcher",
     "TrainingStopped",
     "__version__",

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent import process_hooks
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
-from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
 from nicswitch_agent.coordination.parking import ParkingLot
@@ -73,6 +73,9 @@ class SwitchAgent:
         switch_hook: ``callable(order) -> bool | None``; default: torch_npu's
             ``_comm_switch_nic`` (checked at ``start()``), or a logging no-op with ``dry_run``.
         checkpoint_hook: ``callable(order) -> None`` run before the switch; raising refuses it.
+        verify_hook: ``callable(order) -> bool | None`` run on every rank once the switch hook
+            succeeded on every rank (e.g. :class:`~nicswitch_agent.TorchLinkProbe`); False, an
+            exception or ``verify_timeout_s`` makes the switch fail (coordination/verification.py).
         pause: ``"agent"`` (the agent pauses training at a step boundary), ``"external"``
             (MindIO/TaskD do), or ``"auto"`` (the default: external when MindIO/TaskD markers
             are present).
@@ -128,6 +131,7 @@ class SwitchAgent:
         "_stopping_thread",
         "_store",
         "_switch_hook",
+        "_verify_hook",
         "config",
         "last_step",
         "pause_mode",
@@ -145,6 +149,7 @@ class SwitchAgent:
         *,
         on_stop: Callable[[str], None] | None = None,
         on_event: EventListener | None = None,
+        verify_hook: SwitchHook | None = None,
         store: Any | None = None,
         leader_only: bool = False,
         config: AgentConfig | None = None,
@@ -153,6 +158,7 @@ class SwitchAgent:
         # Refused here, not at the first switch, where a broken hook costs the job a recovery.
         require_callable("switch_hook", switch_hook, "one argument (the order)")
         require_callable("checkpoint_hook", checkpoint_hook, "one argument (the order)")
+        require_callable("verify_hook", verify_hook, "one argument (the order)")
         require_callable("on_stop", on_stop, "one argument (the reason)")
         require_callable("on_event", on_event, "one argument (the event)")
         if not isinstance(leader_only, bool):
@@ -171,6 +177,7 @@ class SwitchAgent:
                            else TorchNpuSwitcher(switch_timeout_s=config.switch_timeout_s))
         self._switch_hook = switch_hook
         self._checkpoint_hook = checkpoint_hook
+        self._verify_hook = verify_hook
         self._store = store
         self._leader_only = leader_only
         self._events = EventLog()
@@ -226,9 +233,11 @@ class SwitchAgent:
             self._state = "starting"
         try:
             if not self.config.dry_run and not self._leader_only:  # a leader-only process runs no hooks
-                check_hook(self._switch_hook)
-                if self._checkpoint_hook is not None:
-                    check_hook(self._checkpoint_hook)
+                hooks = {"switch_hook": self._switch_hook, "checkpoint_hook": self._checkpoint_hook,
+                         "verify_hook": self._verify_hook}
+                verification.check_hooks_at_start(self.config, self.pause_mode, hooks)
+                for hook in filter(None, hooks.values()):
+                    check_hook(hook)
         except BaseException:
             with self._lock:
                 self._state = CREATED
@@ -272,7 +281,8 @@ class SwitchAgent:
             member_kv.clone(), self.rank, self._parking,
             MemberHooks(switch_hook=self._switch_hook, checkpoint_hook=self._checkpoint_hook,
                         guard_timeout_s=cfg.guard_timeout_s, switch_timeout_s=cfg.switch_timeout_s,
-                        dry_run=cfg.dry_run, local_ranks=rank_map.local_ranks),
+                        dry_run=cfg.dry_run, local_ranks=rank_map.local_ranks, verify_hook=self._verify_hook,
+                        verify_timeout_s=cfg.verify_timeout_s),
             lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
             on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail), slot=slot,
         )
@@ -317,7 +327,9 @@ class SwitchAgent:
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
-                                        layout=self._layout, drain_s=cfg.stop_timeout_s)
+                                        layout=self._layout, drain_s=cfg.stop_timeout_s,
+                                        warm_up_s=verification.warm_up_budget(cfg, self._verify_hook,
+                                                                              leader_only=self._leader_only))
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(
@@ -501,6 +513,7 @@ class SwitchAgent:
             "parked": self._parking.parked,
             "parked_step": self._parking.parked_step,
             "stuck_hook": None if self._member is None else self._member.stuck_hook(),
+            "last_verify": None if self._member is None else self._member.last_verify,
             "process_manage": None if pm is None else {
                 "registered": pm.registered,
                 "stream_open": pm.stream_open,
@@ -627,6 +640,12 @@ class SwitchAgent:
         """
         self._refresh_status()
         if self.config.pause != "auto":
+            return
+        collective = [type(h).__name__ for h in (self._checkpoint_hook, self._verify_hook)
+                      if verification.runs_collectives(h) and not self.config.dry_run]
+        if collective:  # off the training thread they would deadlock against it (verification.py)
+            logger.error("pause mode auto: not falling back to pause mode external: %s run(s) collectives; "
+                         "backing off as pause=\"agent\" does", ", ".join(collective))
             return
         logger.warning("pause mode auto: falling back to pause mode external (another process-manage client "
                        "pauses this job); set pause=\"external\" to start that way")

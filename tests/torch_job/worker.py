@@ -19,6 +19,11 @@ NICSWITCH_PAUSE and any other NICSWITCH_* setting) and these knobs:
     NSW_ON_PEER_LOSS    "exit" (default): a failed collective ends the process (exit code 4);
                         "continue": go on stepping locally (no collectives) and keep the agent up
     NSW_PG_TIMEOUT_S    process group timeout (default 30)
+    NSW_VERIFY          "probe": TorchLinkProbe on the default group as the verify hook; "probe-subgroup":
+                        on a group of every rank made for it ("dp"); unset: no verify hook
+    NSW_PROBE_TIMEOUT_S the probe's timeout_s (default 5)
+    NSW_BREAK_GROUP_RANK this rank's switch hook destroys the probe's subgroup in its first call (its
+                        communicator is gone after its switch)
 
 The training: nn.Linear(8, 1) in float64, full-batch gradient descent on a fixed noiseless
 regression task sharded over the ranks; gradients, loss and the stop flag are summed in one
@@ -29,7 +34,7 @@ step (a convex quadratic, lr below 1/L), and all ranks stop after the same step:
 Output (one JSON object per line, flushed at once):
 
     rank<r>.steps.jsonl    {"step", "loss", "w"} per step (w: sum of all parameters after the step)
-    rank<r>.hooks.jsonl    {"kind": "switch"|"guard", "seq", "step", "ranks", "ops", "thread", ...}
+    rank<r>.hooks.jsonl    {"kind": "switch"|"guard"|"warm-up"|"verify", "seq", "step", "ranks", "ops", "thread", ...}
     rank<r>.events.jsonl   every AgentEvent
     rank<r>.result.json    when training ends: {"status": "done"|"stopped"|"error", "reason", "agent": status()},
                            written again with "stop_s" (how long agent.stop() took) once it returns
@@ -60,7 +65,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nicswitch_agent import SwitchAgent, SwitchOrder
+from nicswitch_agent import SwitchAgent, SwitchOrder, TorchLinkProbe
 from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.hooks.torch_checkpoint import TorchCheckpointGuard
 
@@ -105,6 +110,7 @@ class RecordingSwitch:
         self.hang = env_int("NSW_HANG_RANK", None) == rank
         self.hang_seq = env_int("NSW_HANG_SEQ", 1)
         self.seqs_seen: set[int] = set()
+        self.break_group: Any = None  # destroyed in the first call on NSW_BREAK_GROUP_RANK
 
     def __call__(self, order: SwitchOrder) -> bool:
         self.calls += 1
@@ -113,6 +119,9 @@ class RecordingSwitch:
                   "local_ranks": None if order.local_ranks is None else list(order.local_ranks),
                   "thread": threading.current_thread().name, "pid": os.getpid(), "t": time.time()}
         self.log.write(record)
+        if self.break_group is not None and self.calls == 1:
+            dist.destroy_process_group(self.break_group)
+            self.log.write({"kind": "broke-group", "seq": order.seq, "t": time.time()})
         first_for_seq = order.seq not in self.seqs_seen
         self.seqs_seen.add(order.seq)
         if self.hang and order.seq == self.hang_seq and first_for_seq:
@@ -140,6 +149,35 @@ class LoggedGuard(TorchCheckpointGuard):
                              "reason": None if last is None else last.reason,
                              "path": None if last is None else last.path,
                              "thread": threading.current_thread().name, "pid": os.getpid(), "t": time.time()})
+
+
+class LoggedProbe(TorchLinkProbe):
+    """TorchLinkProbe that also writes its warm-ups and verifications to the hooks log."""
+
+    def __init__(self, log: JsonLines, step: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._log, self._step = log, step
+
+    def prepare(self, order: SwitchOrder) -> bool:
+        warmed = self.warmed
+        try:
+            return super().prepare(order)
+        finally:
+            self._log.write({"kind": "warm-up", "seq": order.seq, "step": self._step(), "ran": not warmed,
+                             "thread": threading.current_thread().name, "t": time.time()})
+
+    @property
+    def warmed(self) -> bool:
+        return self.last is not None or bool(self._sizes)
+
+    def __call__(self, order: SwitchOrder) -> bool:
+        try:
+            return super().__call__(order)
+        finally:
+            last = self.last
+            self._log.write({"kind": "verify", "seq": order.seq, "step": self._step(),
+                             "thread": threading.current_thread().name,
+                             "report": None if last is None else last.as_dict(), "t": time.time()})
 
 
 def make_data(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +248,18 @@ def main() -> int:
     elif checkpoint == "dcp":
         guard = LoggedGuard(hooks_log, directory=out / "ckpt", model=model, step=current_step, min_interval_s=0,
                             keep_last=3, min_free_bytes=1 << 20)
+    probe = None
+    verify = os.environ.get("NSW_VERIFY", "")
+    if verify:
+        subgroup = dist.new_group(list(range(world))) if verify == "probe-subgroup" else None
+        probe = LoggedProbe(hooks_log, current_step, groups=None if subgroup is None else [subgroup],
+                            names=None if subgroup is None else ["dp"],
+                            timeout_s=float(os.environ.get("NSW_PROBE_TIMEOUT_S", "5")))
+        if env_int("NSW_BREAK_GROUP_RANK", None) == rank and isinstance(switch_hook, RecordingSwitch):
+            switch_hook.break_group = subgroup
     stops: list[str] = []
     try:
-        agent = SwitchAgent(switch_hook=switch_hook, checkpoint_hook=guard, on_stop=stops.append,
+        agent = SwitchAgent(switch_hook=switch_hook, checkpoint_hook=guard, on_stop=stops.append, verify_hook=probe,
                             on_event=lambda e: events_log.write(json.loads(e.to_json())))
         agent.start()
     except Exception as exc:

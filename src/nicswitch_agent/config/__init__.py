@@ -139,6 +139,9 @@ class AgentConfig:
     """Budget of the checkpoint guard for one order."""
     switch_timeout_s: float = 120.0
     """Budget of the switch hook for one order."""
+    verify_timeout_s: float = 30.0
+    """Budget of the verify hook for one order (it runs on every rank once the switch succeeded on
+    every rank), and of a verify hook's warm-up before the switch (``TorchLinkProbe``)."""
     reply_timeout_s: float = 60.0
     """Total budget for delivering ReplySwitchNicResult, retries included."""
     reply_attempt_timeout_s: float = 10.0
@@ -352,7 +355,7 @@ class AgentConfig:
         ):
             raise _invalid(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)", "metrics_port")
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
-                    "switch_timeout_s", "status_interval_s",
+                    "switch_timeout_s", "verify_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
                     "store_connect_timeout_s",
                     "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",

@@ -177,8 +177,12 @@ def execute_order(
     guard_timeout_s: float,
     switch_timeout_s: float,
     dry_run: bool,
+    warm_up: Callable[[SwitchOrder], Any] | None = None,
+    warm_up_timeout_s: float = 0.0,
 ) -> Execution:
-    """Guard then switch; the first failure decides, and a failed guard means no switch."""
+    """Guard, warm-up, then switch; the first failure decides, and a failed guard or warm-up means
+    no switch. ``warm_up`` is the verify hook's ``prepare`` (a link probe runs its collective once
+    before the first switch, so that the op it replays afterwards travels on links the switch moved)."""
     if order.empty:
         return Execution(True, "empty list: nothing to switch")
     if dry_run:
@@ -194,6 +198,10 @@ def execute_order(
         guard = runner.run("checkpoint", checkpoint_hook, order, guard_timeout_s, expect_bool=False)
         if not guard.ok:
             return Execution(False, f"{guard.detail}; switch not attempted", guard=guard)
+    if warm_up is not None:
+        warmed = runner.run("verify warm-up", warm_up, order, warm_up_timeout_s, expect_bool=True)
+        if not warmed.ok:
+            return Execution(False, f"{warmed.detail}; switch not attempted", guard=guard)
     switch = runner.run("switch", switch_hook, order, switch_timeout_s, expect_bool=True)
     if not switch.ok:
         return Execution(False, switch.detail, guard=guard, switch=switch)

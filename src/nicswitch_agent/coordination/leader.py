@@ -3,6 +3,11 @@
 Used by the leader's agent threads only; one operation at a time (a lock), on the leader's own
 Store connection. Every wait is bounded: a member that died or hangs shows up as a missing key
 when the budget runs out, and the caller answers ClusterD false instead of waiting for ever.
+
+A switch whose ranks have a verify hook is two rounds in one epoch: the order, and once every
+rank's switch hook succeeded (never before: a probe must not meet a rank still switching), a
+``verify`` order run the same way. A verification failure is the switch's failure (attempted:
+its links moved), so the caller's failed-switch path (rollback in pause mode agent) runs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class RunOutcome:
     guard_ok: bool = False  # every rank has a checkpoint of the parked step
     duration_s: float = 0.0
     interrupted: int | None = None  # a rank whose training thread was interrupted during it (Ctrl-C)
+    verify_s: float = 0.0  # the largest verify budget a rank asked for (0: no verify round)
+    verified: bool = False  # the verify round ran and every rank passed it
 
 
 class Coordinator:
@@ -50,7 +57,8 @@ class Coordinator:
     """
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
-                 ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0) -> None:
+                 ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0,
+                 warm_up_s: float = 0.0) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -63,6 +71,9 @@ class Coordinator:
         self.world_size = world_size
         self.layout = layout
         self.drain_s = drain_s  # drain(): how long to wait for every answerer to take the last release
+        # A switch order may take this much longer: a verify hook's warm-up before the switch hook
+        # (the verify timeout where verification is configured, or may be: a launcher's leader).
+        self.warm_up_s = warm_up_s
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         self._stop = stop or threading.Event()
         self._cleanup_kv: KV | None = None  # one connection for every cleanup, opened on first use
@@ -199,13 +210,14 @@ class Coordinator:
             self.kv.set(p.order_key(name), p.encode_order(order))
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
                            "seq": order.seq})
+            if kind == p.KIND_SWITCH:
+                budget_s += self.warm_up_s
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
+            self._collect(epoch, name)
+            if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
+                outcome = self._verify(epoch, order, outcome, started)
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
-            self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
-            self._garbage += [p.result_counter_key(epoch, name)]
-            if outcome.reason != "incomplete":
-                self._garbage.append(p.order_key(name))  # every rank has read it
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
             if self.on_decided is not None:
@@ -215,6 +227,33 @@ class Coordinator:
                     logger.exception("recording the decided order failed; ignored")
             return outcome
 
+    def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float) -> RunOutcome:
+        """The second round: every rank runs its verify hook; the first failure decides."""
+        name = f"{epoch}.{order.seq}.{p.KIND_VERIFY}"
+        verify_started = time.monotonic()
+        # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
+        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
+                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}"})
+        outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started,
+                               max_interval_s=p.VERIFY_POLL_MAX_S)
+        self._collect(epoch, name)
+        took = (time.monotonic() - verify_started) * 1000
+        if not outcome.ok:
+            logger.error("switch #%d: verification failed after %.1f ms: %s", order.seq, took, outcome.reason)
+            return RunOutcome(False, f"verification failed: {outcome.reason}", attempted=True,
+                              guard_ok=switched.guard_ok, duration_s=outcome.duration_s,
+                              interrupted=outcome.interrupted, verify_s=switched.verify_s)
+        logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
+        return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
+                          duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
+
+    def _collect(self, epoch: int, name: str) -> None:
+        """An order's keys become garbage once it is decided (deleted when the next epoch starts)."""
+        self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
+        self._garbage += [p.result_counter_key(epoch, name)]
+        if not name.endswith(f".{p.KIND_VERIFY}"):  # a verify round has no order key of its own
+            self._garbage.append(p.order_key(name))
+
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
         """Let every member know the decision (members that are not the leader learn it only so)."""
         try:
@@ -223,13 +262,16 @@ class Coordinator:
         except RuntimeError:  # the Store is gone: the members cannot hear it anyway
             logger.debug("could not publish the outcome of %s", name, exc_info=True)
 
-    def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
+    def _gather(self, epoch: int, name: str, deadline: float, started: float,
+                max_interval_s: float = 0.005) -> RunOutcome:
         """Read the results as they arrive; the first failure decides at once."""
-        attempted, guards, seen = False, 0, 0
-        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop):
+        attempted, guards, seen, verify_s = False, 0, 0, 0.0
+        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop,
+                                         max_interval_s=max_interval_s):
             seen += 1
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
+            verify_s = max(verify_s, result.verify_s)
             if not result.ok:
                 # Known only if every rank answered: a guard that checkpointed everywhere counts
                 # for a later dump (otherwise the guard is asked again and skips a step it has).
@@ -243,7 +285,7 @@ class Coordinator:
             return RunOutcome(False, f"{who} did not answer within the budget",
                               attempted=True, duration_s=time.monotonic() - started)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
-                          duration_s=time.monotonic() - started)
+                          duration_s=time.monotonic() - started, verify_s=verify_s)
 
     def release(self, *, stop_reason: str | None = None) -> None:
         """Let every rank go on (or stop, with ``stop_reason``)."""

@@ -10,7 +10,9 @@ The member reads its event queue (see messages.py) and drives the rank's :class:
 - ``target``: hand S to the training thread, wait until it parks, publish ``parked``.
 - ``order``: run the guard/switch (or rollback, or checkpoint) — on the parked training thread
   when parked (pause mode agent), else on this thread with timeouts (pause mode external) — and
-  publish the result. Every rank runs the same full list in the received order.
+  publish the result. Every rank runs the same full list in the received order. A ``verify``
+  order (the leader sends one only once the switch succeeded on every rank) runs the verify hook
+  the same way, on the same thread as the switch hook when parked.
 - ``outcome``: the leader's decision on an order; told to listeners as ``switch_outcome``, so a
   rank that is only a member (the launcher leads) learns how a switch ended too.
 - ``release``: let the training thread go (or make ``step()`` raise TrainingStopped).
@@ -46,6 +48,7 @@ logger = logging.getLogger("nicswitch_agent.member")
 
 IDLE_WAIT_S = 3600.0  # one blocking wait per hour when idle; stop() wakes it at once
 IDLE_SLICE_S = 0.05  # while no hook runs on the training thread: how often to look again
+_LINK_HOOKS = ("switch", "rollback", "verify")  # hooks that run after links may have moved (attempted)
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,14 @@ class MemberHooks:
     switch_timeout_s: float
     dry_run: bool
     local_ranks: Callable[[SwitchOrder], tuple[int, ...]] | None = None
+    verify_hook: Callable[[SwitchOrder], Any] | None = None
+    verify_timeout_s: float = 30.0
+
+    @property
+    def warm_up(self) -> Callable[[SwitchOrder], Any] | None:
+        """The verify hook's ``prepare(order)``, run right before the switch hook; None if it has none."""
+        prepare = getattr(self.verify_hook, "prepare", None)
+        return prepare if callable(prepare) else None
 
 
 class Member:
@@ -99,6 +110,8 @@ class Member:
         self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
         self.events_handled = 0
         self.lost = ""
+        self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
+        self._last_order: tuple[str, SwitchOrder] | None = None  # (name, order) of the last order run
 
     def start(self) -> None:
         if self._thread is not None:
@@ -225,14 +238,17 @@ class Member:
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
-            if self._stale(name):
+            if self._stale(name, p.order_name(message)):
                 return
             with self._result_lock:
                 self._in_flight = (epoch, name)
             result = self._run_order(epoch, message)
+            duration = time.monotonic() - started
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
-                                         "reason": result.reason, "duration_s": time.monotonic() - started,
+                                         "reason": result.reason, "duration_s": duration,
                                          "parked": self.lot.parked, **_origin(message)})
+            if message.get("kind") == p.KIND_VERIFY and self.hooks.verify_hook is not None and not self.hooks.dry_run:
+                self._record_verify(name, result, duration)
             with self._result_lock:
                 answered_by_stop = self._in_flight != (epoch, name)
                 self._in_flight = None
@@ -252,17 +268,32 @@ class Member:
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
-    def _stale(self, name: str) -> bool:
+    def _stale(self, name: str, order_name: str) -> bool:
         """True if the leader is already past this order (this rank was busy with an earlier one
         beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
         block for the Store's timeout). The leader publishes its next event only once it has
         decided this order, so a next event in our queue means nobody waits for our answer."""
         moved_on = self.kv.check([p.queue_key(self.slot, self._next)])
-        if moved_on or not self.kv.check([p.order_key(name)]):
+        if moved_on or not self.kv.check([p.order_key(order_name)]):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
             return True
         return False
+
+    def _record_verify(self, name: str, result: p.MemberResult, duration: float) -> None:
+        """Keep this rank's verification for status(), with the hook's own report if it has one
+        (TorchLinkProbe: each group's result and latencies)."""
+        report = getattr(self.hooks.verify_hook, "last", None)
+        as_dict = getattr(report, "as_dict", None)
+        record = as_dict() if callable(as_dict) else None
+        if isinstance(record, dict) and str(record.get("seq")) != name.split(".")[1]:
+            record = None  # the hook's report of an earlier order: this one did not finish
+        self.last_verify = {"order": name, "ok": result.ok, "reason": result.reason,
+                            "duration_s": round(duration, 6), "at": time.time(), "report": record}
+        self._emit("verify_done", {"rank": self.rank, "ok": result.ok, "reason": result.reason,
+                                   "duration_s": duration, "report": record})
+        if not result.ok:
+            logger.error("rank %d: verification of order %s failed: %s", self.rank, name, result.reason)
 
     @staticmethod
     def _publish_result(kv: KV, epoch: int, name: str, result: p.MemberResult) -> None:
@@ -277,7 +308,11 @@ class Member:
                 logger.exception("member event listener failed; ignored")
 
     def _run_order(self, epoch: int, message: dict[str, Any]) -> p.MemberResult:
-        order = p.decode_order(self.kv.get(p.order_key(str(message["key"]))))
+        name = p.order_name(message)
+        cached = self._last_order  # a verify round runs the switch's order again: not read twice
+        order = cached[1] if cached is not None and cached[0] == name else \
+            p.decode_order(self.kv.get(p.order_key(name)))
+        self._last_order = (name, order)
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])
@@ -305,19 +340,25 @@ class Member:
                 execution = execute_order(
                     order, runner=runner, switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
                     guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s,
-                    dry_run=hooks.dry_run)
+                    dry_run=hooks.dry_run, warm_up=hooks.warm_up, warm_up_timeout_s=hooks.verify_timeout_s)
                 guard = execution.guard
                 self._emit("guard_done", {
                     "rank": self.rank, "ok": guard is None or guard.ok, "skipped": guard is None,
                     "status": None if guard is None else guard.status.value,
                     "detail": "no checkpoint hook" if guard is None else guard.detail,
                     "duration_s": 0.0 if guard is None else guard.duration_s, **_origin(message)})
+                verify = execution.ok and execution.switch is not None and hooks.verify_hook is not None
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
                                       guard_ok=execution.guard is not None and execution.guard.ok,
-                                      detail=hook_record(hooks.switch_hook) if execution.switch is not None else None)
+                                      detail=hook_record(hooks.switch_hook) if execution.switch is not None else None,
+                                      verify_s=hooks.verify_timeout_s if verify else 0.0)
             if kind == p.KIND_ROLLBACK:
                 return self._one_hook(runner, "rollback", hooks.switch_hook, order, hooks.switch_timeout_s, True)
+            if kind == p.KIND_VERIFY:
+                if hooks.verify_hook is None:  # another rank asked for the round: nothing to check here
+                    return p.MemberResult(self.rank, True, "no verify hook on this rank", attempted=True)
+                return self._one_hook(runner, "verify", hooks.verify_hook, order, hooks.verify_timeout_s, True)
             if kind == p.KIND_CHECKPOINT:
                 result = self._one_hook(runner, "checkpoint", hooks.checkpoint_hook, order, hooks.guard_timeout_s,
                                         False)
@@ -348,7 +389,7 @@ class Member:
                     return p.MemberResult(
                         self.rank, False, f"{what} did not finish within {timeout:g} s (it goes on running on "
                         "the training thread, which stays parked until it returns)",
-                        attempted=not what.startswith("checkpoint"))
+                        attempted=what.split(" hook", 1)[0] in _LINK_HOOKS)
                 wait = deadline - now
             elif now >= idle_deadline:
                 runner.abandon()
@@ -381,7 +422,8 @@ class Member:
             return p.MemberResult(self.rank, False, f"refused: the {busy} is still running past its timeout")
         result: HookResult = runner.run(name, hook, order, timeout, expect_bool=expect_bool)
         record = hook_record(hook) if name == "rollback" else None
-        return p.MemberResult(self.rank, result.ok, result.detail, attempted=name == "rollback", detail=record)
+        return p.MemberResult(self.rank, result.ok, result.detail, attempted=name in ("rollback", "verify"),
+                              detail=record)
 
 
 def _origin(message: dict[str, Any]) -> dict[str, Any]:

@@ -9,8 +9,10 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
 
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
-                               {"t": "order", "e": E, "key": K, "kind": "switch|rollback|checkpoint",
-                                "budget": seconds, "seq": N}
+                               {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
+                                "budget": seconds, "seq": N [, "order": K0]}
+                                   (verify: a switch's second round, only once every rank's switch hook
+                                   succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
@@ -25,7 +27,8 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
-                               [, "interrupted": true]}
+                               [, "interrupted": true] [, "verify": seconds: run the verify round, with
+                               this budget]}
 
 With node-local fan-out (relay.py) the same keys carry nodes instead of ranks on the job's Store
 (``r`` is a node's index, a node's ``c`` is the largest of its ranks', its result the first
@@ -66,6 +69,14 @@ if TYPE_CHECKING:
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
+# The second round of a switch, once the switch hook succeeded on every rank: an order event of its
+# own (its own result keys), so relays forward and aggregate it as they do any order.
+KIND_VERIFY = "verify"
+
+
+def order_name(message: dict[str, Any]) -> str:
+    """The name of the order an order event runs: its own key, or (a verify round) the switch's."""
+    return str(message.get("order", message["key"]))
 
 
 def key_prefix(job_id: str, restart_count: str | None = None) -> str:
@@ -177,14 +188,19 @@ class MemberResult:
     guard_ok: bool = False  # a checkpoint of the parked step exists on this rank
     interrupted: bool = False  # the training thread left its parking spot (Ctrl-C, sys.exit) during it
     detail: dict[str, Any] | None = None  # the switch hook's record of the call (hooks.base.hook_record)
+    # > 0: the switch hook ran and this rank has a verify hook, which may take this long: the
+    # leader runs the verify round (a relay passes on the largest of its ranks').
+    verify_s: float = 0.0
 
     def encode(self) -> str:
-        message = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
-                   "attempted": self.attempted, "guard": self.guard_ok}
+        message: dict[str, Any] = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
+                                   "attempted": self.attempted, "guard": self.guard_ok}
         if self.interrupted:  # only then: a leader of an earlier version reads the same keys as before
             message["interrupted"] = True
         if self.detail is not None:  # likewise: only when the hook offered a record
             message["detail"] = self.detail
+        if self.verify_s > 0:
+            message["verify"] = self.verify_s
         return encode(message)
 
     @classmethod
@@ -192,18 +208,24 @@ class MemberResult:
         v = decode(text)
         detail = v.get("detail")
         return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
-                   bool(v.get("interrupted", False)), detail if isinstance(detail, dict) else None)
+                   bool(v.get("interrupted", False)), detail if isinstance(detail, dict) else None,
+                   verify_s=float(v.get("verify", 0.0)))
+
+
+# A verify round lasts about one small collective (milliseconds): its results are polled at most
+# 1 ms apart instead of 5, so the poll does not add more than the probe itself.
+VERIFY_POLL_MAX_S = 0.001
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
-                     stop: threading.Event | None = None) -> Iterator[MemberResult]:
+                     stop: threading.Event | None = None, *, max_interval_s: float = 0.005) -> Iterator[MemberResult]:
     """The results of order ``name`` as they arrive, read in batches: one counter poll, one check
     and one multi_get per batch, however many answered in it. Ends after ``expected`` results, or
     early when ``deadline`` (monotonic) passes first; the caller counts what it got."""
     counter = result_counter_key(epoch, name)
     seen = 0
     while seen < expected:
-        count = min(kv.poll_count(counter, seen + 1, deadline, stop), expected)
+        count = min(kv.poll_count(counter, seen + 1, deadline, stop, max_interval_s=max_interval_s), expected)
         keys = [result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
         # A member counts first, then writes its result: wait for the keys themselves too.
         if count <= seen or kv.poll_all(keys, deadline, stop):

@@ -12,7 +12,9 @@ switch, two sockets per rank on the Store's host, and a single-threaded Store se
   without a relay, on that local Store;
 - it answers the leader once for the node: for a pause, the largest ``c_r`` of its ranks; for the
   target, "parked" once every local rank parked; for an order, the first local failure at once,
-  or one success once every local rank succeeded (any rank attempted, every rank checkpointed).
+  or one success once every local rank succeeded (any rank attempted, every rank checkpointed,
+  the largest verify budget a rank asked for). A switch's ``verify`` round is an order like any
+  other here.
 
 Why the step-aligned pause stays deadlock-free: each member still sets its flag before it reads
 its ``c_r``, and the leader's target is ``max`` over nodes of ``max`` over ranks, which is the
@@ -147,8 +149,10 @@ class NodeRelay:
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
-        if kind == p.ORDER:  # the order itself first: members read it when the event arrives
-            name = str(message["key"])
+        if kind == p.ORDER and p.order_key(p.order_name(message)) not in self._garbage:
+            # The order itself first: members read it when the event arrives (a verify round runs
+            # the switch's order, copied already).
+            name = p.order_name(message)
             # A relay that fell an epoch behind (busy past a budget) finds the order deleted: the
             # leader has decided it without this node. A plain get would wait for the key for the
             # connection's timeout (an hour, the idle wait's).
@@ -166,7 +170,7 @@ class NodeRelay:
             self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
         elif kind == p.ORDER:
             self._answer_order(epoch, str(message["key"]), float(message["budget"]),
-                               float(message.get("slack", ORDER_SLACK_S)))
+                               float(message.get("slack", ORDER_SLACK_S)), verify=message.get("kind") == p.KIND_VERIFY)
         elif kind == p.RELEASE:
             self._clean_up()
 
@@ -204,17 +208,19 @@ class NodeRelay:
         self.job.set(p.parked_key(epoch, self.node), str(target))
         self.job.add(p.parked_counter_key(epoch), 1)
 
-    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float) -> None:
+    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, *, verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
         self._garbage += [p.result_counter_key(epoch, name),
                           *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
-        attempted, guards, seen, answered = False, 0, 0, set()
-        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop):
+        attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
+        poll = p.VERIFY_POLL_MAX_S if verify else 0.005
+        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop, max_interval_s=poll):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
+            verify_s = max(verify_s, result.verify_s)
             if not result.ok:
                 self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
                 return
@@ -226,7 +232,7 @@ class NodeRelay:
                 f"{_listed([self._names[slot] for slot in silent])})", attempted=True))
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
-                                                 guard_ok=guards == self.size))
+                                                 guard_ok=guards == self.size, verify_s=verify_s))
 
     def _answer(self, epoch: int, name: str, result: p.MemberResult) -> None:
         index = self.job.add(p.result_counter_key(epoch, name), 1)

@@ -3,22 +3,26 @@
 A switch hook is any ``callable(order) -> bool | None`` (None or True = success); a checkpoint
 guard is any ``callable(order) -> None`` that raises to refuse the switch. The classes here add
 an optional ``check()`` that the agent calls at ``start()``, so a missing dependency is reported
-when the job starts, not in the middle of a switch.
+when the job starts, not in the middle of a switch. A verify hook (``TorchLinkProbe``) is any
+``callable(order) -> bool | None`` run on every rank once the switch succeeded on every rank.
 """
 
 from nicswitch_agent.hooks.base import CheckpointGuard, CheckpointHook, Switcher, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
 from nicswitch_agent.hooks.torch_checkpoint import GuardRefused, TorchCheckpointGuard
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
+from nicswitch_agent.hooks.torch_probe import ProbeFailed, TorchLinkProbe
 
 __all__ = [
     "CheckpointGuard",
     "CheckpointHook",
     "DryRunSwitcher",
     "GuardRefused",
+    "ProbeFailed",
     "SwitchHook",
     "Switcher",
     "TorchCheckpointGuard",
+    "TorchLinkProbe",
     "TorchNpuSwitcher",
     "check_hook",
 ]

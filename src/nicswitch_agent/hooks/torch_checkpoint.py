@@ -247,6 +247,12 @@ class TorchCheckpointGuard(CheckpointGuard):
         with self._lock:
             return list(self._history)
 
+    @property
+    def runs_collectives(self) -> bool:
+        """True when it saves over the process group (DCP and its votes are collectives): then it
+        may only run on the parked training thread, and pause mode external refuses it at start."""
+        return self.use_dcp is True or (self.use_dcp is None and _initialised_dist() is not None)
+
     def check(self) -> None:
         """Fail fast at start: torch importable, ``directory`` created and writable.
 

@@ -36,7 +36,8 @@ PARKED = "parked"  # this rank's training thread parked at a step boundary: {ste
 GUARD_DONE = "guard_done"  # this rank's checkpoint guard ran (or was skipped) before a switch
 RESUMED = "resumed"  # it left the parking spot: {step, parked_s, stop}
 TRAINING_STOP = "training_stop"
-MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / rollback / checkpoint)
+MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / verify / rollback / checkpoint)
+VERIFY_DONE = "verify_done"  # this rank's verify hook ran after a switch that succeeded on every rank
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,25 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("duration_s", "how long the guard took"),
         ("epoch", "the leader's pause (or session) the order ran in"),
         ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
-    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a rollback or a checkpoint; "
-              "`seq` is the leader's number of the list", (
+    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a verification, a rollback "
+                                           "or a checkpoint; `seq` is the leader's number of the list", (
         ("rank", "this process's global rank"),
-        ("kind", "`switch` (checkpoint guard, then switch hook), `rollback` or `checkpoint`"),
+        ("kind", "`switch` (checkpoint guard, then switch hook), `verify` (the verify hook, once the switch "
+                 "succeeded on every rank), `rollback` or `checkpoint`"),
         ("ok", "whether it succeeded"),
         ("reason", "why it failed, or what it did"),
         ("duration_s", "how long it took on this rank"),
         ("parked", "whether it ran on the parked training thread (else on the member thread)"),
         ("epoch", "the leader's pause (or session) the order ran in"),
         ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
+    EventKind(VERIFY_DONE, "every rank with a verify hook", "after a switch that succeeded on every rank: this "
+              "rank's verification ended (passed, failed, raised or timed out)", (
+        ("rank", "this process's global rank"),
+        ("ok", "whether the links proved to carry traffic here"),
+        ("reason", "`ok`, or why it failed (a probe names the group and what became of its communicator)"),
+        ("duration_s", "how long the verification took on this rank"),
+        ("report", "the hook's own record, or null: `TorchLinkProbe` gives `seq` and per group `group`, `size`, "
+                   "`ok`, `before_s`, `after_s`, `detail`"))),
     EventKind(SWITCH_DONE, "leader", "an order ran on every rank, or failed on one", (
         ("ok", "true only if every rank succeeded"),
         ("reason", "`switched on every rank`, or the first failure and where"),

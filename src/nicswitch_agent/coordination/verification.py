@@ -1,0 +1,76 @@
+"""What start() checks about the hooks of a verified switch, and where collectives may run.
+
+A hook that runs collectives (``runs_collectives = True``: TorchCheckpointGuard over a process
+group, TorchLinkProbe) must run on the training thread, between two of its steps: there every rank
+enters the hook's collective at the same point of its collective sequence. In pause mode
+``external`` MindIO/TaskD pause training and the agent runs hooks on threads of its own while the
+training thread may still be inside its own all_reduce; the two collectives meet on one
+communicator and wait for each other for ever (issue 18 item 2 saw exactly that). So such a hook is
+refused at start, not found at the first switch.
+
+A verify hook's own wait (TorchLinkProbe's ``timeout_s``) must end before the agent's
+``verify_timeout_s``: on the parked training thread the agent cannot abandon a hook, so a probe
+that waited longer would keep training parked after the reply went out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.errors import ConfigError
+
+
+def runs_collectives(hook: Any) -> bool:
+    """Whether ``hook`` declares that it runs collectives (plain functions declare nothing)."""
+    return getattr(hook, "runs_collectives", False) is True
+
+
+def check_hooks_at_start(config: AgentConfig, pause_mode: str, hooks: dict[str, Any]) -> None:
+    """Refuse combinations that deadlock or cannot be bounded (called by start() on every rank
+    that runs hooks; not in a dry run, which runs none).
+
+    Args:
+        hooks: the agent's hooks by argument name (``checkpoint_hook``, ``verify_hook``, ...).
+
+    Raises:
+        ConfigError: naming the hook, the mode and the fix.
+    """
+    if pause_mode == "external":
+        for name, hook in hooks.items():
+            if hook is not None and runs_collectives(hook):
+                raise ConfigError(_external_refusal(name, hook))
+    verify_hook = hooks.get("verify_hook")
+    own = getattr(verify_hook, "timeout_s", None)
+    if isinstance(own, (int, float)) and not isinstance(own, bool) and own >= config.verify_timeout_s:
+        raise ConfigError(
+            f"verify_hook {type(verify_hook).__name__}(timeout_s={own:g}) must give up before verify_timeout_s="
+            f"{config.verify_timeout_s:g} (NICSWITCH_VERIFY_TIMEOUT_S): on the parked training thread a hook "
+            "cannot be abandoned, so training would stay parked after the reply; lower timeout_s or raise "
+            "verify_timeout_s")
+
+
+def _external_refusal(name: str, hook: Any) -> str:
+    kind = type(hook).__name__
+    fixes = ["pause='agent' (NICSWITCH_PAUSE=agent: the agent parks training and runs the hook on the "
+             "training thread)"]
+    if hasattr(hook, "use_dcp"):  # TorchCheckpointGuard and its subclasses
+        fixes.append(f"{kind}(..., use_dcp=False) (each rank saves its own state with torch.save, no collective)")
+    else:
+        fixes.append(f"leave {name} out in pause mode external")
+    return (f"{name}={kind}(...) runs collectives, and in pause mode external the agent runs hooks on a "
+            "thread of its own while the training thread may be inside its own collective: the two meet on "
+            "one communicator and wait for each other for ever. Fix: " + ", or ".join(fixes))
+
+
+def warm_up_budget(config: AgentConfig, verify_hook: Any, *, leader_only: bool) -> float:
+    """How much longer the leader waits for a switch order: a verify hook's warm-up (``prepare``)
+    runs before the switch hook. A launcher's leader does not know the members' hooks."""
+    if config.dry_run:
+        return 0.0
+    if leader_only or callable(getattr(verify_hook, "prepare", None)):
+        return config.verify_timeout_s
+    return 0.0
+
+
+__all__ = ["check_hooks_at_start", "runs_collectives", "warm_up_budget"]
