@@ -64,7 +64,8 @@ def test_ctrl_c_during_a_hook_on_the_parked_thread_leaves_step_and_training_does
     assert code == -signal.SIGINT, output  # an uncaught KeyboardInterrupt, as without the agent
     assert "KeyboardInterrupt" in output
     assert "in step" in output  # it went up through agent.step()
-    assert "in hook_that_runs_on" in last_frame(output), output  # the user's hook, where Ctrl-C found it
+    # The user's code, where Ctrl-C found it: the hook, or the print helper it was still in.
+    assert "in hook_that_runs_on" in output and "signal_job/train.py" in last_frame(output), output
     assert "STEPPED-AFTER-HOOK" not in child.lines, output  # training did not resume
     assert sim.job_view(JOB).replies == [False], output  # exactly one reply, false
     assert child.lines.count("EVENT reply_sent") == 1, output

@@ -1,6 +1,6 @@
 """The timeline of a real 4-process job: its layout data, its page in a real browser, its command line.
 
-One ``nicswitch-agent demo --processes --output DIR`` run (four torch processes, gloo, the job's
+One ``nicswitch-agent demo --processes --output-dir DIR`` run (four torch processes, gloo, the job's
 TCPStore, a failover and a switchback) writes every rank's events file and the page; the tests
 read those files as an operator would. The browser test opens the page in headless Chromium (from
 the distribution's packages; .ci/run installs it) and checks the screenshot is a picture, not a
@@ -38,7 +38,7 @@ def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
     result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--processes", "--ranks", str(WORLD),
-                             "--output", str(out)], capture_output=True, text=True, timeout=150, env=env, check=False)
+                             "--output-dir", str(out)], capture_output=True, text=True, timeout=150, env=env, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"timeline page: {out / 'timeline.html'}" in result.stdout, result.stdout
     assert sorted(p.name for p in (out / "events").iterdir()) == [f"rank-{r}.jsonl" for r in range(WORLD)]

@@ -35,7 +35,7 @@ WORLD = 4
 def demo_events(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NICSWITCH_", "MINDX_", "PYTEST_"))}
-    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--output", str(out)],
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--output-dir", str(out)],
                             capture_output=True, text=True, timeout=60, env=env, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     return out / "events"

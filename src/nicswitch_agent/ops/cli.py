@@ -128,7 +128,7 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
                              "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
-    parser.add_argument("--output", metavar="DIR", help="where to write the ranks' events files and the timeline page "
+    parser.add_argument("--output-dir", metavar="DIR", help="where to write the ranks' events files and the timeline page "
                                                         "(default: a new temporary directory, kept)")
     join = parser.add_argument_group("join a running ClusterD or simulator (no embedded simulator, no operator: "
                                      "you run `nicswitch-agent switch`)")
@@ -152,7 +152,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     from nicswitch_agent.demo import run_demo
 
     return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes),
-                    output_dir=args.output)
+                    output_dir=args.output_dir)
 
 
 def _run_version(args: argparse.Namespace) -> int:

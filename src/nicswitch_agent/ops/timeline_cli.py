@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("html", "svg"), default="html",
                         help="html: the page with tables (default); svg: the picture alone")
     parser.add_argument("--switch", type=int, metavar="N", help="only the switch of the leader's list number N")
-    parser.add_argument("--job", metavar="ID", help="the job to draw when the files hold several (default: the one "
+    parser.add_argument("--job", metavar="JOB_ID", help="the job to draw when the files hold several (default: the one "
                                                     "with the most events)")
     parser.add_argument("--ranks-per-node", type=int, default=DEFAULT_RANKS_PER_NODE, metavar="N",
                         help="ranks of a node, for the per-node lanes of large jobs (default: %(default)s)")
