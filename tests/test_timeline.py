@@ -38,7 +38,8 @@ def job_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("demo")
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
     result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--processes", "--ranks", str(WORLD),
-                             "--output-dir", str(out)], capture_output=True, text=True, timeout=150, env=env, check=False)
+                             "--output-dir", str(out)],
+                            capture_output=True, text=True, timeout=150, env=env, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"timeline page: {out / 'timeline.html'}" in result.stdout, result.stdout
     assert sorted(p.name for p in (out / "events").iterdir()) == [f"rank-{r}.jsonl" for r in range(WORLD)]

@@ -121,7 +121,8 @@ class TorchLinkProbe:
         try:
             dist = importlib.import_module("torch.distributed")
         except ImportError as exc:
-            raise ConfigError(f"TorchLinkProbe needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent checkout): {exc}") from exc
+            raise ConfigError("TorchLinkProbe needs torch (python3 -m pip install '.[torch]' in the "
+                              f"nicswitch-agent checkout): {exc}") from exc
         if not (dist.is_available() and dist.is_initialized()):
             raise ConfigError("TorchLinkProbe needs torch.distributed initialised before agent.start() "
                               "(call init_process_group first): it probes the job's process groups")

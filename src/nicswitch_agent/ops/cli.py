@@ -128,8 +128,9 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--processes", action="store_true",
                         help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
                              "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
-    parser.add_argument("--output-dir", metavar="DIR", help="where to write the ranks' events files and the timeline page "
-                                                        "(default: a new temporary directory, kept)")
+    parser.add_argument("--output-dir", metavar="DIR",
+                        help="where to write the ranks' events files and the timeline page "
+                             "(default: a new temporary directory, kept)")
     join = parser.add_argument_group("join a running ClusterD or simulator (no embedded simulator, no operator: "
                                      "you run `nicswitch-agent switch`)")
     join.add_argument("--server", metavar="HOST:PORT", help="run only the job (threads, pause mode agent) against this "
