@@ -179,6 +179,7 @@ def test_parse_nic_groups_merges_nodes_and_rejects_repeats() -> None:
         parse_nic_groups([])
 
 
+@pytest.mark.timeout(60)  # regex strategies: generating 40 examples took over 10 s on a loaded 2-core box
 @settings(max_examples=40, deadline=None)
 @given(
     st.dictionaries(

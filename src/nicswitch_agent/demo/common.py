@@ -195,7 +195,10 @@ def timeline_event(timeline: Timeline, event: AgentEvent, rank: int) -> None:
         who = f"rank {rank}"
     text = describe_event(event)
     if text is not None:
-        timeline.add(who, text, at=event.wall)
+        # A reply is drawn when it was sent: ClusterD may act on it (and the operator hear the
+        # outcome) before the call's answer is back, which under load comes noticeably later.
+        sent = event.kind in ("reply_sent", "reply_failed") and isinstance(event.detail.get("duration_s"), float)
+        timeline.add(who, text, at=event.wall - event.detail["duration_s"] if sent else event.wall)
 
 
 class Progress:
