@@ -196,6 +196,31 @@ def test_a_verification_failure_on_one_rank_fails_the_switch_rolls_back_and_trai
     assert job.ranks[2].agent.status()["last_verify"]["ok"] is False
 
 
+class UnusableAfterFailure(Verify):
+    """A verify hook that fails and says its communicators may be unusable (as TorchLinkProbe does
+    when its op is still pending or its group is gone)."""
+
+    def communicators_unusable(self) -> bool:
+        return True
+
+
+def test_a_verification_that_leaves_communicators_unusable_is_not_rolled_back_and_training_stops(
+        sim: Simulator, make_job: Any) -> None:
+    """Resuming into a communicator with an op still pending hangs the job for good (seen with a
+    real 4-process job: rollback, retry, resume, then every rank stuck in its next all_reduce)."""
+    job = make_job()
+    job.verifiers[2].__class__ = UnusableAfterFailure
+    job.verifiers[2].results = [RuntimeError("group default: all_reduce did not complete within 5 s")]
+    assert sim.wait_until(streams_ready, 10)
+    assert switch(sim, "node-1", ["0"], [True]) == FAILED
+    assert sim.job_view(JOB).replies == [False]
+    for rank in job.ranks:
+        assert rank.done.wait(20), f"rank {rank.rank} trained on after its communicators became unusable"
+    picked = [s.changeStrategy for s in sim.job_view(JOB).signals_sent if s.changeStrategy]
+    assert "recover" not in picked and "retry" not in picked, picked
+    assert [c for c in job.switch_calls() if c[3] == (False,)] == [], "no rollback on unusable communicators"
+
+
 def test_a_hanging_verification_gives_false_within_verify_timeout(sim: Simulator, make_job: Any) -> None:
     hang = threading.Event()
     job = make_job(verify={1: {"hang": hang}}, verify_timeout_s=0.5)

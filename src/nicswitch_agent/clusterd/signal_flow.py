@@ -125,6 +125,7 @@ class AgentModeController:
         self._lock = threading.Lock()  # guards the fields below
         self._failed_order: SwitchOrder | None = None
         self._failed_switch_attempted = False
+        self._failed_unsafe = False  # its verification may have left communicators unusable
         self._checkpoint_ok = False  # every rank has a checkpoint of the currently parked step
         self._rollback_ok = False
         self._stopped_reason: str | None = None
@@ -166,6 +167,7 @@ class AgentModeController:
                 self._failed_order = None
             else:
                 self._failed_order, self._failed_switch_attempted = order, outcome.attempted
+                self._failed_unsafe = outcome.unsafe
         if outcome.interrupted is not None:
             # That rank's training thread has left step() for good (Ctrl-C, sys.exit): the job
             # cannot go on without it, and nothing may resume on links in an unknown state.
@@ -239,8 +241,14 @@ class AgentModeController:
     def _rollback(self) -> bool:
         """Put the failed order's ranks back on their previous links, on every parked rank."""
         with self._lock:
-            failed, attempted = self._failed_order, self._failed_switch_attempted
+            failed, attempted, unsafe = self._failed_order, self._failed_switch_attempted, self._failed_unsafe
         if not self.coordinator.paused:
+            ok = False
+        elif failed is not None and unsafe:
+            # Rolling the links back would not make the communicators usable again: training
+            # would resume into a collective that hangs (a probe op still pending, a group gone).
+            logger.error("no rollback of order #%d: its verification left communicators that may be unusable "
+                         "(%s); training must not go on on them", failed.seq, "see the verification failure above")
             ok = False
         elif failed is None or not attempted:
             ok = True  # no link was touched

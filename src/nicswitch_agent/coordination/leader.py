@@ -46,6 +46,7 @@ class RunOutcome:
     interrupted: int | None = None  # a rank whose training thread was interrupted during it (Ctrl-C)
     verify_s: float = 0.0  # the largest verify budget a rank asked for (0: no verify round)
     verified: bool = False  # the verify round ran and every rank passed it
+    unsafe: bool = False  # a failed verification may have left communicators unusable (messages.MemberResult)
 
 
 class Coordinator:
@@ -240,9 +241,12 @@ class Coordinator:
         took = (time.monotonic() - verify_started) * 1000
         if not outcome.ok:
             logger.error("switch #%d: verification failed after %.1f ms: %s", order.seq, took, outcome.reason)
+            # A rank silent in the verify round may be stuck in its collective: as unsafe as one
+            # that said its op is still pending.
+            unsafe = outcome.unsafe or "did not answer" in outcome.reason
             return RunOutcome(False, f"verification failed: {outcome.reason}", attempted=True,
                               guard_ok=switched.guard_ok, duration_s=outcome.duration_s,
-                              interrupted=outcome.interrupted, verify_s=switched.verify_s)
+                              interrupted=outcome.interrupted, verify_s=switched.verify_s, unsafe=unsafe)
         logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
@@ -278,7 +282,8 @@ class Coordinator:
                 everyone = seen == self.world_size and guards == self.world_size
                 return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
                                   guard_ok=everyone, duration_s=time.monotonic() - started,
-                                  interrupted=result.rank if result.interrupted else None)
+                                  interrupted=result.rank if result.interrupted else None,
+                                  unsafe=result.unsafe)
         if seen < self.world_size:
             silent = self.world_size - seen
             who = f"{silent} {self.layout.unit}(s)"

@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, InlineRunner, execute_order
+from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, HookStatus, InlineRunner, execute_order
 from nicswitch_agent.coordination.kv import KV
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.hooks.base import hook_record
@@ -423,10 +423,26 @@ class Member:
         result: HookResult = runner.run(name, hook, order, timeout, expect_bool=expect_bool)
         record = hook_record(hook) if name == "rollback" else None
         return p.MemberResult(self.rank, result.ok, result.detail, attempted=name in ("rollback", "verify"),
-                              detail=record)
+                              detail=record, unsafe=name == "verify" and _left_unusable(hook, result))
 
 
 def _origin(message: dict[str, Any]) -> dict[str, Any]:
     """Which order an event is about and when the leader sent it, for the timeline: ``seq`` (the
     agent makes it the event's own), the leader's epoch and its wall clock (``sent_at``)."""
     return {"seq": message.get("seq"), "epoch": message.get("e"), "sent_at": message.get("at")}
+
+
+def _left_unusable(hook: Any, result: HookResult) -> bool:
+    """A failed verification after which this rank's communicators may be unusable: the hook is
+    still running (timed out on its thread), or it says so itself (``communicators_unusable()``,
+    e.g. TorchLinkProbe with an op still pending or a group gone). A clean False is not."""
+    if result.ok:
+        return False
+    if result.status is HookStatus.TIMEOUT:
+        return True
+    says = getattr(hook, "communicators_unusable", None)
+    try:
+        return bool(says()) if callable(says) else False
+    except Exception:  # a hook's own bookkeeping must not decide this by crashing
+        logger.exception("communicators_unusable() of the verify hook failed; taken as unusable")
+        return True

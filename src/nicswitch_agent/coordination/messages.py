@@ -191,6 +191,9 @@ class MemberResult:
     # > 0: the switch hook ran and this rank has a verify hook, which may take this long: the
     # leader runs the verify round (a relay passes on the largest of its ranks').
     verify_s: float = 0.0
+    # A verification that failed so that this rank's communicators may be unusable (an op still
+    # pending, a group gone, a hook still running): training must not go on on them.
+    unsafe: bool = False
 
     def encode(self) -> str:
         message: dict[str, Any] = {"t": "r", "rank": self.rank, "ok": self.ok, "reason": self.reason,
@@ -201,6 +204,8 @@ class MemberResult:
             message["detail"] = self.detail
         if self.verify_s > 0:
             message["verify"] = self.verify_s
+        if self.unsafe:
+            message["unsafe"] = True
         return encode(message)
 
     @classmethod
@@ -209,7 +214,7 @@ class MemberResult:
         detail = v.get("detail")
         return cls(int(v["rank"]), bool(v["ok"]), str(v["reason"]), bool(v["attempted"]), bool(v["guard"]),
                    bool(v.get("interrupted", False)), detail if isinstance(detail, dict) else None,
-                   verify_s=float(v.get("verify", 0.0)))
+                   verify_s=float(v.get("verify", 0.0)), unsafe=bool(v.get("unsafe", False)))
 
 
 # A verify round lasts about one small collective (milliseconds): its results are polled at most

@@ -229,7 +229,7 @@ class NodeRelay:
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
                 f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
-                f"{_listed([self._names[slot] for slot in silent])})", attempted=True))
+                f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify))
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size, verify_s=verify_s))

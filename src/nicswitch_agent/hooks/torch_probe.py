@@ -154,6 +154,13 @@ class TorchLinkProbe:
         self.warm_up()
         return True
 
+    def communicators_unusable(self) -> bool:
+        """After a failed check: a group's op failed or is still pending, so training's next
+        collective on it may hang or fail (a wrong sum or a group never warmed up is not that)."""
+        report = self.last
+        return report is not None and not report.ok and any(
+            not g.ok and g.before_s is not None and "summed to" not in g.detail for g in report.groups)
+
     def __call__(self, order: SwitchOrder) -> bool:
         """Replay the probe op on each group; raise :class:`ProbeFailed` naming the first group that
         fails (all groups are still tried, each within what is left of ``timeout_s``)."""
