@@ -305,3 +305,15 @@ def test_a_closed_stdout_still_writes_the_page_without_a_traceback(events: Path,
     err = process.stderr.read().decode()
     assert process.wait(30) == 0, err
     assert "Traceback" not in err and page.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+
+
+def test_a_reused_demo_output_dir_holds_only_the_last_runs_events(demo_events: Path, tmp_path: Path) -> None:
+    """Appending a second run to the first's files drew both runs' switches as one (1.9 s long)."""
+    out = Path(shutil.copytree(demo_events.parent, tmp_path / "run"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NICSWITCH_", "MINDX_", "PYTEST_"))}
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--output-dir", str(out)],
+                            capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for path in sorted((out / "events").glob("rank-*.jsonl")):
+        started = [e for e in load(path) if e["kind"] == "agent_started"]
+        assert len(started) == 1, (path, len(started))

@@ -20,7 +20,9 @@ With ``--server`` there is no embedded simulator and no operator: the thread job
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import glob
 import logging
 import os
 import signal
@@ -38,6 +40,7 @@ from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_
 from nicswitch_agent.demo.common import (
     _LEADER_EVENTS,
     DEFAULT_RANKS,
+    EVENTS_ENV,
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
@@ -220,6 +223,12 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
             print(f"nicswitch-agent demo: error: cannot create {directory}: {exc.strerror or exc}",
                   file=err or sys.stderr)
             return EXIT_USAGE
+    if not os.environ.get(EVENTS_ENV):
+        # The demo's own events files: this run's replace the last one's (appended to, a reused
+        # --output-dir would draw two runs' switches as one).
+        for stale in glob.glob(os.path.join(output_dir, "events", "rank-*.jsonl")):
+            with contextlib.suppress(OSError):
+                os.remove(stale)
     nodes = job_nodes(ranks)
     node, moved, moved_ranks = failover_devices(nodes)
     timeline = Timeline()
