@@ -194,6 +194,14 @@ def test_unreadable_files_and_usage(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "NICSWITCH_STATUS_FILE is not set" in capsys.readouterr().err
 
 
+def test_a_file_that_is_not_utf8_is_unreadable_not_a_crash(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"format": "\xff\xfe"}')
+    assert run(status_args(binary), env={}) == ExitCode.NO_FILE
+    assert "is not UTF-8 text" in capsys.readouterr().err
+
+
 def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_fixed(tmp_path / "job-status-3.json", "running", written_at=9e12)  # far future: fresh
     env = {"NICSWITCH_STATUS_FILE": str(tmp_path / "{job}-{rank}.json"), "MINDX_TASK_ID": JOB, "RANK": "3"}

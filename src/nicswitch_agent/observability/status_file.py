@@ -338,6 +338,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                                                     f"{STATUS_FILE_ENV} was not set for it")
     except OSError as exc:
         return StatusReport(name, ExitCode.NO_FILE, f"cannot read {name}: {exc}")
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError: the agent writes UTF-8 JSON only
+        return StatusReport(name, ExitCode.NO_FILE, f"{name} is not UTF-8 text, so not a status file: {exc}")
     try:
         document = json.loads(text)
     except ValueError as exc:
