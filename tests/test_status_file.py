@@ -202,6 +202,15 @@ def test_a_file_that_is_not_utf8_is_unreadable_not_a_crash(tmp_path: Path,
     assert "is not UTF-8 text" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["-3", "0", "nan", "soon"])
+def test_max_age_must_be_above_zero_and_is_refused_at_parse_time(value: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        status_args(None, "--max-age", value)
+    assert exit_info.value.code == ExitCode.USAGE
+    assert f"argument --max-age: {value!r}" in capsys.readouterr().err
+
+
 def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     write_fixed(tmp_path / "job-status-3.json", "running", written_at=9e12)  # far future: fresh
     env = {"NICSWITCH_STATUS_FILE": str(tmp_path / "{job}-{rank}.json"), "MINDX_TASK_ID": JOB, "RANK": "3"}

@@ -521,6 +521,17 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+def _positive_seconds(text: str) -> float:
+    """``--max-age``: a number of seconds above 0 (0 or less would call every file stale)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds above 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent status``."""
     parser.add_argument("--file", metavar="PATH",
@@ -528,7 +539,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replaced by --rank)")
     parser.add_argument("--rank", type=int, default=None, metavar="N",
                         help="rank whose file to read when the path has {rank} (default: $RANK, else 0)")
-    parser.add_argument("--max-age", type=float, default=None, metavar="S",
+    parser.add_argument("--max-age", type=_positive_seconds, default=None, metavar="S",
                         help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
     parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
                         help="call a running leader not connected past this many seconds (default: "
