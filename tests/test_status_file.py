@@ -148,6 +148,8 @@ def write_fixed(path: Path, state: str, *, written_at: float = 1000.0, interval_
         ("stopped", 1.0, ExitCode.NOT_RUNNING, "the agent is stopped"),
         ("failed", 1.0, ExitCode.NOT_RUNNING, "the agent is failed (boom)"),
         ("created", 1.0, ExitCode.NOT_RUNNING, "the agent is created"),
+        ("stopped", 3600.0, ExitCode.NOT_RUNNING, "the agent is stopped"),  # its last write is old: not stale
+        ("failed", 3600.0, ExitCode.NOT_RUNNING, "the agent is failed (boom)"),
     ],
 )
 def test_verdict_from_state_and_age(tmp_path: Path, state: str, age: float, code: ExitCode, problem: str) -> None:

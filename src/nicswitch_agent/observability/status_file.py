@@ -59,6 +59,7 @@ STATUS_FILE_ENV = "NICSWITCH_STATUS_FILE"
 FORMAT = "nicswitch-agent-status/1"
 DEFAULT_INTERVAL_S = 10.0
 RUNNING_STATES = frozenset({"starting", "running", "switching"})
+ENDED_STATES = frozenset({"stopped", "failed"})  # the agent wrote its last file: its age tells nothing
 DEFAULT_MAX_DISCONNECTED_S = 3.0
 PER_PROCESS_FIELDS = ("{rank}", "{pid}")
 
@@ -353,6 +354,10 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
     limit = default_max_age(interval) if max_age_s is None else max_age_s
     age = None if written_at is None else (time.time() if now is None else now) - written_at
     state = str(document["status"].get("state"))
+    if state in ENDED_STATES:
+        # A stopped or failed agent writes its file one last time and never again: that old write is
+        # its verdict (exit 1), not a sign of a gone or hung process (exit 3).
+        return _not_running(name, state, document, age, limit)
     if age is None or age > limit:
         shown = "unknown" if age is None else _duration(age)
         return StatusReport(name, ExitCode.STALE,
@@ -360,14 +365,20 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                             f"every {_duration(interval)}): its process is gone or hung (last state: {state})",
                             document, age, limit)
     if state not in RUNNING_STATES:
-        # A failed leader says why (what ClusterD refused, and the fix) in "reason".
-        error = document["status"].get("reason") or document["status"].get("last_error") or ""
-        why = f" ({error})" if state == "failed" and error else ""
-        return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
+        return _not_running(name, state, document, age, limit)
     problem = _not_taking_part(document["status"], age, max_disconnected_s)
     if problem:
         return StatusReport(name, ExitCode.NOT_CONNECTED, problem, document, age, limit)
     return StatusReport(name, ExitCode.OK, "", document, age, limit)
+
+
+def _not_running(name: str, state: str, document: dict[str, Any], age: float | None,
+                 limit: float) -> StatusReport:
+    """The verdict on an agent that is not running; a failed leader says why (what ClusterD refused,
+    and the fix) in "reason"."""
+    error = document["status"].get("reason") or document["status"].get("last_error") or ""
+    why = f" ({error})" if state == "failed" and error else ""
+    return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
 
 
 def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: float) -> str:
