@@ -277,10 +277,10 @@ def test_an_unknown_switch_number_exits_2_and_leaves_the_page_alone(events: Path
 
 
 @pytest.mark.parametrize("value", ["0", "-1"])
-def test_a_switch_number_below_1_is_refused_at_parse_time(value: str, events: Path,
+def test_a_switch_number_below_1_is_refused_at_parse_time(value: str, events: Path, tmp_path: Path,
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as stopped:
-        cli.main(["timeline", str(events), "--switch", value])
+        cli.main(["timeline", str(events), "--switch", value, "-o", str(tmp_path / "t.html")])
     assert stopped.value.code == 2
     assert f"argument --switch: {value!r}: the leader numbers its lists from 1" in capsys.readouterr().err
 
