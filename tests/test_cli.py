@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,15 @@ def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
     assert lines[0].startswith("nicswitch-agent demo: error: --processes needs torch")
     assert "python3 -m pip install '.[torch]' in the nicswitch-agent checkout" in lines[0]
     assert result.stdout == ""
+
+
+def test_a_bad_setting_in_the_environment_is_a_one_line_error_with_exit_2() -> None:
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo"], capture_output=True, text=True,
+                            timeout=45, check=False, env={**os.environ, "NICSWITCH_SWITCH_TIMEOUT_S": "-5"})
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("nicswitch-agent demo: error: ") and "NICSWITCH_SWITCH_TIMEOUT_S" in lines[0], lines
 
 
 def test_version() -> None:

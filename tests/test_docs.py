@@ -403,3 +403,13 @@ def test_the_operations_doc_names_every_prometheus_metric() -> None:
     assert len(names) >= 12, names
     missing = [name for name in names if f"`{name}" not in doc]
     assert not missing, f"docs/operations.md does not name the metric(s) {missing}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/operations.md"])
+def test_under_the_launcher_the_switch_cue_is_every_rank_started_as_member(page: str) -> None:
+    """Under ``nicswitch-agent launch`` the job is registered seconds before the ranks join, and a
+    pause asked before every rank joined is never answered: the cue is the members' start line."""
+    text = " ".join(read(page).split())
+    cue = re.search(r"[^.]*\bonce every rank has logged `(?:nicswitch-agent )?started as member`[^.]*\.", text)
+    assert cue is not None, f"{page} gives no launcher cue"
+    assert "started as member: rank %d of %d" in read("src/nicswitch_agent/agent.py")  # the line the cue names

@@ -17,6 +17,8 @@ from nicswitch_agent.orders import SwitchOrder
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE = {"server": "10.0.0.1:8899", "job_id": "job-1"}
+# The words of a refused host name: the grammar it failed (config/addresses.py _HOST_LABEL).
+HOST_GRAMMAR = "(dot-separated labels of 1-63 letters, digits, '-' or '_', not starting or ending with '-')"
 
 
 def refused(**kwargs: Any) -> str:
@@ -227,13 +229,13 @@ def test_every_nicswitch_variable_the_project_mentions_is_known() -> None:
         ("[::zz]:8899", "server='[::zz]:8899': '::zz' is not an IPv6 address"),
         ("[10.0.0.1]:8899", "server='[10.0.0.1]:8899': '10.0.0.1' is not an IPv6 address"),
         ("my host:8899", "server='my host:8899': 'my host' is not a host name or IP address "
-                         "(letters, digits, '-' and '.' only)"),
+                         + HOST_GRAMMAR),
         ("clusterd..svc:8899", "server='clusterd..svc:8899': 'clusterd..svc' is not a host name or IP address "
-                               "(letters, digits, '-' and '.' only)"),
+                               + HOST_GRAMMAR),
         ("-clusterd:8899", "server='-clusterd:8899': '-clusterd' is not a host name or IP address "
-                           "(letters, digits, '-' and '.' only)"),
+                           + HOST_GRAMMAR),
         ("user@clusterd:8899", "server='user@clusterd:8899': 'user@clusterd' is not a host name or IP address "
-                               "(letters, digits, '-' and '.' only)"),
+                               + HOST_GRAMMAR),
         ("dns:///:8899", "server='dns:///:8899': the host is missing (give host:port)"),
     ],
 )

@@ -28,6 +28,7 @@ ADDRESS_ENV = ("NICSWITCH_SERVER", "MINDX_SERVER_IP", "LOCAL_PROXY_ENABLE", "NIC
 ACCEPTED = [
     ("127.0.0.1", "127.0.0.1:8899"),  # a bare host gets ClusterD's port, as MindCluster dials MINDX_SERVER_IP
     ("clusterd-grpc-svc.mindx-dl", "clusterd-grpc-svc.mindx-dl:8899"),
+    ("clusterd_grpc.mindx-dl:9000", "clusterd_grpc.mindx-dl:9000"),  # '_', as the refusal's words say
     ("10.0.0.1:9000", "10.0.0.1:9000"),
     ("[fd00::5]", "[fd00::5]:8899"),
     ("[fd00::5]:9000", "[fd00::5]:9000"),
@@ -43,7 +44,8 @@ REFUSED = [
     ("::1", "put an IPv6 address in brackets, e.g. [::1]:8899"),
     ("[fd00::5", "an IPv6 address in brackets needs its closing ']', e.g. [::1]:8899"),
     ("300.1.1.1:8899", "'300.1.1.1' is not an IPv4 address"),
-    ("my host:8899", "'my host' is not a host name or IP address (letters, digits, '-' and '.' only)"),
+    ("my host:8899", "'my host' is not a host name or IP address "
+                     "(dot-separated labels of 1-63 letters, digits, '-' or '_', not starting or ending with '-')"),
 ]
 
 

@@ -148,6 +148,8 @@ def write_fixed(path: Path, state: str, *, written_at: float = 1000.0, interval_
         ("stopped", 1.0, ExitCode.NOT_RUNNING, "the agent is stopped"),
         ("failed", 1.0, ExitCode.NOT_RUNNING, "the agent is failed (boom)"),
         ("created", 1.0, ExitCode.NOT_RUNNING, "the agent is created"),
+        ("stopped", 3600.0, ExitCode.NOT_RUNNING, "the agent is stopped"),  # its last write is old: not stale
+        ("failed", 3600.0, ExitCode.NOT_RUNNING, "the agent is failed (boom)"),
     ],
 )
 def test_verdict_from_state_and_age(tmp_path: Path, state: str, age: float, code: ExitCode, problem: str) -> None:
@@ -192,6 +194,23 @@ def test_unreadable_files_and_usage(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert "not a nicswitch-agent status file" in read_status(other).problem
     assert run(status_args(None), env={}) == ExitCode.USAGE
     assert "NICSWITCH_STATUS_FILE is not set" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_utf8_is_unreadable_not_a_crash(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "binary.json"
+    binary.write_bytes(b'{"format": "\xff\xfe"}')
+    assert run(status_args(binary), env={}) == ExitCode.NO_FILE
+    assert "is not UTF-8 text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "nan", "soon"])
+def test_max_age_must_be_above_zero_and_is_refused_at_parse_time(value: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        status_args(None, "--max-age", value)
+    assert exit_info.value.code == ExitCode.USAGE
+    assert f"argument --max-age: {value!r}" in capsys.readouterr().err
 
 
 def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

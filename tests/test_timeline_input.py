@@ -265,9 +265,24 @@ def test_no_file_at_all_exits_2_without_a_traceback(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
-def test_an_unknown_switch_number_is_said(events: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    code, out, _ = run_cli([str(events), "--switch", "7", "-o", str(tmp_path / "t.html")], capsys)
-    assert code == 0 and "switch 7 is not in these events (switches found: 1, 2)" in out
+def test_an_unknown_switch_number_exits_2_and_leaves_the_page_alone(events: Path, capsys: pytest.CaptureFixture[str],
+                                                                    tmp_path: Path) -> None:
+    page = tmp_path / "t.html"
+    page.write_text("the page of an earlier run")
+    code, out, err = run_cli([str(events), "--switch", "7", "-o", str(page)], capsys)
+    assert code == 2 and out == ""
+    assert err == ("nicswitch-agent timeline: error: switch 7 is not in these events (switches found: 1, 2); "
+                   "nothing written\n")
+    assert page.read_text() == "the page of an earlier run"
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_a_switch_number_below_1_is_refused_at_parse_time(value: str, events: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["timeline", str(events), "--switch", value, "-o", str(tmp_path / "t.html")])
+    assert stopped.value.code == 2
+    assert f"argument --switch: {value!r}: the leader numbers its lists from 1" in capsys.readouterr().err
 
 
 def test_a_rejected_list_takes_its_number_and_the_next_switch_keeps_its_own(clusterd: ScriptedClusterD,

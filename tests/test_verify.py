@@ -349,6 +349,19 @@ def test_a_verify_hook_waiting_longer_than_verify_timeout_is_refused() -> None:
     agent(verify_hook=Collective(), verify_timeout_s=2).start().stop()
 
 
+def test_with_a_verify_hook_the_budget_counts_verify_timeout_twice() -> None:
+    # 500 + 120 + 2 x 110 + 60 = 900: ClusterD would give up first. Without the verify phase it is 680 s.
+    settings = {"guard_timeout_s": 500.0, "verify_timeout_s": 110.0}
+    refused = agent(verify_hook=Collective(), **settings)
+    with pytest.raises(ConfigError) as info:
+        refused.start()
+    assert str(info.value).startswith("with a verify hook, guard_timeout_s + switch_timeout_s + 2 x verify_timeout_s "
+                                      "+ reply_timeout_s = 900 s must stay below ClusterD's 900 s wait")
+    assert refused.status()["state"] == "created"  # nothing was started
+    agent(**settings).start().stop()  # no verify hook: no verify phase
+    agent(verify_hook=Collective(), **{**settings, "verify_timeout_s": 109.5}).start().stop()  # 899 s
+
+
 def test_pause_auto_does_not_fall_back_to_external_with_a_hook_that_runs_collectives(
         caplog: pytest.LogCaptureFixture) -> None:
     """Next to MindIO's stand-in, pause mode auto falls back to external (test_edges_status.py),

@@ -133,7 +133,8 @@ def _check_host(host: str) -> None:
         return
     labels = host[:-1].split(".") if host.endswith(".") else host.split(".")  # a trailing dot: fully qualified
     if len(host) > 253 or not all(label.isascii() and _HOST_LABEL.fullmatch(label) for label in labels):
-        raise ValueError(f"{host!r} is not a host name or IP address (letters, digits, '-' and '.' only)")
+        raise ValueError(f"{host!r} is not a host name or IP address "
+                         "(dot-separated labels of 1-63 letters, digits, '-' or '_', not starting or ending with '-')")
 
 
 __all__ = ["CLUSTERD_PORT", "parse_server"]

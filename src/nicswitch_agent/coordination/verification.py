@@ -11,13 +11,17 @@ refused at start, not found at the first switch.
 A verify hook's own wait (TorchLinkProbe's ``timeout_s``) must end before the agent's
 ``verify_timeout_s``: on the parked training thread the agent cannot abandon a hook, so a probe
 that waited longer would keep training parked after the reply went out.
+
+With a verify hook a switch may take up to ``2 x verify_timeout_s`` more than the config's budget
+rule counts (the hook's warm-up before the switch hook, its verification after it), so the budget
+is checked again here, with both, against ClusterD's 900 s wait for the result.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from nicswitch_agent.config import AgentConfig
+from nicswitch_agent.config import CLUSTERD_REPORT_TIMEOUT_S, AgentConfig
 from nicswitch_agent.errors import ConfigError
 
 
@@ -48,6 +52,20 @@ def check_hooks_at_start(config: AgentConfig, pause_mode: str, hooks: dict[str, 
             f"{config.verify_timeout_s:g} (NICSWITCH_VERIFY_TIMEOUT_S): on the parked training thread a hook "
             "cannot be abandoned, so training would stay parked after the reply; lower timeout_s or raise "
             "verify_timeout_s")
+    if verify_hook is not None:
+        _check_verified_budget(config)
+
+
+def _check_verified_budget(config: AgentConfig) -> None:
+    """The budget rule of AgentConfig, with the verify phase: it can run twice per switch."""
+    budget = config.guard_timeout_s + config.switch_timeout_s + 2 * config.verify_timeout_s + config.reply_timeout_s
+    if budget >= CLUSTERD_REPORT_TIMEOUT_S:
+        raise ConfigError(
+            f"with a verify hook, guard_timeout_s + switch_timeout_s + 2 x verify_timeout_s + reply_timeout_s = "
+            f"{budget:g} s must stay below ClusterD's {CLUSTERD_REPORT_TIMEOUT_S:g} s wait for the result (the hook's "
+            "warm-up before the switch and its verification after it may each take verify_timeout_s), or ClusterD "
+            "gives up first",
+            settings=("guard_timeout_s", "switch_timeout_s", "verify_timeout_s", "reply_timeout_s"))
 
 
 def _external_refusal(name: str, hook: Any) -> str:

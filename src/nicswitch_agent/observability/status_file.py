@@ -59,6 +59,7 @@ STATUS_FILE_ENV = "NICSWITCH_STATUS_FILE"
 FORMAT = "nicswitch-agent-status/1"
 DEFAULT_INTERVAL_S = 10.0
 RUNNING_STATES = frozenset({"starting", "running", "switching"})
+ENDED_STATES = frozenset({"stopped", "failed"})  # the agent wrote its last file: its age tells nothing
 DEFAULT_MAX_DISCONNECTED_S = 3.0
 PER_PROCESS_FIELDS = ("{rank}", "{pid}")
 
@@ -338,6 +339,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                                                     f"{STATUS_FILE_ENV} was not set for it")
     except OSError as exc:
         return StatusReport(name, ExitCode.NO_FILE, f"cannot read {name}: {exc}")
+    except UnicodeDecodeError as exc:  # a ValueError, not an OSError: the agent writes UTF-8 JSON only
+        return StatusReport(name, ExitCode.NO_FILE, f"{name} is not UTF-8 text, so not a status file: {exc}")
     try:
         document = json.loads(text)
     except ValueError as exc:
@@ -351,6 +354,10 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
     limit = default_max_age(interval) if max_age_s is None else max_age_s
     age = None if written_at is None else (time.time() if now is None else now) - written_at
     state = str(document["status"].get("state"))
+    if state in ENDED_STATES:
+        # A stopped or failed agent writes its file one last time and never again: that old write is
+        # its verdict (exit 1), not a sign of a gone or hung process (exit 3).
+        return _not_running(name, state, document, age, limit)
     if age is None or age > limit:
         shown = "unknown" if age is None else _duration(age)
         return StatusReport(name, ExitCode.STALE,
@@ -358,14 +365,20 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                             f"every {_duration(interval)}): its process is gone or hung (last state: {state})",
                             document, age, limit)
     if state not in RUNNING_STATES:
-        # A failed leader says why (what ClusterD refused, and the fix) in "reason".
-        error = document["status"].get("reason") or document["status"].get("last_error") or ""
-        why = f" ({error})" if state == "failed" and error else ""
-        return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
+        return _not_running(name, state, document, age, limit)
     problem = _not_taking_part(document["status"], age, max_disconnected_s)
     if problem:
         return StatusReport(name, ExitCode.NOT_CONNECTED, problem, document, age, limit)
     return StatusReport(name, ExitCode.OK, "", document, age, limit)
+
+
+def _not_running(name: str, state: str, document: dict[str, Any], age: float | None,
+                 limit: float) -> StatusReport:
+    """The verdict on an agent that is not running; a failed leader says why (what ClusterD refused,
+    and the fix) in "reason"."""
+    error = document["status"].get("reason") or document["status"].get("last_error") or ""
+    why = f" ({error})" if state == "failed" and error else ""
+    return StatusReport(name, ExitCode.NOT_RUNNING, f"the agent is {state}{why}", document, age, limit)
 
 
 def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: float) -> str:
@@ -519,6 +532,17 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
+def _positive_seconds(text: str) -> float:
+    """``--max-age``: a number of seconds above 0 (0 or less would call every file stale)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds above 0")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``nicswitch-agent status``."""
     parser.add_argument("--file", metavar="PATH",
@@ -526,7 +550,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "replaced by --rank)")
     parser.add_argument("--rank", type=int, default=None, metavar="N",
                         help="rank whose file to read when the path has {rank} (default: $RANK, else 0)")
-    parser.add_argument("--max-age", type=float, default=None, metavar="S",
+    parser.add_argument("--max-age", type=_positive_seconds, default=None, metavar="S",
                         help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
     parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
                         help="call a running leader not connected past this many seconds (default: "

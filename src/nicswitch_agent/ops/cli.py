@@ -122,7 +122,7 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "the switch on every rank, the reply, the resume."
     )
     parser.epilog = ("exit codes: 0 both switches finished on every rank, 1 the demo failed, 2 usage error "
-                     "(--processes without torch, --ranks out of range)")
+                     "(--processes without torch, --ranks out of range, a bad NICSWITCH_* setting)")
     parser.add_argument("--ranks", type=int, default=4, metavar="N",
                         help="training ranks (default: %(default)s; 1-64 as threads, 1-16 with --processes)")
     parser.add_argument("--processes", action="store_true",
@@ -172,8 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             level=logging.DEBUG if args.verbose else logging.WARNING,
             format=LOG_FORMAT,
         )
+    from nicswitch_agent.errors import ConfigError
+
     try:
         return int(args.run(args))
+    except ConfigError as exc:  # a bad setting (a NICSWITCH_* variable, a flag): its message says which and why
+        print(f"nicswitch-agent {args.command}: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 
