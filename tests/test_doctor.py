@@ -592,3 +592,16 @@ def test_doctor_command_line_against_a_closed_port(monkeypatch: pytest.MonkeyPat
     assert code == 1
     doc = json.loads(capsys.readouterr().out)
     assert "ClusterD" in doc["failed"] and doc["checks"][1]["detail"] == f"{JOB} (from --job)"
+
+
+def test_a_switch_hook_in_the_current_directory_is_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console script has no '' on sys.path; `python train.py` in that directory finds the module."""
+    from nicswitch_agent.ops.hook_spec import load_hook
+
+    (tmp_path / "nicswitch_cwd_hooks.py").write_text("def switch_links(order):\n    return True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert callable(load_hook("nicswitch_cwd_hooks:switch_links"))
+    finally:
+        sys.modules.pop("nicswitch_cwd_hooks", None)

@@ -205,18 +205,30 @@ def test_missing_prometheus_client_is_a_clear_error(monkeypatch: pytest.MonkeyPa
 
 def test_jsonl_never_raises_and_logs_each_error_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="nicswitch_agent.metrics")
-    sink = JsonlEventSink(tmp_path / "no-such-dir" / "events.jsonl")
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where the events file's directory should be")
+    sink = JsonlEventSink(blocker / "events.jsonl")
     for _ in range(3):
         sink(AgentEvent(kind="stream_lost", job_id=JOB))
     assert sink.errors == 3 and sink.lines == 0
     assert caplog.text.count("events file") == 1
-    (tmp_path / "no-such-dir").mkdir()
+    blocker.unlink()
+    blocker.mkdir()
     sink(AgentEvent(kind="stream_restored", job_id=JOB))  # the open is retried
     assert sink.lines == 1
     sink.close()
     sink(AgentEvent(kind="stream_lost", job_id=JOB))  # after close: dropped
     sink.close()
-    assert len((tmp_path / "no-such-dir" / "events.jsonl").read_text().splitlines()) == 1
+    assert len((blocker / "events.jsonl").read_text().splitlines()) == 1
+
+
+def test_jsonl_makes_the_events_files_directory(tmp_path: Path) -> None:
+    """A fresh pod has no /var/log/nicswitch/: the events of a whole run were lost with one WARNING."""
+    sink = JsonlEventSink(tmp_path / "new" / "dir" / "events-{rank}.jsonl", rank=3)
+    sink(AgentEvent(kind="stream_lost", job_id=JOB))
+    sink.close()
+    assert sink.errors == 0
+    assert len((tmp_path / "new" / "dir" / "events-3.jsonl").read_text().splitlines()) == 1
 
 
 def test_jsonl_rank_is_read_at_each_event_and_lines_never_interleave(tmp_path: Path) -> None:

@@ -193,6 +193,7 @@ def test_a_verification_failure_on_one_rank_fails_the_switch_rolls_back_and_trai
     assert [c[3] for c in job.verify_calls()] == [1] * WORLD, "verified exactly once; the rollback is not verified"
     failed = [e for e in job.ranks[2].agent.events() if e.kind == "verify_done"]
     assert [e.detail["ok"] for e in failed] == [False]
+    assert [e.seq for e in failed] == [1]  # the list it verified, as on the other member events
     assert job.ranks[2].agent.status()["last_verify"]["ok"] is False
 
 

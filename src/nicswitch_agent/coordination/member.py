@@ -290,8 +290,10 @@ class Member:
             record = None  # the hook's report of an earlier order: this one did not finish
         self.last_verify = {"order": name, "ok": result.ok, "reason": result.reason,
                             "duration_s": round(duration, 6), "at": time.time(), "report": record}
+        seq = name.split(".")[1] if name.count(".") == 2 else None  # "<epoch>.<seq>.verify"
         self._emit("verify_done", {"rank": self.rank, "ok": result.ok, "reason": result.reason,
-                                   "duration_s": duration, "report": record})
+                                   "duration_s": duration, "report": record,
+                                   "seq": int(seq) if seq is not None and seq.isdigit() else None})
         if not result.ok:
             logger.error("rank %d: verification of order %s failed: %s", self.rank, name, result.reason)
 

@@ -128,7 +128,7 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("rank", "this process's global rank"),
         ("kind", "`switch`, or `rollback` / `checkpoint` during ClusterD's recovery"),
         ("ok", "the leader's decision: true only if every rank succeeded"),
-        ("reason", "`switched on every rank`, `dry run: nothing switched`, or the first failure and where"),
+        ("reason", "`ok on every rank`, or the first failure and where"),
         ("link", "this rank's link in the order, `standby` or `primary` (its link now if `ok`), or null when the "
                  "order did not name this rank, was a dry run, or never ran here"),
         ("epoch", "the leader's pause (or session) the order ran in"),

@@ -223,6 +223,9 @@ class JsonlEventSink:
                 if self._file is None:
                     path = self._template.format(rank="unknown" if rank is None else rank, pid=os.getpid(),
                                                  job=event.job_id)
+                    directory = os.path.dirname(path)
+                    if directory:  # e.g. /var/log/nicswitch/ on a fresh pod: made, not a silent loss of events
+                        os.makedirs(directory, exist_ok=True)
                     self._file = open(path, "ab", buffering=0)  # noqa: SIM115 - kept open until close()
                     self.path = path
                 view = memoryview(data)

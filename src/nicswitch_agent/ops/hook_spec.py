@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from typing import Any
 
 from nicswitch_agent.hooks.base import check_hook, require_callable
@@ -34,6 +36,8 @@ def load_hook(spec: str) -> Any:
     module_name, sep, attribute = spec.strip().partition(":")
     if not sep or not module_name or not attribute or any(not part for part in attribute.split(".")):
         raise ValueError(f"{FLAG} {spec!r} is not module:callable (e.g. mypkg.hooks:switch_links)")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python train.py` in this directory would find the module
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:  # an ImportError, or whatever the module raises while it loads
