@@ -288,5 +288,5 @@ def test_without_any_lightning_the_import_error_names_the_extra(monkeypatch: pyt
 
     monkeypatch.setitem(sys.modules, "lightning", None)
     monkeypatch.setitem(sys.modules, "pytorch_lightning", None)
-    with pytest.raises(ImportError, match=r"nicswitch-agent\[lightning\]"):
+    with pytest.raises(ImportError, match=r"pip install '\.\[lightning\]' in the nicswitch-agent checkout"):
         load_fresh("nicswitch_missing_probe")
