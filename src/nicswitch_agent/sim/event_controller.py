@@ -221,7 +221,8 @@ class JobController(StreamSide, StateHandlers):
                         "and every job on it is lost"
                     )
                     raise RpcAbort("UNAVAILABLE", "Stream removed (simulated ClusterD crash: send on closed channel)")
-            elif not gen.awaiting_reply:
+            elif not gen.awaiting_reply or gen.status_report is not None:
+                # A status report that came first is what the waiting handler takes (state_handlers).
                 self._violation("reply while no switch is waiting (buffered; the next switch takes it)")
             gen.result = bool(request.result)
             self._changed()
@@ -269,6 +270,8 @@ class JobController(StreamSide, StateHandlers):
                 if gen.closed or self._stopping:
                     return pb.Status(code=P.SERVER_INNER_ERROR, info=P.CHAN_CLOSED.format(job=job, uuid=self._gen.uuid))
             setattr(gen, slot, request)
+            if slot == "status_report":
+                gen.status_report_first = gen.result is None
             self._changed()
         logger.debug("receive %s, jobId=%s, code=%d", method, job, code)
         return pb.Status(code=P.OK, info=info)

@@ -54,6 +54,10 @@ class Generation:
     stop_report: pb.StopCompleteRequest | None = None  # reportStopCompleteChan
     strategy_report: pb.RecoverStrategyRequest | None = None  # reportRecoverStrategyChan
     status_report: pb.RecoverStatusRequest | None = None  # reportStatusChan
+    # Simulator bookkeeping: the status report came before a reply that is also pending. A Go
+    # select already blocked takes whichever arrives first; a handler thread that wakes late here
+    # must do the same rather than prefer the reply.
+    status_report_first: bool = False
     om: deque[pb.SwitchNicResponse] = field(default_factory=deque)  # switchNicResponse (10)
     # Stream handlers blocked on a channel, longest-waiting first: a Go channel hands each value
     # to the receiver that has waited longest, so that one gets the next list (or O&M message).

@@ -163,7 +163,8 @@ class StateHandlers(Machine):
                 if not got:
                     self._reply_om(gen, P.OM_SWITCH_TIMEOUT)
                     return P.RECEIVE_TIMEOUT
-                if gen.result is not None:
+                report_first = gen.status_report is not None and gen.status_report_first
+                if gen.result is not None and not report_first:
                     result, gen.result = gen.result, None
                     self._changed()
                     if not result:
