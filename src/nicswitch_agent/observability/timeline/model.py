@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.links import compact_ranks
 from nicswitch_agent.observability.timeline.clocks import Alignment, align, number
 from nicswitch_agent.observability.timeline.reading import EventSet, Record, collecting_later
 
@@ -308,16 +309,8 @@ def _duration_text(seconds: float) -> str:
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    """``rank 3`` or ``ranks 2-5, 9`` (consecutive runs folded; at most 8 runs shown)."""
-    runs: list[tuple[int, int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
-    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8])
-    more = f", ... ({len(ranks)} in all)" if len(runs) > 8 else ""
-    return f"rank{'s' if len(ranks) != 1 else ''} {shown}{more}"
+    """``rank 3`` or ``ranks 2-5,9`` (at most 8 runs of consecutive ranks shown)."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks, most=8)}"
 
 
 def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _Pause]],
