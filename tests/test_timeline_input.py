@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.timeline import build, read_events, render_html
 from nicswitch_agent.observability.timeline.model import Timeline
-from nicswitch_agent.observability.timeline.render import FAILED
+from nicswitch_agent.observability.timeline.render import COLOURS, CRITICAL, FAILED, PHASE_TEXT
 from nicswitch_agent.ops import cli
 
 WORLD = 4
@@ -332,3 +333,22 @@ def test_a_reused_demo_output_dir_holds_only_the_last_runs_events(demo_events: P
     for path in sorted((out / "events").glob("rank-*.jsonl")):
         started = [e for e in load(path) if e["kind"] == "agent_started"]
         assert len(started) == 1, (path, len(started))
+
+
+def test_the_svg_alone_carries_its_legend(events: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--format svg`` has no page around it: the picture itself says what each colour means."""
+    out = tmp_path / "t.svg"
+    code, _, _ = run_cli([str(events), "--format", "svg", "-o", str(out)], capsys)
+    assert code == 0
+    svg = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(out.read_text(encoding="utf-8"))
+    legend = next((g for g in root.iter(f"{svg}g") if g.get("class") == "legend"), None)
+    assert legend is not None, "no legend in the SVG"
+    keys = {rect.get("fill"): "".join(text.itertext()) for entry in legend.iter(f"{svg}g")
+            for rect in entry.iter(f"{svg}rect") for text in entry.iter(f"{svg}text")}
+    for phase, colour in COLOURS.items():
+        assert keys.get(colour) == PHASE_TEXT[phase], (phase, keys)
+    assert keys.get(FAILED) == "failed" and keys.get(CRITICAL) == "everyone waited for this lane"
+    rows = [float(m.group(1)) for g in legend.iter(f"{svg}g")
+            if (m := re.fullmatch(r"translate\([\d.]+,([\d.]+)\)", g.get("transform", "")))]
+    assert rows and max(rows) < float(root.get("height", "0")), "the legend is drawn outside the picture"

@@ -27,6 +27,7 @@ CRITICAL = "#fff3b0"
 PHASE_TEXT = {"pause": "reaching the step boundary (pause requested to parked)",
               "parked": "parked (training waits)", "guard": "checkpoint guard", "switch": "switch hook",
               "verify": "verification"}
+FONTS = "system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:20px 28px;color:#222;
 background:#fff;max-width:1160px}
@@ -38,8 +39,8 @@ td.l,th.l{text-align:left}.meta{color:#555;margin:2px 0}
 .problems{background:#fff4f4;border:1px solid #f1b5b5;padding:6px 12px;margin:10px 0}
 .problems li,.missing li{margin:2px 0}.legend span{display:inline-block;margin-right:14px;font-size:13px}
 .legend i{display:inline-block;width:14px;height:10px;margin-right:4px;vertical-align:middle;border:1px solid #999}
-svg{display:block;margin:6px 0}svg text{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif}
-"""
+svg{display:block;margin:6px 0}svg text{font-family:FONTS}
+""".replace("FONTS", FONTS)
 
 
 def _e(text: object) -> str:
@@ -206,7 +207,12 @@ def render_svg(timeline: Timeline) -> str:
     if not pieces:
         pieces.append(f'<text x="8" y="20" font-size="14">no switch in the events of job {_e(timeline.job_id)}</text>')
         y = 30
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}">'
+    else:
+        legend, height = _svg_legend(y)
+        pieces.append(legend)
+        y += height
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}" '
+            f'font-family="{FONTS}">'
             f'<rect width="{WIDTH}" height="{y}" fill="#fff"/>{"".join(pieces)}</svg>\n')
 
 
@@ -261,12 +267,39 @@ def alignment_text(timeline: Timeline) -> str:
     return text
 
 
-def _legend() -> str:
+def _legend_items() -> list[tuple[str, str]]:
+    """(colour, meaning) of everything the picture colours, for the page's legend and the SVG's."""
     items = [(COLOURS[p], PHASE_TEXT[p]) for p in ("pause", "parked", "guard", "switch", "verify")]
-    items += [(GENERIC, "another phase (named in the hover text)"), (FAILED, "failed"),
-              (RESUMED, "resumed (a tick)"), (CRITICAL, "everyone waited for this lane")]
-    spans = "".join(f'<span><i style="background:{c}"></i>{_e(t)}</span>' for c, t in items)
+    return [*items, (GENERIC, "another phase (named in the hover text)"), (FAILED, "failed"),
+            (RESUMED, "resumed (a tick)"), (CRITICAL, "everyone waited for this lane")]
+
+
+def _legend() -> str:
+    spans = "".join(f'<span><i style="background:{c}"></i>{_e(t)}</span>' for c, t in _legend_items())
     return (f'<p class="legend">{spans}<span>&#8212; node lanes: the line spans its ranks\' answers</span></p>')
+
+
+LEGEND_COLUMNS = 3
+LEGEND_ROW_H = 18
+
+
+def _svg_legend(y: int) -> tuple[str, int]:
+    """The legend drawn in SVG (``--format svg`` has no page around it): swatches in rows of
+    three; the leader's ticks and node lanes last. Returns the SVG and its height."""
+    items = [(f'<rect width="14" height="10" y="-9" fill="{c}" stroke="#999"/>', t) for c, t in _legend_items()]
+    items.append(('<line x1="0" y1="-4" x2="14" y2="-4" stroke="#111"/>', "node lanes: first to last answer"))
+    items.append(('<line x1="7" y1="-11" x2="7" y2="1" stroke="#1f4e79" stroke-width="2"/>',
+                  "leader: a numbered message (hover it)"))
+    column_w = (WIDTH - 16) // LEGEND_COLUMNS
+    out = [f'<g class="legend"><text x="8" y="{y + 14}" font-size="12" font-weight="700">Legend</text>']
+    for index, (swatch, text) in enumerate(items):
+        row, column = divmod(index, LEGEND_COLUMNS)
+        tx, ty = 8 + column * column_w, y + 34 + row * LEGEND_ROW_H
+        out.append(f'<g transform="translate({tx},{ty})">{swatch}<text x="20" y="0" font-size="11" '
+                   f'fill="#333">{_e(text)}</text></g>')
+    out.append("</g>")
+    rows = math.ceil(len(items) / LEGEND_COLUMNS)
+    return "".join(out), 24 + rows * LEGEND_ROW_H + 6
 
 
 def _overview(timeline: Timeline) -> str:
