@@ -14,12 +14,14 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted import End, ScriptedClusterD, Send, rank_list
+from scripted import Block, End, ScriptedClusterD, Send, rank_list
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent.coordination import InProcessStore
@@ -352,3 +354,34 @@ def test_the_svg_alone_carries_its_legend(events: Path, tmp_path: Path, capsys: 
     rows = [float(m.group(1)) for g in legend.iter(f"{svg}g")
             if (m := re.fullmatch(r"translate\([\d.]+,([\d.]+)\)", g.get("transform", "")))]
     assert rows and max(rows) < float(root.get("height", "0")), "the legend is drawn outside the picture"
+
+
+def test_the_reply_is_drawn_when_it_was_sent_not_when_the_call_returned(clusterd: ScriptedClusterD,
+                                                                         tmp_path: Path) -> None:
+    """ClusterD holds the reply call after taking the reply (as a busy ClusterD does): the leader's
+    ``reply_sent`` event is stamped after ClusterD's "finish"; the mark must come before it."""
+    release, replied = threading.Event(), threading.Event()
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    clusterd.reply_script.append(Block(release))
+    template = str(tmp_path / "events-{rank}.jsonl")
+    agent = SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", rank=0, world_size=1,
+                        store=InProcessStore(), switch_hook=lambda order: True, events_file=template,
+                        on_event=lambda e: replied.set() if e.kind == ev.REPLY_SENT else None)
+    try:
+        agent.start()
+        clusterd.wait_replies(1)
+        finished = time.time()  # ClusterD has the reply: its switch is finished
+        release.set()
+        assert replied.wait(10)
+    finally:
+        agent.stop()
+    events = read_events([template])
+    reply = next(r for r in events.records if r.kind == ev.REPLY_SENT)
+    assert reply.wall > finished  # what the event's own time says: after ClusterD's finish
+    assert reply.detail["sent_at"] <= finished < reply.wall  # when the call went out
+    (switch,) = build(events).switches
+    sent = next(m for m in switch.leader if m.label.startswith("reply sent: true"))
+    assert switch.start_wall + sent.at <= finished, (sent, finished - switch.start_wall)
+    assert "the call returned" in sent.label
+    done = next(m for m in switch.leader if m.label.startswith("switch done"))
+    assert done.at <= sent.at  # still after the switch it answers

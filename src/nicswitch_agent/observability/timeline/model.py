@@ -392,13 +392,27 @@ def _leader_marks(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
         elif r.kind == ev.SWITCH_DONE:
             marks.append(Mark(t - t0, f"switch done: {d.get('reason')}", ok=d.get("ok") is True))
         elif r.kind == ev.REPLY_SENT:
-            marks.append(Mark(t - t0, f"reply sent: {str(d.get('result')).lower()}", ok=d.get("result") is True))
+            at, returned = _reply_sent_at(t, r)
+            marks.append(Mark(at - t0, f"reply sent: {str(d.get('result')).lower()}{returned}",
+                              ok=d.get("result") is True))
         elif r.kind == ev.REPLY_FAILED:
-            marks.append(Mark(t - t0, f"reply {d.get('outcome')}: {d.get('error')}", ok=False))
+            at, returned = _reply_sent_at(t, r)
+            marks.append(Mark(at - t0, f"reply {d.get('outcome')}: {d.get('error')}{returned}", ok=False))
     if outcomes:
         ok = all(m.ok for m in marks if m.label.startswith("switch done"))
         marks.append(Mark(min(outcomes) - t0, "outcome sent to the ranks", ok=ok))
     return sorted(marks, key=lambda m: m.at)
+
+
+def _reply_sent_at(t: float, record: Record) -> tuple[float, str]:
+    """When the reply went out (the event is stamped when the call returned, after ClusterD took
+    it): ``sent_at``, else (an older agent) when the call began; and a note of when it returned."""
+    sent_at = number(record.detail.get("sent_at"))
+    if sent_at is not None:
+        sent = min(t, sent_at - (record.wall - t))  # on the same clock as t
+    else:
+        sent = t - max(0.0, number(record.detail.get("duration_s")) or 0.0)
+    return sent, (f" (the call returned {(t - sent) * 1000:.1f} ms later)" if t - sent >= 0.0005 else "")
 
 
 def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: float) -> Lane:
