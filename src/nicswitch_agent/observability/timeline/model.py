@@ -20,8 +20,10 @@ from typing import Any, NamedTuple
 
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.links import compact_ranks
-from nicswitch_agent.observability.timeline.clocks import Alignment, align, number
+from nicswitch_agent.observability.timeline import runs
+from nicswitch_agent.observability.timeline.clocks import Alignment, Source, align, number
 from nicswitch_agent.observability.timeline.reading import EventSet, Record, collecting_later
+from nicswitch_agent.observability.timeline.runs import Run
 
 AGGREGATE_ABOVE = 256  # rank lanes per switch; above this, one lane per node
 DEFAULT_RANKS_PER_NODE = 8
@@ -83,7 +85,7 @@ class PhaseStats:
 class Switch:
     """One rank list of the job, from the first pause to the last resume, on the leader's clock."""
 
-    seq: int
+    seq: int  # the page's number for it, which ``--switch`` takes: runs are numbered on in order
     start_wall: float  # the leader's wall clock at time 0 of this switch
     duration: float
     ok: bool | None  # None: the events do not say how it ended
@@ -99,6 +101,8 @@ class Switch:
     slowest: list[tuple[int, float, str]] = field(default_factory=list)  # (rank, answered at, what)
     critical: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    list_seq: int = 0  # the leader's list number (``seq`` is the page's: the same with one run)
+    run: int = 1  # the run it belongs to (runs.py)
 
 
 @dataclass
@@ -111,6 +115,7 @@ class Timeline:
     ranks_seen: int
     ranks_expected: int
     missing_ranks: list[int]
+    runs: list[Run] = field(default_factory=list)  # more than one: the files hold several runs of the job
 
 
 # -- building ------------------------------------------------------------------------------------------
@@ -148,24 +153,23 @@ def build(events: EventSet, *, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
 
 def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_switch: int | None) -> Timeline:
     problems = list(events.problems)
-    by_source: dict[tuple[int | None, int | None], list[Record]] = defaultdict(list)
+    by_source: dict[Source, list[Record]] = defaultdict(list)
     for record in events.records:
         by_source[(record.rank, record.pid)].append(record)
     leaders = {s for s, recs in by_source.items() if any(_is_leader(r) for r in recs)}
     alignment, offset = align(by_source, leaders)
-    parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
-    pauses: dict[int, dict[int, _Pause]] = defaultdict(dict)  # rank -> epoch -> pause
-    leader_events: list[tuple[float, Record]] = []
-    ranks_seen: set[int] = set()
-    no_rank = 0
-    for source, records in by_source.items():
-        shift = offset[source]
-        records.sort(key=lambda r: r.mono if r.mono is not None else r.wall)
-        if source[0] is None:
-            no_rank += len(records)
-        else:
-            ranks_seen.add(source[0])
-        _walk(records, shift, source[0], parts, pauses, leader_events)
+    ranks_seen = {source[0] for source in by_source if source[0] is not None}
+    no_rank = sum(len(records) for source, records in by_source.items() if source[0] is None)
+    job_runs = runs.group(runs.split(by_source, offset, _is_leader))
+    walked: list[tuple[dict[int, dict[int, _RankPart]], dict[int, dict[int, _Pause]], list[tuple[float, Record]]]] = []
+    for run in job_runs:
+        parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
+        pauses: dict[int, dict[int, _Pause]] = defaultdict(dict)  # rank -> epoch -> pause
+        leader_events: list[tuple[float, Record]] = []
+        for process in run.processes:
+            process.records.sort(key=lambda r: r.mono if r.mono is not None else r.wall)
+            _walk(process.records, process.shift, process.source[0], parts, pauses, leader_events)
+        walked.append((parts, pauses, leader_events))
     if no_rank:
         problems.append(f"{no_rank} event(s) without a rank (written before the agent knew it): left out of "
                         "the rank lanes")
@@ -177,21 +181,33 @@ def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_swi
     if not alignment.leader_found:
         problems.append("no events of the leader (rank 0's file, or the launcher's, is missing): the leader's "
                         "messages are not shown; clocks were aligned by the leader's timestamps the ranks received")
-    far = _far_unaligned(alignment, by_source, leader_events)
+    far = _far_unaligned(alignment, by_source, [e for _, _, leader_events in walked for e in leader_events])
     if far:
         problems.append(far)
-    seqs = sorted(set(parts) | {r.seq for _, r in leader_events if r.seq is not None and r.kind in _LEADER_ONLY})
+    # The page numbers switches in order across runs: a run's lists follow the last number of the
+    # run before it (with one run, a switch's number is the leader's list number).
+    numbered: list[tuple[int, int, int]] = []  # (number, the leader's list number, run index)
+    base = 0
+    for index, (run, (parts, _, leader_events)) in enumerate(zip(job_runs, walked, strict=True)):
+        seqs = sorted(set(parts) | {r.seq for _, r in leader_events if r.seq is not None and r.kind in _LEADER_ONLY})
+        if seqs:
+            run.first_switch, run.last_switch = base + seqs[0], base + seqs[-1]
+            numbered += [(base + seq, seq, index) for seq in seqs]
+            base += seqs[-1]
     if only_switch is not None:
-        if only_switch not in seqs:
+        if only_switch not in {n for n, _, _ in numbered}:
             problems.append(f"switch {only_switch} is not in these events (switches found: "
-                            f"{', '.join(map(str, seqs)) or 'none'})")
-        seqs = [s for s in seqs if s == only_switch]
-    switches = [_switch(seq, parts.get(seq, {}), pauses, leader_events, expected, ranks_per_node, aggregate_above)
-                for seq in seqs]
-    _attach_unsequenced(switches, leader_events)
+                            f"{', '.join(str(n) for n, _, _ in numbered) or 'none'})")
+        numbered = [item for item in numbered if item[0] == only_switch]
+    switches = []
+    for index, (run, (parts, pauses, leader_events)) in enumerate(zip(job_runs, walked, strict=True)):
+        mine = [_switch(shown, seq, run.number, parts.get(seq, {}), pauses, leader_events, expected, ranks_per_node,
+                        aggregate_above) for shown, seq, at in numbered if at == index]
+        _attach_unsequenced(mine, leader_events)
+        switches += mine
     return Timeline(job_id=events.job_id, switches=switches, alignment=alignment, problems=problems,
                     files=len(events.files), ranks_seen=len(ranks_seen), ranks_expected=expected,
-                    missing_ranks=missing_ranks)
+                    missing_ranks=missing_ranks, runs=job_runs)
 
 
 def _is_leader(record: Record) -> bool:
@@ -313,9 +329,10 @@ def _ranks_text(ranks: Sequence[int]) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks, most=8)}"
 
 
-def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _Pause]],
+def _switch(shown: int, seq: int, run: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _Pause]],
             leader_events: list[tuple[float, Record]], expected: int, ranks_per_node: int,
             aggregate_above: int) -> Switch:
+    """The switch of the leader's list ``seq`` in ``run``; ``shown``: the page's number for it."""
     mine = [(t, r) for t, r in leader_events if r.seq == seq and r.kind in _LEADER_ONLY]
     by_kind = {r.kind: (t, r) for t, r in mine}
     rank_pauses = {rank: pauses.get(rank, {}).get(part.epoch) for rank, part in parts.items()
@@ -325,8 +342,8 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     size = _int(done[1].detail.get("ranks")) if done else None
     world = size or expected
     ok, reason = _verdict(by_kind, parts)
-    switch = Switch(seq=seq, start_wall=t0, duration=t1 - t0, ok=ok, reason=reason, ranks_expected=world,
-                    ranks_seen=len(parts), step=None)
+    switch = Switch(seq=shown, start_wall=t0, duration=t1 - t0, ok=ok, reason=reason, ranks_expected=world,
+                    ranks_seen=len(parts), step=None, list_seq=seq, run=run)
     switch.leader = _leader_marks(mine, parts, rank_pauses, t0)
     lanes = {rank: _rank_lane(rank, part, rank_pauses.get(rank), t0, t1) for rank, part in sorted(parts.items())}
     steps = Counter(p.step for p in rank_pauses.values() if p is not None and p.step is not None)
@@ -334,7 +351,7 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     switch.critical = _critical(lanes, parts, rank_pauses, t0)
     switch.stats = _stats(lanes)
     switch.slowest = _slowest(parts, t0)
-    switch.missing = _missing(seq, by_kind, parts, world, rank_pauses)
+    switch.missing = _missing(shown, by_kind, parts, world, rank_pauses)
     if len(lanes) > aggregate_above:
         switch.lanes, switch.by_node, switch.ranks_per_node = _node_lanes(lanes, ranks_per_node), True, ranks_per_node
     else:

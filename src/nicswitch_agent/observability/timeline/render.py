@@ -197,11 +197,12 @@ def render_svg(timeline: Timeline) -> str:
     """Every switch of ``timeline`` stacked in one standalone SVG (``--format svg``)."""
     pieces: list[str] = []
     y = 0
+    several = len(timeline.runs) > 1
     for switch in timeline.switches:
         body = switch_svg(switch)
         height = int(body.split('height="', 1)[1].split('"', 1)[0])
-        pieces.append(f'<text x="8" y="{y + 18}" font-size="14" font-weight="700">{_e(_switch_heading(switch))}'
-                      f'</text>')
+        pieces.append(f'<text x="8" y="{y + 18}" font-size="14" font-weight="700">'
+                      f'{_e(_switch_heading(switch, several))}</text>')
         pieces.append(body.replace("<svg ", f'<svg x="0" y="{y + 26}" ', 1))
         y += height + 34
     if not pieces:
@@ -216,11 +217,16 @@ def render_svg(timeline: Timeline) -> str:
             f'<rect width="{WIDTH}" height="{y}" fill="#fff"/>{"".join(pieces)}</svg>\n')
 
 
-def _switch_heading(switch: Switch) -> str:
+def switch_name(switch: Switch, several_runs: bool) -> str:
+    """``Switch 3``, or with several runs in the files ``Switch 3 (run 2, list 1)``: the leader's list 1."""
+    return f"Switch {switch.seq}" + (f" (run {switch.run}, list {switch.list_seq})" if several_runs else "")
+
+
+def _switch_heading(switch: Switch, several_runs: bool) -> str:
     verdict = _verdict_word(switch.ok)
     step = f", parked at step {switch.step}" if switch.step is not None else ""
-    return (f"Switch {switch.seq}: {verdict} ({switch.reason}); {switch.ranks_seen} of {switch.ranks_expected} "
-            f"ranks{step}; {_ms(switch.duration)} from first pause to last resume")
+    return (f"{switch_name(switch, several_runs)}: {verdict} ({switch.reason}); {switch.ranks_seen} of "
+            f"{switch.ranks_expected} ranks{step}; {_ms(switch.duration)} from first pause to last resume")
 
 
 def _verdict_word(ok: bool | None) -> str:
@@ -246,10 +252,11 @@ def render_html(timeline: Timeline) -> str:
         out.extend(f"<li>{_e(p)}</li>" for p in timeline.problems)
         out.extend(f"<li>{_e(m)}</li>" for s in timeline.switches for m in s.missing)
         out.append("</ul></div>")
+    out.append(_runs(timeline))
     out.append(_overview(timeline))
     out.append(_legend())
     for switch in timeline.switches:
-        out.append(_switch_section(switch))
+        out.append(_switch_section(switch, len(timeline.runs) > 1))
     out.append("</body></html>\n")
     return "".join(out)
 
@@ -302,14 +309,46 @@ def _svg_legend(y: int) -> tuple[str, int]:
     return "".join(out), 24 + rows * LEGEND_ROW_H + 6
 
 
+def runs_text(timeline: Timeline) -> list[str]:
+    """With several runs in the files: what that means, then a line per run; else nothing."""
+    if len(timeline.runs) < 2:
+        return []
+    lines = [f"These files hold {len(timeline.runs)} runs of job {timeline.job_id} (the job or its processes were "
+             "restarted, or the same events files were written again): each run's switches are drawn separately, "
+             "numbered on in order; \"list N\" is the leader's number for it, from 1 in every run (--switch takes "
+             "the switch's number)."]
+    for run in timeline.runs:
+        switches = ("no switch" if run.first_switch is None else f"switch {run.first_switch}"
+                    if run.first_switch == run.last_switch else f"switches {run.first_switch}-{run.last_switch}")
+        leader = f", leader pid {', '.join(map(str, run.leader_pids))}" if run.leader_pids else ""
+        ranks = {p.source[0] for p in run.processes if p.source[0] is not None}
+        again = len([p for p in run.processes if p.source[0] is not None]) - len(ranks)
+        restarted = f" ({again} restart(s) of a rank's agent)" if again > 0 else ""
+        lines.append(f"run {run.number}: started {_wall(run.start)}, {len(ranks)} rank(s){restarted}{leader}; "
+                     f"{switches}")
+    return lines
+
+
+def _runs(timeline: Timeline) -> str:
+    lines = runs_text(timeline)
+    if not lines:
+        return ""
+    return (f'<div class="runs"><p><b>Several runs.</b> {_e(lines[0])}</p><ul>'
+            + "".join(f"<li>{_e(line)}</li>" for line in lines[1:]) + "</ul></div>")
+
+
 def _overview(timeline: Timeline) -> str:
-    rows = ['<table><tr><th class="l">switch</th><th class="l">result</th><th>ranks</th><th>step</th>'
+    several = len(timeline.runs) > 1
+    run_th = "<th>run</th>" if several else ""
+    rows = [f'<table><tr><th class="l">switch</th>{run_th}<th class="l">result</th><th>ranks</th><th>step</th>'
             '<th>duration</th><th class="l">slowest phase (max)</th><th class="l">waited for</th></tr>']
     for s in timeline.switches:
+        run_td = f"<td>{s.run} (list {s.list_seq})</td>" if several else ""
         worst = max((st for st in s.stats if st.phase != "parked"), key=lambda st: st.max, default=None)
         slow = f"{worst.phase} {_ms(worst.max)} (rank {worst.max_rank})" if worst else ""
         verdict = {True: "switched", False: "FAILED", None: "unknown"}[s.ok]
-        rows.append(f'<tr><td class="l">{s.seq}</td><td class="l {_verdict_class(s.ok)}">{verdict}</td>'
+        rows.append(f'<tr><td class="l"><a href="#switch-{s.seq}">{s.seq}</a></td>{run_td}'
+                    f'<td class="l {_verdict_class(s.ok)}">{verdict}</td>'
                     f"<td>{s.ranks_seen}/{s.ranks_expected}</td><td>{'' if s.step is None else s.step}</td>"
                     f'<td>{_ms(s.duration)}</td><td class="l">{_e(slow)}</td>'
                     f'<td class="l">{_e("; ".join(c.split(":")[0] for c in s.critical))}</td></tr>')
@@ -317,8 +356,9 @@ def _overview(timeline: Timeline) -> str:
     return "".join(rows)
 
 
-def _switch_section(switch: Switch) -> str:
-    out = [f'<h2 id="switch-{switch.seq}">Switch {switch.seq}: <span class="{_verdict_class(switch.ok)}">'
+def _switch_section(switch: Switch, several_runs: bool) -> str:
+    out = [f'<h2 id="switch-{switch.seq}">{_e(switch_name(switch, several_runs))}: '
+           f'<span class="{_verdict_class(switch.ok)}">'
            f"{_verdict_word(switch.ok)}</span> &#8212; "
            f"{_e(switch.reason)}</h2>",
            f'<p class="meta">Started {_e(_wall(switch.start_wall))} (leader\'s clock); {switch.ranks_seen} of '
