@@ -160,7 +160,7 @@ def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_swi
     alignment, offset = align(by_source, leaders)
     ranks_seen = {source[0] for source in by_source if source[0] is not None}
     no_rank = sum(len(records) for source, records in by_source.items() if source[0] is None)
-    job_runs = runs.group(runs.split(by_source, offset, _is_leader))
+    job_runs = runs.group(runs.split(by_source, offset, leaders, _is_leader))
     walked: list[tuple[dict[int, dict[int, _RankPart]], dict[int, dict[int, _Pause]], list[tuple[float, Record]]]] = []
     for run in job_runs:
         parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part

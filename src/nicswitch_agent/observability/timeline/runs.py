@@ -17,10 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from nicswitch_agent.observability import events as ev
-from nicswitch_agent.observability.timeline.clocks import Source, number
+from nicswitch_agent.observability.timeline.clocks import Source
 from nicswitch_agent.observability.timeline.reading import Record
+
+_KIND, _WALL = itemgetter(Record._fields.index("kind")), itemgetter(Record._fields.index("wall"))
 
 
 @dataclass(slots=True)
@@ -53,25 +56,24 @@ class Run:
         return sorted({p.source[1] for p in self.processes if p.source[1] is not None and p.leader})
 
 
-def split(by_source: dict[Source, list[Record]], offset: dict[Source, float],
+def split(by_source: dict[Source, list[Record]], offset: dict[Source, float], leaders: set[Source],
           is_leader: Callable[[Record], bool]) -> list[Process]:
-    """Each source's records (in file order) cut at every ``agent_started`` after its first."""
+    """Each source's records (in file order) cut at every ``agent_started`` after its first.
+    ``leaders``: the sources with any of the leader's events."""
     found = []
     for source, records in by_source.items():
-        chunks: list[list[Record]] = [[]]
-        started = False
-        for record in records:
-            if record.kind == ev.AGENT_STARTED:
-                if started and chunks[-1]:
-                    chunks.append([])
-                started = True
-            chunks[-1].append(record)
+        kinds = list(map(_KIND, records))  # map and itemgetter: C speed, for 16,384 ranks' records
+        chunks = [records]
+        if kinds.count(ev.AGENT_STARTED) > 1:
+            first = kinds.index(ev.AGENT_STARTED)
+            cuts = [i for i, kind in enumerate(kinds) if kind == ev.AGENT_STARTED and i > first]
+            chunks = [records[a:b] for a, b in zip([0, *cuts], [*cuts, len(records)], strict=True)]
         shift = offset[source]
         for chunk in chunks:
-            times = [r.wall - shift for r in chunk]
-            leader = any(is_leader(r) for r in chunk)
-            anchored = leader or any(number(r.detail.get("sent_at")) is not None for r in chunk)
-            found.append(Process(source, chunk, shift, min(times), max(times), anchored, leader))
+            walls = list(map(_WALL, chunk))
+            leader = source in leaders and (len(chunks) == 1 or any(is_leader(r) for r in chunk))
+            anchored = leader or any(r.detail.get("sent_at") is not None for r in chunk)
+            found.append(Process(source, chunk, shift, min(walls) - shift, max(walls) - shift, anchored, leader))
     return found
 
 
