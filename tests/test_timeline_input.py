@@ -450,3 +450,18 @@ def test_training_processes_restarted_under_one_leader_are_one_run(events: Path)
     assert [(s.seq, s.ok, len(s.lanes), s.missing) for s in timeline.switches] == [(1, True, WORLD, []),
                                                                                  (2, True, WORLD, [])]
     assert "runs of job" not in render_html(timeline)
+
+
+def test_a_failed_guard_says_its_status_and_detail(events: Path) -> None:
+    """``guard_done`` records a hook's outcome as ``status`` + ``detail``, ``member_result`` as
+    ``reason``: the bars read both (hook_outcome)."""
+    path = events / "rank-2.jsonl"
+    records = load(path)
+    for r in records:
+        if r["kind"] == "guard_done" and r["seq"] == 1:
+            r["detail"].update(ok=False, status="raised", detail="OSError: disk full")
+    save(path, records)
+    lane = timeline_of(events).switches[0].lanes[2]
+    guard = next(b for b in lane.bars if b.phase == "guard")
+    assert (guard.ok, guard.note) == (False, "raised: OSError: disk full") and lane.failed == 1
+    assert next(b for b in lane.bars if b.phase == "switch").note == "switched"

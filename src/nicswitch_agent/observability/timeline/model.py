@@ -269,25 +269,35 @@ def _is_phase(kind: str, detail: dict[str, Any]) -> bool:
 
 def _take(part: _RankPart, kind: str, t: float, d: dict[str, Any]) -> None:
     duration = max(0.0, number(d.get("duration_s")) or 0.0)
-    ok = d.get("ok") is not False
+    ok, note = hook_outcome(d)
     sent = number(d.get("sent_at"))
     if kind == ev.GUARD_DONE:
-        status = "skipped" if d.get("skipped") else str(d.get("status") or "")
-        part.guard = (t - duration, t, ok, status if ok else f"{status}: {d.get('detail', '')}")
+        part.guard = (t - duration, t, ok, note)
         part.order_sent = part.order_sent if part.order_sent is not None else sent
     elif kind == ev.MEMBER_RESULT:
         what = str(d.get("kind", "switch"))
         if what == "switch":
-            part.result = (t - duration, t, ok, str(d.get("reason", "")))
+            part.result = (t - duration, t, ok, note)
             part.order_sent = sent if sent is not None else part.order_sent
         else:
-            part.extras.append(Bar(what, t - duration, t, ok, str(d.get("reason", ""))))
+            part.extras.append(Bar(what, t - duration, t, ok, note))
     elif kind == ev.SWITCH_OUTCOME:
         if d.get("kind", "switch") == "switch":
             part.outcome, part.outcome_sent = t, sent
     else:
         phase = VERIFY_PREFIX if kind.startswith(VERIFY_PREFIX) else kind
-        part.extras.append(Bar(phase, t - duration, t, ok, str(d.get("reason") or d.get("detail") or "")))
+        part.extras.append(Bar(phase, t - duration, t, ok, note))
+
+
+def hook_outcome(detail: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a hook's run succeeded, and what to say about it, from either convention the events
+    record it in: ``ok`` + ``reason`` (``member_result``, ``verify_done``) or ``ok`` + ``status`` +
+    ``detail`` (``guard_done``: the hook runner's status, and ``skipped`` when no guard ran)."""
+    ok = detail.get("ok") is not False
+    if "status" not in detail and "skipped" not in detail:
+        return ok, str(detail.get("reason") or detail.get("detail") or "")
+    status = "skipped" if detail.get("skipped") else str(detail.get("status") or "")
+    return ok, status if ok else f"{status}: {detail.get('detail', '')}"
 
 
 def _int(value: Any) -> int | None:
