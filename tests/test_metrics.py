@@ -561,6 +561,8 @@ def test_a_launchers_leader_knows_every_ranks_link_and_a_dry_run_moves_none(sim:
 def test_compact_ranks_and_the_status_line() -> None:
     assert compact_ranks([]) == ""
     assert compact_ranks([23, 16, 17, 18, 19, 20, 21, 22, 40, 7, 7]) == "7,16-23,40"
+    assert compact_ranks([0, 1, 2, 3, 8, 10, 11, 20], most=2) == "0-3,8,... (8 in all)"
+    assert compact_ranks([0, 1, 2, 3, 8], most=2) == "0-3,8"
     links = LinkMap()
     links(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 1032}))
     order = SwitchOrder(seq=3, job_id=JOB, ranks=tuple(range(16, 24)), ops=(True,) * 8)

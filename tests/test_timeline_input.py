@@ -14,18 +14,21 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
+import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
 import pytest
-from scripted import End, ScriptedClusterD, Send, rank_list
+from scripted import Block, End, ScriptedClusterD, Send, rank_list
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.timeline import build, read_events, render_html
 from nicswitch_agent.observability.timeline.model import Timeline
-from nicswitch_agent.observability.timeline.render import FAILED
+from nicswitch_agent.observability.timeline.render import COLOURS, CRITICAL, FAILED, PHASE_TEXT
 from nicswitch_agent.ops import cli
 
 WORLD = 4
@@ -332,3 +335,133 @@ def test_a_reused_demo_output_dir_holds_only_the_last_runs_events(demo_events: P
     for path in sorted((out / "events").glob("rank-*.jsonl")):
         started = [e for e in load(path) if e["kind"] == "agent_started"]
         assert len(started) == 1, (path, len(started))
+
+
+def test_the_svg_alone_carries_its_legend(events: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--format svg`` has no page around it: the picture itself says what each colour means."""
+    out = tmp_path / "t.svg"
+    code, _, _ = run_cli([str(events), "--format", "svg", "-o", str(out)], capsys)
+    assert code == 0
+    svg = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(out.read_text(encoding="utf-8"))
+    legend = next((g for g in root.iter(f"{svg}g") if g.get("class") == "legend"), None)
+    assert legend is not None, "no legend in the SVG"
+    keys = {rect.get("fill"): "".join(text.itertext()) for entry in legend.iter(f"{svg}g")
+            for rect in entry.iter(f"{svg}rect") for text in entry.iter(f"{svg}text")}
+    for phase, colour in COLOURS.items():
+        assert keys.get(colour) == PHASE_TEXT[phase], (phase, keys)
+    assert keys.get(FAILED) == "failed" and keys.get(CRITICAL) == "everyone waited for this lane"
+    rows = [float(m.group(1)) for g in legend.iter(f"{svg}g")
+            if (m := re.fullmatch(r"translate\([\d.]+,([\d.]+)\)", g.get("transform", "")))]
+    assert rows and max(rows) < float(root.get("height", "0")), "the legend is drawn outside the picture"
+
+
+def test_the_reply_is_drawn_when_it_was_sent_not_when_the_call_returned(clusterd: ScriptedClusterD,
+                                                                         tmp_path: Path) -> None:
+    """ClusterD holds the reply call after taking the reply (as a busy ClusterD does): the leader's
+    ``reply_sent`` event is stamped after ClusterD's "finish"; the mark must come before it."""
+    release, replied = threading.Event(), threading.Event()
+    clusterd.script(Send(rank_list(["0"], [True])), End())
+    clusterd.reply_script.append(Block(release))
+    template = str(tmp_path / "events-{rank}.jsonl")
+    agent = SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", rank=0, world_size=1,
+                        store=InProcessStore(), switch_hook=lambda order: True, events_file=template,
+                        on_event=lambda e: replied.set() if e.kind == ev.REPLY_SENT else None)
+    try:
+        agent.start()
+        clusterd.wait_replies(1)
+        finished = time.time()  # ClusterD has the reply: its switch is finished
+        release.set()
+        assert replied.wait(10)
+    finally:
+        agent.stop()
+    events = read_events([template])
+    reply = next(r for r in events.records if r.kind == ev.REPLY_SENT)
+    assert reply.wall > finished  # what the event's own time says: after ClusterD's finish
+    assert reply.detail["sent_at"] <= finished < reply.wall  # when the call went out
+    (switch,) = build(events).switches
+    sent = next(m for m in switch.leader if m.label.startswith("reply sent: true"))
+    assert switch.start_wall + sent.at <= finished, (sent, finished - switch.start_wall)
+    assert "the call returned" in sent.label
+    done = next(m for m in switch.leader if m.label.startswith("switch done"))
+    assert done.at <= sent.at  # still after the switch it answers
+
+
+# -- several runs in one set of files ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def second_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The events files of a second, later run of the same demo (the same job id)."""
+    out = tmp_path_factory.mktemp("again")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NICSWITCH_", "MINDX_", "PYTEST_"))}
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--output-dir", str(out)],
+                            capture_output=True, text=True, timeout=60, env=env, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return out / "events"
+
+
+def append_run(events: Path, later: Path, *, same_pid: bool = False) -> None:
+    """``later``'s events appended to ``events``'s files, as ``events_file`` with ``{rank}`` does
+    when a job is started again (``same_pid``: a restarted container reusing the pids)."""
+    for path in sorted(events.glob("rank-*.jsonl")):
+        first, second = load(path), load(later / path.name)
+        if same_pid:
+            second = [{**r, "pid": first[0]["pid"]} for r in second]
+        save(path, first + second)
+
+
+@pytest.mark.parametrize("same_pid", [False, True], ids=["new-pids", "reused-pids"])
+def test_two_runs_appended_to_the_same_files_are_drawn_apart(events: Path, second_run: Path, tmp_path: Path,
+                                                              same_pid: bool,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Each run's leader numbers its lists from 1: run 2's switches must not merge into run 1's."""
+    append_run(events, second_run, same_pid=same_pid)
+    timeline = timeline_of(events)
+    assert [(r.number, r.first_switch, r.last_switch, len(r.processes)) for r in timeline.runs] == \
+        [(1, 1, 2, WORLD), (2, 3, 4, WORLD)]
+    assert [(s.seq, s.run, s.list_seq, s.ok) for s in timeline.switches] == \
+        [(1, 1, 1, True), (2, 1, 2, True), (3, 2, 1, True), (4, 2, 2, True)]
+    for switch in timeline.switches:
+        assert switch.missing == [] and switch.duration < 1.0  # merged, it spanned both runs
+        assert [lane.label for lane in switch.lanes] == [f"rank {r}" for r in range(WORLD)]
+        for lane in switch.lanes:  # one bar per phase: nothing of the other run's switch
+            assert sorted(b.phase for b in lane.bars) == ["guard", "parked", "pause", "switch"], lane.bars
+            assert [m.label for m in lane.marks] == ["resumed"]
+        assert [m.label.split(":")[0] for m in switch.leader].count("reply sent") == 1
+    page = render_html(timeline)
+    assert "These files hold 2 runs of job demo-job" in page
+    assert "Switch 3 (run 2, list 1)" in page and "switches 3-4" in page
+    code, out, _ = run_cli([str(events), "--switch", "3", "-o", str(tmp_path / "t.html")], capsys)
+    assert code == 0 and "switch 3 (run 2, list 1): switched" in out
+    assert "switch 1 " not in out and "switch 4 " not in out
+
+
+def test_training_processes_restarted_under_one_leader_are_one_run(events: Path) -> None:
+    """A launcher's leader outlives the training processes it restarts: rank 1 restarted between
+    the two switches (a new pid, a new agent_started) is still the same run, its lists numbered on."""
+    path = events / "rank-1.jsonl"
+    records = load(path)
+    cut = next(i for i, r in enumerate(records) if r["kind"] == "resumed") + 1
+    started = {**next(r for r in records if r["kind"] == "agent_started"), "wall": records[cut]["wall"] - 0.001}
+    save(path, records[:cut] + [{**r, "pid": r["pid"] + 1} for r in [started, *records[cut:]]])
+    timeline = timeline_of(events)
+    assert len(timeline.runs) == 1 and len(timeline.runs[0].processes) == WORLD + 1
+    assert [(s.seq, s.ok, len(s.lanes), s.missing) for s in timeline.switches] == [(1, True, WORLD, []),
+                                                                                 (2, True, WORLD, [])]
+    assert "runs of job" not in render_html(timeline)
+
+
+def test_a_failed_guard_says_its_status_and_detail(events: Path) -> None:
+    """``guard_done`` records a hook's outcome as ``status`` + ``detail``, ``member_result`` as
+    ``reason``: the bars read both (hook_outcome)."""
+    path = events / "rank-2.jsonl"
+    records = load(path)
+    for r in records:
+        if r["kind"] == "guard_done" and r["seq"] == 1:
+            r["detail"].update(ok=False, status="raised", detail="OSError: disk full")
+    save(path, records)
+    lane = timeline_of(events).switches[0].lanes[2]
+    guard = next(b for b in lane.bars if b.phase == "guard")
+    assert (guard.ok, guard.note) == (False, "raised: OSError: disk full") and lane.failed == 1
+    assert next(b for b in lane.bars if b.phase == "switch").note == "switched"

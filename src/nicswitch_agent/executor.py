@@ -215,7 +215,8 @@ class Executor:
             why = f"{forgotten}; a reply now would answer its next switch"
             logger.warning("switch #%d: reply %s not sent: %s", owed.seq, str(result).lower(), why)
             self._emit(ev.REPLY_FAILED, owed.seq, {"result": result, "reason": reason, "outcome": "dropped",
-                                                   "attempts": 0, "duration_s": 0.0, "code": None, "error": why})
+                                                   "attempts": 0, "duration_s": 0.0, "code": None, "sent_at": None,
+                                                   "error": why})
             return None
         report = self._send(owed.job_id, result, total_timeout_s)
         elapsed = None if owed.order is None else time.monotonic() - owed.order.received_at
@@ -230,7 +231,8 @@ class Executor:
                 "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
             }
         detail = {"result": result, "reason": reason, "outcome": report.outcome.value,
-                  "attempts": report.attempts, "duration_s": report.duration_s, "code": report.code}
+                  "attempts": report.attempts, "duration_s": report.duration_s, "code": report.code,
+                  "sent_at": report.sent_at}
         if report.delivered:
             logger.info("switch #%d: replied %s (%s) in %.1f ms", owed.seq, str(result).lower(), reason,
                         report.duration_s * 1000)

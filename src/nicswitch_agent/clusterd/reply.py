@@ -58,6 +58,7 @@ class ReplyReport:
     code: int | None = None
     info: str = ""
     error: str = ""
+    sent_at: float | None = None  # wall clock as the last call went out (None: no call was sent)
 
     @property
     def delivered(self) -> bool:
@@ -96,15 +97,17 @@ class Replier:
         started = time.monotonic()
         deadline = started + total
         attempts = 0
+        sent_at: float | None = None
         request = pb.SwitchResult(jobId=job_id, result=result)
 
         def attempt() -> Any:
-            nonlocal attempts
+            nonlocal attempts, sent_at
             attempts += 1
             budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
             if not self._watch.wait_ready(budget):
                 raise NotConnected(f"ClusterD not reachable within {budget:.3g} s")
             budget = max(0.001, min(policy.attempt_timeout_s, deadline - time.monotonic()))
+            sent_at = time.time()  # the timeline's "reply sent": the call returns after ClusterD took it
             return self._stub.ReplySwitchNicResult(request, timeout=budget, wait_for_ready=True)
 
         def pause(seconds: float) -> None:
@@ -124,9 +127,9 @@ class Replier:
         except BaseException as exc:  # every failure becomes a report
             outcome = ReplyOutcome.NOT_DELIVERED if is_undelivered(exc) else ReplyOutcome.UNCERTAIN
             return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started,
-                               error=describe(exc))
+                               error=describe(exc), sent_at=sent_at)
         code = int(status.code)
         outcome = ReplyOutcome.DELIVERED if code == 0 else ReplyOutcome.REJECTED
         return ReplyReport(job_id, result, outcome, attempts, time.monotonic() - started, code=code,
-                           info=status.info)
+                           info=status.info, sent_at=sent_at)
 

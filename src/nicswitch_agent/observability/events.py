@@ -139,7 +139,9 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("outcome", "`delivered`"),
         ("attempts", "calls made, retries included"),
         ("duration_s", "the reply call, retries included"),
-        ("code", "ClusterD's answer code"))),
+        ("code", "ClusterD's answer code"),
+        ("sent_at", "the leader's wall clock as the call that was delivered went out (the event itself is "
+                    "stamped when the call returned, after ClusterD took the reply)"))),
     EventKind(REPLY_FAILED, "leader", "the reply was rejected, not delivered, or may not have arrived (never resent)", (
         ("result", "the answer it tried to send"),
         ("reason", "why that answer"),
@@ -148,6 +150,8 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("attempts", "calls made"),
         ("duration_s", "time spent trying"),
         ("code", "ClusterD's answer code, if it answered"),
+        ("sent_at", "the leader's wall clock as the last call went out, or null when none was sent "
+                    "(`dropped`, or ClusterD never reachable)"),
         ("error", "what went wrong"))),
     EventKind(RESUMED, "every rank, pause mode `agent`", "the training thread left its parking spot", (
         ("step", "the step it was parked at"),

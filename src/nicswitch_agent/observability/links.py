@@ -47,20 +47,21 @@ class Decision(Protocol):
     def attempted(self) -> bool: ...
 
 
-def compact_ranks(ranks: Iterable[int]) -> str:
-    """``16-23,40`` for ranks 16..23 and 40 (sorted, runs joined); ``""`` for none."""
-    parts: list[str] = []
-    start = prev = None
+def compact_ranks(ranks: Iterable[int], *, most: int | None = None) -> str:
+    """``16-23,40`` for ranks 16..23 and 40 (sorted, runs joined); ``""`` for none. With ``most``,
+    only the first ``most`` runs, then ``,... (N in all)``. The one place rank sets become text
+    (status, the status line, the timeline page)."""
+    runs: list[list[int]] = []
     for rank in sorted(set(ranks)):
-        if prev is not None and rank == prev + 1:
-            prev = rank
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = rank
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ",".join(parts)
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    shown = runs if most is None else runs[:most]
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in shown)
+    if len(shown) < len(runs):
+        text += f",... ({sum(b - a + 1 for a, b in runs)} in all)"
+    return text
 
 
 class LinkMap:

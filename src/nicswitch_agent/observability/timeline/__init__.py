@@ -2,6 +2,7 @@
 and a text summary. ``nicswitch-agent timeline`` is its command line (ops/timeline_cli.py).
 
 - reading.py: files, globs and directories in; one job's records and what could not be read out;
+- runs.py: several runs of the job in the same files told apart (processes, runs);
 - model.py: clocks aligned on the leader's, switches, lanes, bars, the critical path (pure data);
 - render.py: inline SVG and the HTML page; summary.py: the text summary.
 """

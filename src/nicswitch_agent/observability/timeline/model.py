@@ -19,8 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from nicswitch_agent.observability import events as ev
-from nicswitch_agent.observability.timeline.clocks import Alignment, align, number
+from nicswitch_agent.observability.links import compact_ranks
+from nicswitch_agent.observability.timeline import runs
+from nicswitch_agent.observability.timeline.clocks import Alignment, Source, align, number
 from nicswitch_agent.observability.timeline.reading import EventSet, Record, collecting_later
+from nicswitch_agent.observability.timeline.runs import Run
 
 AGGREGATE_ABOVE = 256  # rank lanes per switch; above this, one lane per node
 DEFAULT_RANKS_PER_NODE = 8
@@ -82,7 +85,7 @@ class PhaseStats:
 class Switch:
     """One rank list of the job, from the first pause to the last resume, on the leader's clock."""
 
-    seq: int
+    seq: int  # the page's number for it, which ``--switch`` takes: runs are numbered on in order
     start_wall: float  # the leader's wall clock at time 0 of this switch
     duration: float
     ok: bool | None  # None: the events do not say how it ended
@@ -98,6 +101,8 @@ class Switch:
     slowest: list[tuple[int, float, str]] = field(default_factory=list)  # (rank, answered at, what)
     critical: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
+    list_seq: int = 0  # the leader's list number (``seq`` is the page's: the same with one run)
+    run: int = 1  # the run it belongs to (runs.py)
 
 
 @dataclass
@@ -110,6 +115,7 @@ class Timeline:
     ranks_seen: int
     ranks_expected: int
     missing_ranks: list[int]
+    runs: list[Run] = field(default_factory=list)  # more than one: the files hold several runs of the job
 
 
 # -- building ------------------------------------------------------------------------------------------
@@ -147,24 +153,23 @@ def build(events: EventSet, *, ranks_per_node: int = DEFAULT_RANKS_PER_NODE,
 
 def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_switch: int | None) -> Timeline:
     problems = list(events.problems)
-    by_source: dict[tuple[int | None, int | None], list[Record]] = defaultdict(list)
+    by_source: dict[Source, list[Record]] = defaultdict(list)
     for record in events.records:
         by_source[(record.rank, record.pid)].append(record)
     leaders = {s for s, recs in by_source.items() if any(_is_leader(r) for r in recs)}
     alignment, offset = align(by_source, leaders)
-    parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
-    pauses: dict[int, dict[int, _Pause]] = defaultdict(dict)  # rank -> epoch -> pause
-    leader_events: list[tuple[float, Record]] = []
-    ranks_seen: set[int] = set()
-    no_rank = 0
-    for source, records in by_source.items():
-        shift = offset[source]
-        records.sort(key=lambda r: r.mono if r.mono is not None else r.wall)
-        if source[0] is None:
-            no_rank += len(records)
-        else:
-            ranks_seen.add(source[0])
-        _walk(records, shift, source[0], parts, pauses, leader_events)
+    ranks_seen = {source[0] for source in by_source if source[0] is not None}
+    no_rank = sum(len(records) for source, records in by_source.items() if source[0] is None)
+    job_runs = runs.group(runs.split(by_source, offset, leaders, _is_leader))
+    walked: list[tuple[dict[int, dict[int, _RankPart]], dict[int, dict[int, _Pause]], list[tuple[float, Record]]]] = []
+    for run in job_runs:
+        parts: dict[int, dict[int, _RankPart]] = defaultdict(dict)  # seq -> rank -> part
+        pauses: dict[int, dict[int, _Pause]] = defaultdict(dict)  # rank -> epoch -> pause
+        leader_events: list[tuple[float, Record]] = []
+        for process in run.processes:
+            process.records.sort(key=lambda r: r.mono if r.mono is not None else r.wall)
+            _walk(process.records, process.shift, process.source[0], parts, pauses, leader_events)
+        walked.append((parts, pauses, leader_events))
     if no_rank:
         problems.append(f"{no_rank} event(s) without a rank (written before the agent knew it): left out of "
                         "the rank lanes")
@@ -176,21 +181,33 @@ def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_swi
     if not alignment.leader_found:
         problems.append("no events of the leader (rank 0's file, or the launcher's, is missing): the leader's "
                         "messages are not shown; clocks were aligned by the leader's timestamps the ranks received")
-    far = _far_unaligned(alignment, by_source, leader_events)
+    far = _far_unaligned(alignment, by_source, [e for _, _, leader_events in walked for e in leader_events])
     if far:
         problems.append(far)
-    seqs = sorted(set(parts) | {r.seq for _, r in leader_events if r.seq is not None and r.kind in _LEADER_ONLY})
+    # The page numbers switches in order across runs: a run's lists follow the last number of the
+    # run before it (with one run, a switch's number is the leader's list number).
+    numbered: list[tuple[int, int, int]] = []  # (number, the leader's list number, run index)
+    base = 0
+    for index, (run, (parts, _, leader_events)) in enumerate(zip(job_runs, walked, strict=True)):
+        seqs = sorted(set(parts) | {r.seq for _, r in leader_events if r.seq is not None and r.kind in _LEADER_ONLY})
+        if seqs:
+            run.first_switch, run.last_switch = base + seqs[0], base + seqs[-1]
+            numbered += [(base + seq, seq, index) for seq in seqs]
+            base += seqs[-1]
     if only_switch is not None:
-        if only_switch not in seqs:
+        if only_switch not in {n for n, _, _ in numbered}:
             problems.append(f"switch {only_switch} is not in these events (switches found: "
-                            f"{', '.join(map(str, seqs)) or 'none'})")
-        seqs = [s for s in seqs if s == only_switch]
-    switches = [_switch(seq, parts.get(seq, {}), pauses, leader_events, expected, ranks_per_node, aggregate_above)
-                for seq in seqs]
-    _attach_unsequenced(switches, leader_events)
+                            f"{', '.join(str(n) for n, _, _ in numbered) or 'none'})")
+        numbered = [item for item in numbered if item[0] == only_switch]
+    switches = []
+    for index, (run, (parts, pauses, leader_events)) in enumerate(zip(job_runs, walked, strict=True)):
+        mine = [_switch(shown, seq, run.number, parts.get(seq, {}), pauses, leader_events, expected, ranks_per_node,
+                        aggregate_above) for shown, seq, at in numbered if at == index]
+        _attach_unsequenced(mine, leader_events)
+        switches += mine
     return Timeline(job_id=events.job_id, switches=switches, alignment=alignment, problems=problems,
                     files=len(events.files), ranks_seen=len(ranks_seen), ranks_expected=expected,
-                    missing_ranks=missing_ranks)
+                    missing_ranks=missing_ranks, runs=job_runs)
 
 
 def _is_leader(record: Record) -> bool:
@@ -252,25 +269,35 @@ def _is_phase(kind: str, detail: dict[str, Any]) -> bool:
 
 def _take(part: _RankPart, kind: str, t: float, d: dict[str, Any]) -> None:
     duration = max(0.0, number(d.get("duration_s")) or 0.0)
-    ok = d.get("ok") is not False
+    ok, note = hook_outcome(d)
     sent = number(d.get("sent_at"))
     if kind == ev.GUARD_DONE:
-        status = "skipped" if d.get("skipped") else str(d.get("status") or "")
-        part.guard = (t - duration, t, ok, status if ok else f"{status}: {d.get('detail', '')}")
+        part.guard = (t - duration, t, ok, note)
         part.order_sent = part.order_sent if part.order_sent is not None else sent
     elif kind == ev.MEMBER_RESULT:
         what = str(d.get("kind", "switch"))
         if what == "switch":
-            part.result = (t - duration, t, ok, str(d.get("reason", "")))
+            part.result = (t - duration, t, ok, note)
             part.order_sent = sent if sent is not None else part.order_sent
         else:
-            part.extras.append(Bar(what, t - duration, t, ok, str(d.get("reason", ""))))
+            part.extras.append(Bar(what, t - duration, t, ok, note))
     elif kind == ev.SWITCH_OUTCOME:
         if d.get("kind", "switch") == "switch":
             part.outcome, part.outcome_sent = t, sent
     else:
         phase = VERIFY_PREFIX if kind.startswith(VERIFY_PREFIX) else kind
-        part.extras.append(Bar(phase, t - duration, t, ok, str(d.get("reason") or d.get("detail") or "")))
+        part.extras.append(Bar(phase, t - duration, t, ok, note))
+
+
+def hook_outcome(detail: dict[str, Any]) -> tuple[bool, str]:
+    """Whether a hook's run succeeded, and what to say about it, from either convention the events
+    record it in: ``ok`` + ``reason`` (``member_result``, ``verify_done``) or ``ok`` + ``status`` +
+    ``detail`` (``guard_done``: the hook runner's status, and ``skipped`` when no guard ran)."""
+    ok = detail.get("ok") is not False
+    if "status" not in detail and "skipped" not in detail:
+        return ok, str(detail.get("reason") or detail.get("detail") or "")
+    status = "skipped" if detail.get("skipped") else str(detail.get("status") or "")
+    return ok, status if ok else f"{status}: {detail.get('detail', '')}"
 
 
 def _int(value: Any) -> int | None:
@@ -308,21 +335,14 @@ def _duration_text(seconds: float) -> str:
 
 
 def _ranks_text(ranks: Sequence[int]) -> str:
-    """``rank 3`` or ``ranks 2-5, 9`` (consecutive runs folded; at most 8 runs shown)."""
-    runs: list[tuple[int, int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
-    shown = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs[:8])
-    more = f", ... ({len(ranks)} in all)" if len(runs) > 8 else ""
-    return f"rank{'s' if len(ranks) != 1 else ''} {shown}{more}"
+    """``rank 3`` or ``ranks 2-5,9`` (at most 8 runs of consecutive ranks shown)."""
+    return f"rank{'s' if len(ranks) != 1 else ''} {compact_ranks(ranks, most=8)}"
 
 
-def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _Pause]],
+def _switch(shown: int, seq: int, run: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _Pause]],
             leader_events: list[tuple[float, Record]], expected: int, ranks_per_node: int,
             aggregate_above: int) -> Switch:
+    """The switch of the leader's list ``seq`` in ``run``; ``shown``: the page's number for it."""
     mine = [(t, r) for t, r in leader_events if r.seq == seq and r.kind in _LEADER_ONLY]
     by_kind = {r.kind: (t, r) for t, r in mine}
     rank_pauses = {rank: pauses.get(rank, {}).get(part.epoch) for rank, part in parts.items()
@@ -332,8 +352,8 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     size = _int(done[1].detail.get("ranks")) if done else None
     world = size or expected
     ok, reason = _verdict(by_kind, parts)
-    switch = Switch(seq=seq, start_wall=t0, duration=t1 - t0, ok=ok, reason=reason, ranks_expected=world,
-                    ranks_seen=len(parts), step=None)
+    switch = Switch(seq=shown, start_wall=t0, duration=t1 - t0, ok=ok, reason=reason, ranks_expected=world,
+                    ranks_seen=len(parts), step=None, list_seq=seq, run=run)
     switch.leader = _leader_marks(mine, parts, rank_pauses, t0)
     lanes = {rank: _rank_lane(rank, part, rank_pauses.get(rank), t0, t1) for rank, part in sorted(parts.items())}
     steps = Counter(p.step for p in rank_pauses.values() if p is not None and p.step is not None)
@@ -341,7 +361,7 @@ def _switch(seq: int, parts: dict[int, _RankPart], pauses: dict[int, dict[int, _
     switch.critical = _critical(lanes, parts, rank_pauses, t0)
     switch.stats = _stats(lanes)
     switch.slowest = _slowest(parts, t0)
-    switch.missing = _missing(seq, by_kind, parts, world, rank_pauses)
+    switch.missing = _missing(shown, by_kind, parts, world, rank_pauses)
     if len(lanes) > aggregate_above:
         switch.lanes, switch.by_node, switch.ranks_per_node = _node_lanes(lanes, ranks_per_node), True, ranks_per_node
     else:
@@ -399,13 +419,27 @@ def _leader_marks(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
         elif r.kind == ev.SWITCH_DONE:
             marks.append(Mark(t - t0, f"switch done: {d.get('reason')}", ok=d.get("ok") is True))
         elif r.kind == ev.REPLY_SENT:
-            marks.append(Mark(t - t0, f"reply sent: {str(d.get('result')).lower()}", ok=d.get("result") is True))
+            at, returned = _reply_sent_at(t, r)
+            marks.append(Mark(at - t0, f"reply sent: {str(d.get('result')).lower()}{returned}",
+                              ok=d.get("result") is True))
         elif r.kind == ev.REPLY_FAILED:
-            marks.append(Mark(t - t0, f"reply {d.get('outcome')}: {d.get('error')}", ok=False))
+            at, returned = _reply_sent_at(t, r)
+            marks.append(Mark(at - t0, f"reply {d.get('outcome')}: {d.get('error')}{returned}", ok=False))
     if outcomes:
         ok = all(m.ok for m in marks if m.label.startswith("switch done"))
         marks.append(Mark(min(outcomes) - t0, "outcome sent to the ranks", ok=ok))
     return sorted(marks, key=lambda m: m.at)
+
+
+def _reply_sent_at(t: float, record: Record) -> tuple[float, str]:
+    """When the reply went out (the event is stamped when the call returned, after ClusterD took
+    it): ``sent_at``, else (an older agent) when the call began; and a note of when it returned."""
+    sent_at = number(record.detail.get("sent_at"))
+    if sent_at is not None:
+        sent = min(t, sent_at - (record.wall - t))  # on the same clock as t
+    else:
+        sent = t - max(0.0, number(record.detail.get("duration_s")) or 0.0)
+    return sent, (f" (the call returned {(t - sent) * 1000:.1f} ms later)" if t - sent >= 0.0005 else "")
 
 
 def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: float) -> Lane:

@@ -27,6 +27,7 @@ CRITICAL = "#fff3b0"
 PHASE_TEXT = {"pause": "reaching the step boundary (pause requested to parked)",
               "parked": "parked (training waits)", "guard": "checkpoint guard", "switch": "switch hook",
               "verify": "verification"}
+FONTS = "system-ui,-apple-system,'Segoe UI',Helvetica,Arial,sans-serif"
 CSS = """
 body{font:14px/1.45 system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif;margin:20px 28px;color:#222;
 background:#fff;max-width:1160px}
@@ -38,8 +39,8 @@ td.l,th.l{text-align:left}.meta{color:#555;margin:2px 0}
 .problems{background:#fff4f4;border:1px solid #f1b5b5;padding:6px 12px;margin:10px 0}
 .problems li,.missing li{margin:2px 0}.legend span{display:inline-block;margin-right:14px;font-size:13px}
 .legend i{display:inline-block;width:14px;height:10px;margin-right:4px;vertical-align:middle;border:1px solid #999}
-svg{display:block;margin:6px 0}svg text{font-family:system-ui,-apple-system,"Segoe UI",Helvetica,Arial,sans-serif}
-"""
+svg{display:block;margin:6px 0}svg text{font-family:FONTS}
+""".replace("FONTS", FONTS)
 
 
 def _e(text: object) -> str:
@@ -196,25 +197,36 @@ def render_svg(timeline: Timeline) -> str:
     """Every switch of ``timeline`` stacked in one standalone SVG (``--format svg``)."""
     pieces: list[str] = []
     y = 0
+    several = len(timeline.runs) > 1
     for switch in timeline.switches:
         body = switch_svg(switch)
         height = int(body.split('height="', 1)[1].split('"', 1)[0])
-        pieces.append(f'<text x="8" y="{y + 18}" font-size="14" font-weight="700">{_e(_switch_heading(switch))}'
-                      f'</text>')
+        pieces.append(f'<text x="8" y="{y + 18}" font-size="14" font-weight="700">'
+                      f'{_e(_switch_heading(switch, several))}</text>')
         pieces.append(body.replace("<svg ", f'<svg x="0" y="{y + 26}" ', 1))
         y += height + 34
     if not pieces:
         pieces.append(f'<text x="8" y="20" font-size="14">no switch in the events of job {_e(timeline.job_id)}</text>')
         y = 30
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}">'
+    else:
+        legend, height = _svg_legend(y)
+        pieces.append(legend)
+        y += height
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{y}" viewBox="0 0 {WIDTH} {y}" '
+            f'font-family="{FONTS}">'
             f'<rect width="{WIDTH}" height="{y}" fill="#fff"/>{"".join(pieces)}</svg>\n')
 
 
-def _switch_heading(switch: Switch) -> str:
+def switch_name(switch: Switch, several_runs: bool) -> str:
+    """``Switch 3``, or with several runs in the files ``Switch 3 (run 2, list 1)``: the leader's list 1."""
+    return f"Switch {switch.seq}" + (f" (run {switch.run}, list {switch.list_seq})" if several_runs else "")
+
+
+def _switch_heading(switch: Switch, several_runs: bool) -> str:
     verdict = _verdict_word(switch.ok)
     step = f", parked at step {switch.step}" if switch.step is not None else ""
-    return (f"Switch {switch.seq}: {verdict} ({switch.reason}); {switch.ranks_seen} of {switch.ranks_expected} "
-            f"ranks{step}; {_ms(switch.duration)} from first pause to last resume")
+    return (f"{switch_name(switch, several_runs)}: {verdict} ({switch.reason}); {switch.ranks_seen} of "
+            f"{switch.ranks_expected} ranks{step}; {_ms(switch.duration)} from first pause to last resume")
 
 
 def _verdict_word(ok: bool | None) -> str:
@@ -240,10 +252,11 @@ def render_html(timeline: Timeline) -> str:
         out.extend(f"<li>{_e(p)}</li>" for p in timeline.problems)
         out.extend(f"<li>{_e(m)}</li>" for s in timeline.switches for m in s.missing)
         out.append("</ul></div>")
+    out.append(_runs(timeline))
     out.append(_overview(timeline))
     out.append(_legend())
     for switch in timeline.switches:
-        out.append(_switch_section(switch))
+        out.append(_switch_section(switch, len(timeline.runs) > 1))
     out.append("</body></html>\n")
     return "".join(out)
 
@@ -261,22 +274,81 @@ def alignment_text(timeline: Timeline) -> str:
     return text
 
 
-def _legend() -> str:
+def _legend_items() -> list[tuple[str, str]]:
+    """(colour, meaning) of everything the picture colours, for the page's legend and the SVG's."""
     items = [(COLOURS[p], PHASE_TEXT[p]) for p in ("pause", "parked", "guard", "switch", "verify")]
-    items += [(GENERIC, "another phase (named in the hover text)"), (FAILED, "failed"),
-              (RESUMED, "resumed (a tick)"), (CRITICAL, "everyone waited for this lane")]
-    spans = "".join(f'<span><i style="background:{c}"></i>{_e(t)}</span>' for c, t in items)
+    return [*items, (GENERIC, "another phase (named in the hover text)"), (FAILED, "failed"),
+            (RESUMED, "resumed (a tick)"), (CRITICAL, "everyone waited for this lane")]
+
+
+def _legend() -> str:
+    spans = "".join(f'<span><i style="background:{c}"></i>{_e(t)}</span>' for c, t in _legend_items())
     return (f'<p class="legend">{spans}<span>&#8212; node lanes: the line spans its ranks\' answers</span></p>')
 
 
+LEGEND_COLUMNS = 3
+LEGEND_ROW_H = 18
+
+
+def _svg_legend(y: int) -> tuple[str, int]:
+    """The legend drawn in SVG (``--format svg`` has no page around it): swatches in rows of
+    three; the leader's ticks and node lanes last. Returns the SVG and its height."""
+    items = [(f'<rect width="14" height="10" y="-9" fill="{c}" stroke="#999"/>', t) for c, t in _legend_items()]
+    items.append(('<line x1="0" y1="-4" x2="14" y2="-4" stroke="#111"/>', "node lanes: first to last answer"))
+    items.append(('<line x1="7" y1="-11" x2="7" y2="1" stroke="#1f4e79" stroke-width="2"/>',
+                  "leader: a numbered message (hover it)"))
+    column_w = (WIDTH - 16) // LEGEND_COLUMNS
+    out = [f'<g class="legend"><text x="8" y="{y + 14}" font-size="12" font-weight="700">Legend</text>']
+    for index, (swatch, text) in enumerate(items):
+        row, column = divmod(index, LEGEND_COLUMNS)
+        tx, ty = 8 + column * column_w, y + 34 + row * LEGEND_ROW_H
+        out.append(f'<g transform="translate({tx},{ty})">{swatch}<text x="20" y="0" font-size="11" '
+                   f'fill="#333">{_e(text)}</text></g>')
+    out.append("</g>")
+    rows = math.ceil(len(items) / LEGEND_COLUMNS)
+    return "".join(out), 24 + rows * LEGEND_ROW_H + 6
+
+
+def runs_text(timeline: Timeline) -> list[str]:
+    """With several runs in the files: what that means, then a line per run; else nothing."""
+    if len(timeline.runs) < 2:
+        return []
+    lines = [f"These files hold {len(timeline.runs)} runs of job {timeline.job_id} (the job or its processes were "
+             "restarted, or the same events files were written again): each run's switches are drawn separately, "
+             "numbered on in order; \"list N\" is the leader's number for it, from 1 in every run (--switch takes "
+             "the switch's number)."]
+    for run in timeline.runs:
+        switches = ("no switch" if run.first_switch is None else f"switch {run.first_switch}"
+                    if run.first_switch == run.last_switch else f"switches {run.first_switch}-{run.last_switch}")
+        leader = f", leader pid {', '.join(map(str, run.leader_pids))}" if run.leader_pids else ""
+        ranks = {p.source[0] for p in run.processes if p.source[0] is not None}
+        again = len([p for p in run.processes if p.source[0] is not None]) - len(ranks)
+        restarted = f" ({again} restart(s) of a rank's agent)" if again > 0 else ""
+        lines.append(f"run {run.number}: started {_wall(run.start)}, {len(ranks)} rank(s){restarted}{leader}; "
+                     f"{switches}")
+    return lines
+
+
+def _runs(timeline: Timeline) -> str:
+    lines = runs_text(timeline)
+    if not lines:
+        return ""
+    return (f'<div class="runs"><p><b>Several runs.</b> {_e(lines[0])}</p><ul>'
+            + "".join(f"<li>{_e(line)}</li>" for line in lines[1:]) + "</ul></div>")
+
+
 def _overview(timeline: Timeline) -> str:
-    rows = ['<table><tr><th class="l">switch</th><th class="l">result</th><th>ranks</th><th>step</th>'
+    several = len(timeline.runs) > 1
+    run_th = "<th>run</th>" if several else ""
+    rows = [f'<table><tr><th class="l">switch</th>{run_th}<th class="l">result</th><th>ranks</th><th>step</th>'
             '<th>duration</th><th class="l">slowest phase (max)</th><th class="l">waited for</th></tr>']
     for s in timeline.switches:
+        run_td = f"<td>{s.run} (list {s.list_seq})</td>" if several else ""
         worst = max((st for st in s.stats if st.phase != "parked"), key=lambda st: st.max, default=None)
         slow = f"{worst.phase} {_ms(worst.max)} (rank {worst.max_rank})" if worst else ""
         verdict = {True: "switched", False: "FAILED", None: "unknown"}[s.ok]
-        rows.append(f'<tr><td class="l">{s.seq}</td><td class="l {_verdict_class(s.ok)}">{verdict}</td>'
+        rows.append(f'<tr><td class="l"><a href="#switch-{s.seq}">{s.seq}</a></td>{run_td}'
+                    f'<td class="l {_verdict_class(s.ok)}">{verdict}</td>'
                     f"<td>{s.ranks_seen}/{s.ranks_expected}</td><td>{'' if s.step is None else s.step}</td>"
                     f'<td>{_ms(s.duration)}</td><td class="l">{_e(slow)}</td>'
                     f'<td class="l">{_e("; ".join(c.split(":")[0] for c in s.critical))}</td></tr>')
@@ -284,8 +356,9 @@ def _overview(timeline: Timeline) -> str:
     return "".join(rows)
 
 
-def _switch_section(switch: Switch) -> str:
-    out = [f'<h2 id="switch-{switch.seq}">Switch {switch.seq}: <span class="{_verdict_class(switch.ok)}">'
+def _switch_section(switch: Switch, several_runs: bool) -> str:
+    out = [f'<h2 id="switch-{switch.seq}">{_e(switch_name(switch, several_runs))}: '
+           f'<span class="{_verdict_class(switch.ok)}">'
            f"{_verdict_word(switch.ok)}</span> &#8212; "
            f"{_e(switch.reason)}</h2>",
            f'<p class="meta">Started {_e(_wall(switch.start_wall))} (leader\'s clock); {switch.ranks_seen} of '

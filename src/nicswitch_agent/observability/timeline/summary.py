@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from nicswitch_agent.observability.timeline.model import Timeline
-from nicswitch_agent.observability.timeline.render import _ms, _verdict_word, alignment_text
+from nicswitch_agent.observability.timeline.render import _ms, _verdict_word, alignment_text, runs_text, switch_name
 
 
 def summary_text(timeline: Timeline) -> str:
@@ -11,10 +11,12 @@ def summary_text(timeline: Timeline) -> str:
     then what is missing and how the clocks were aligned."""
     lines = [f"job {timeline.job_id}: {len(timeline.switches)} switch(es), {timeline.ranks_seen} of "
              f"{timeline.ranks_expected} rank(s) with events, {timeline.files} file(s)"]
+    lines.extend(runs_text(timeline))
+    several = len(timeline.runs) > 1
     for s in timeline.switches:
         step = f", parked at step {s.step}" if s.step is not None else ""
-        lines.append(f"switch {s.seq}: {_verdict_word(s.ok)} ({s.reason}); {s.ranks_seen} of {s.ranks_expected} "
-                     f"ranks{step}; {_ms(s.duration)} from first pause to last resume")
+        lines.append(f"{switch_name(s, several).lower()}: {_verdict_word(s.ok)} ({s.reason}); {s.ranks_seen} of "
+                     f"{s.ranks_expected} ranks{step}; {_ms(s.duration)} from first pause to last resume")
         for st in s.stats:
             lines.append(f"  {st.phase:<10} p50 {_ms(st.p50):>10}  p99 {_ms(st.p99):>10}  max {_ms(st.max):>10}"
                          f"  (rank {st.max_rank}, {st.count} ranks)")
