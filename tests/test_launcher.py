@@ -367,7 +367,9 @@ def test_first_node_exports_the_leader_and_forwards_a_signal_any_thread_took(sim
     """
     import ctypes
 
-    launch = Launch(tmp_path, ["--world-size", "2", "--", sys.executable, "-c", TRAP, str(tmp_path)], base_env(sim))
+    # No rank ever joins (the child runs no agent): --join-timeout lets the leader register at once.
+    launch = Launch(tmp_path, ["--world-size", "2", "--join-timeout", "0.01", "--", sys.executable, "-c", TRAP,
+                               str(tmp_path)], base_env(sim))
     launches.append(launch)
     wait_ready(launch, tmp_path, 60)
     env = json.loads((tmp_path / "env.json").read_text())

@@ -164,6 +164,16 @@ def _run_version(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C at any moment, the imports that building the parser and running a command take
+    # included (hundreds of ms: grpc, the agent), ends the command with 130 and no traceback.
+    # (Importing this module costs only the package's first lines: nicswitch_agent/__init__.py.)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     configure_logging = getattr(args, "configure_logging", None)
@@ -181,8 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a bad setting (a NICSWITCH_* variable, a flag): its message says which and why
         print(f"nicswitch-agent {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -14,9 +14,12 @@ import threading
 import time
 from typing import Any
 
-from nicswitch_agent.ops.launcher import LaunchError, Plan
-
 logger = logging.getLogger("nicswitch_agent.launcher")
+
+
+class LaunchError(Exception):
+    """A usage problem found before anything started (exit code 2); the message says what to pass."""
+
 
 JOIN_POLL_S = 0.1  # how often the leader looks for ranks that joined (one Store check each time)
 
@@ -41,26 +44,26 @@ class HostedLeader:
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def start(cls, plan: Plan, args: argparse.Namespace) -> HostedLeader:
+    def start(cls, args: argparse.Namespace, *, world_size: int, local_world_size: int | None, store_port: int,
+              join_timeout_s: float | None) -> HostedLeader:
         """Host the Store and build the leader on it (started later by :meth:`start_when_joined`).
 
         Raises:
             LaunchError: the port is taken, or torch is missing.
             ConfigError: the agent's settings are incomplete (server, job id, ...), or the file-descriptor
-                limit cannot be raised to what ``plan.world_size`` ranks need.
+                limit cannot be raised to what ``world_size`` ranks need.
         """
         from nicswitch_agent.agent import SwitchAgent
         from nicswitch_agent.config import AgentConfig
         from nicswitch_agent.coordination import fd_budget, topology
 
-        assert plan.world_size is not None
         # rank=0: a leader-only agent has no rank of its own; never read RANK from the launcher's env.
         # handle_signals=False: the launcher forwards signals to the child and stops its leader
         # itself once the child has exited (the training ranks may still need it until then).
         config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
-                                      world_size=plan.world_size, rank=0, handle_signals=False,
-                                      local_world_size=plan.local_world_size)
-        topology.choose_layout(config, plan.world_size)  # what start() would refuse, refused now
+                                      world_size=world_size, rank=0, handle_signals=False,
+                                      local_world_size=local_world_size)
+        topology.choose_layout(config, world_size)  # what start() would refuse, refused now
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:
@@ -69,16 +72,16 @@ class HostedLeader:
         # Every member holds sockets here: past the soft file-descriptor limit the Store drops new
         # connections, so raise it now (the training command inherits it: torchrun's agent, which
         # hosts the job's own Store, needs room too), or refuse to start if the hard limit is too low.
-        fd_budget.prepare_store_host(plan.world_size)
+        fd_budget.prepare_store_host(world_size)
         timeout = datetime.timedelta(seconds=max(config.rpc_timeout_s, 30.0))
         try:
-            store = TCPStore("0.0.0.0", plan.store_port, None, True, timeout, wait_for_workers=False)
+            store = TCPStore("0.0.0.0", store_port, None, True, timeout, wait_for_workers=False)
         except RuntimeError as exc:
-            raise LaunchError(f"cannot host the Store on port {plan.store_port}: {exc}; pass another --store-port")\
+            raise LaunchError(f"cannot host the Store on port {store_port}: {exc}; pass another --store-port")\
                 from exc
         agent = SwitchAgent(config=config, store=store, leader_only=True)
-        join_timeout_s = config.join_timeout_s if plan.join_timeout_s is None else plan.join_timeout_s
-        return cls(store, agent, int(store.port), plan.world_size, join_timeout_s)
+        return cls(store, agent, int(store.port), world_size,
+                   config.join_timeout_s if join_timeout_s is None else join_timeout_s)
 
     def start_when_joined(self) -> None:
         """Start the leader on a thread of its own once every rank has joined (or the bound passed)."""

@@ -98,6 +98,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from nicswitch_agent.ops.hosted_leader import HostedLeader, LaunchError
+
 logger = logging.getLogger("nicswitch_agent.launcher")
 
 EXIT_USAGE = 2
@@ -106,10 +108,6 @@ EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOOPBACK = "127.0.0.1"
 FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # see the module docstring
-
-
-class LaunchError(Exception):
-    """A usage problem found before anything started (exit code 2); the message says what to pass."""
 
 
 # -- the wrapped torchrun ---------------------------------------------------------------------
@@ -552,14 +550,15 @@ def run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    leader: Any = None  # the HostedLeader (ops/hosted_leader.py) on the first node
+    leader: HostedLeader | None = None
     env = dict(plan.env)
     if plan.hosts_leader:
         from nicswitch_agent.errors import ConfigError
-        from nicswitch_agent.ops.hosted_leader import HostedLeader
 
         try:
-            leader = HostedLeader.start(plan, args)
+            assert plan.world_size is not None
+            leader = HostedLeader.start(args, world_size=plan.world_size, local_world_size=plan.local_world_size,
+                                        store_port=plan.store_port, join_timeout_s=plan.join_timeout_s)
         except (LaunchError, ConfigError) as exc:
             print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
