@@ -567,7 +567,12 @@ def test_cli_switch_no_result(serve: Serve, capsys: pytest.CaptureFixture[str]) 
     script = StreamScript(("eof",), ("abort", grpc.StatusCode.UNKNOWN, NOT_SWITCHING))
     target = serve(SwitchNicTrack=TrackScript(), SubscribeSwitchNicSignal=script)
     assert run_switch(switch_args("--server", target, "--job", JOB, *GROUP), env={}) == ExitCode.NO_RESULT
-    assert "no result" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no result" in err
+    # What happened, and where the answer is: a reset drops the result ClusterD held (a job whose
+    # client went away right after its false reply, as on Ctrl-C: nothing else reaches the operator).
+    assert "a reset of the job drops the result ClusterD held" in err
+    assert "the job's leader log says how the switch ended ('switch #N: replied true|false ...')" in err
 
 
 def test_cli_switch_no_wait(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:

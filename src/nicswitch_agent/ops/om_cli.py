@@ -464,6 +464,9 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
         report.say(f"no result: ClusterD is not switching job {job_id} ({outcome.detail})", error=True)
     else:
         report.say(f"no result after {took}: {outcome.detail}; check the job", error=True)
+    if kind in (OutcomeKind.NO_RESULT, OutcomeKind.NOT_SWITCHING):
+        report.say("ClusterD keeps no result: the job's leader log says how the switch ended "
+                   "('switch #N: replied true|false ...')", error=True)
 
 
 # --------------------------------------------------------------------------------------------
