@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import free_port, poll
+from support import free_port, operator_switch, poll
 
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
@@ -86,7 +86,7 @@ def sim() -> Iterator[Simulator]:
 def test_background_returns_to_a_caller_that_reads_stdout_and_stderr_to_the_end(sim: Simulator) -> None:
     """``out=$(nicswitch-agent demo --background ...)`` ends once the job is registered: the job keeps
     neither stream open, and says where it logs. (Before: the caller waited for the whole job.)"""
-    proc = subprocess.Popen(demo("--server", sim.address, "--job", JOB, "--switches", "0", "--background"),
+    proc = subprocess.Popen(demo("--server", sim.address, "--job", JOB, "--switches", "1", "--background"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pid, log = None, None
     try:
@@ -96,8 +96,8 @@ def test_background_returns_to_a_caller_that_reads_stdout_and_stderr_to_the_end(
         assert found, out
         pid, log = int(found.group(1)), Path(found.group(2))
         assert poll(lambda: "registered with ClusterD" in log.read_text(), 30), log.read_text()
-        os.kill(pid, signal.SIGTERM)
-        assert poll(lambda: "done after 0 switch(es)" in log.read_text(), 60), log.read_text()
+        assert operator_switch(sim.address, JOB, ["0", "1"], [True, True]) == "switch nic finish"
+        assert poll(lambda: "done after 1 switch(es)" in log.read_text(), 60), log.read_text()  # it went on logging
     finally:
         if proc.poll() is None:
             proc.kill()
