@@ -406,10 +406,10 @@ def test_the_operations_doc_names_every_prometheus_metric() -> None:
 
 
 @pytest.mark.parametrize("page", ["README.md", "docs/operations.md"])
-def test_under_the_launcher_the_switch_cue_is_every_rank_started_as_member(page: str) -> None:
-    """Under ``nicswitch-agent launch`` the job is registered seconds before the ranks join, and a
-    pause asked before every rank joined is never answered: the cue is the members' start line."""
+def test_under_the_launcher_the_switch_cue_is_the_registration_once_every_rank_joined(page: str) -> None:
+    """Under ``nicswitch-agent launch`` the leader registers the job only once every rank has joined
+    (ops/hosted_leader.py); a switch asked for before then is refused ('not registered'), never left hanging."""
     text = " ".join(read(page).split())
-    cue = re.search(r"[^.]*\bonce every rank has logged `(?:nicswitch-agent )?started as member`[^.]*\.", text)
-    assert cue is not None, f"{page} gives no launcher cue"
-    assert "started as member: rank %d of %d" in read("src/nicswitch_agent/agent.py")  # the line the cue names
+    assert re.search(r"[^.]*\bonly once every rank has joined\b[^.]*\.", text), f"{page} gives no launcher cue"
+    assert "not registered" in text, f"{page} does not say what a switch asked for too early gets"
+    assert "the leader makes itself known to ClusterD" in read("src/nicswitch_agent/ops/hosted_leader.py")

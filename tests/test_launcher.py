@@ -17,6 +17,7 @@ import contextlib
 import functools
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -155,6 +156,13 @@ class Operator:
             return str(response.msg)
         return "(no message)"
 
+    def track(self, devs: list[str], ops: list[bool]) -> pb.Status:
+        """SwitchNicTrack alone: ClusterD's answer to the request (0: accepted, the switch begins)."""
+        request = pb.SwitchNics(jobID=JOB)
+        request.nicOps["node-0"].dev.extend(devs)
+        request.nicOps["node-0"].op.extend(ops)
+        return self.stub.SwitchNicTrack(request, timeout=5)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -260,6 +268,71 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     assert sim.job_view(JOB).violations == []
 
 
+@pytest.mark.timeout(300)
+def test_a_switch_before_every_rank_joined_is_refused_then_runs_once_they_have(sim: Simulator, tmp_path: Path,
+                                                                                launches: list[Launch]) -> None:
+    """The leader makes itself known to ClusterD only once every rank has joined: a switch asked for
+    earlier is refused at once (nothing paused, nothing owed), and the same switch asked for afterwards
+    runs on every rank. (Before: ClusterD accepted it and paused ranks that could not hear it.)"""
+    out = tmp_path / "job"
+    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", str(TRAIN), "--out", str(out),
+                          "--late-rank", "1"], base_env(sim))
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and bool(job.lines(0, "start")), STARTUP_S), \
+            f"rank 0 never started: {launch.log()}"
+        status = operator.track(["0", "1"], [True, True])
+        assert (status.code, status.info) == (413, f"job:{JOB} is not registered"), status
+        assert not sim.job_view(JOB).registered and sim.job_view(JOB).state == "INIT"
+        assert "joined" not in launch.log()
+
+        (out / "join").touch()
+        assert poll(lambda: launch.proc.poll() is None and bool(job.lines(1, "start")), STARTUP_S), \
+            f"rank 1 never started: {launch.log()}"
+        assert sim.wait_until(idle, 30), sim.job_view(JOB)
+        assert "all 2 rank(s) joined" in launch.log()
+        assert operator.switch(["0", "1"], [True, True]) == FINISH
+        assert [len(job.lines(r, "hooks")) for r in (0, 1)] == [1, 1]
+        assert sim.job_view(JOB).replies == [True]
+    finally:
+        operator.close()
+    assert sim.job_view(JOB).violations == []
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_never_join_do_not_keep_the_leader_from_clusterd(sim: Simulator, tmp_path: Path,
+                                                                    launches: list[Launch]) -> None:
+    """--join-timeout bounds the wait: the leader then registers, names the missing rank, and a switch
+    it cannot pause every rank for is answered (failed) within pause_timeout_s, not left to ClusterD."""
+    out = tmp_path / "job"
+    env = {**base_env(sim), "NICSWITCH_PAUSE_TIMEOUT_S": "2"}
+    launch = Launch(out, ["--join-timeout", "1", "--", "torchrun", "--standalone", "--nproc-per-node", "2",
+                          str(TRAIN), "--out", str(out), "--late-rank", "1"], env)
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and bool(job.lines(0, "start")), STARTUP_S), \
+            f"rank 0 never started: {launch.log()}"
+        assert sim.wait_until(idle, 30), sim.job_view(JOB)
+        assert re.search(r"rank\(s\) (0-)?1 had not joined after 1 s", launch.log()), launch.log()
+        message = operator.switch(["0", "1"], [True, True])
+        assert message != FINISH and message != "(no message)", message
+        assert sim.job_view(JOB).replies == []  # no list was sent: the pause failed first
+    finally:
+        operator.close()
+        (out / "join").touch()
+    assert sim.job_view(JOB).violations == []
+
+
+def test_join_timeout_is_validated_before_anything_starts() -> None:
+    assert plan(["--world-size", "2", "--join-timeout", "30", "--", "true"]).join_timeout_s == 30.0
+    assert plan(["--world-size", "2", "--", "true"]).join_timeout_s is None  # the agent's setting then
+    for value in ("0", "-1", "inf", "nan"):
+        with pytest.raises(launcher.LaunchError, match=f"--join-timeout={float(value)!r} must be a positive"):
+            plan(["--world-size", "2", "--join-timeout", value, "--", "true"])
+
+
 # -- with plain children (the launcher's own behaviour, fast) -------------------------------------
 
 # Every child: dump its NICSWITCH_* env, say it is ready, then idle in short sleeps (a signal landing
@@ -294,7 +367,9 @@ def test_first_node_exports_the_leader_and_forwards_a_signal_any_thread_took(sim
     """
     import ctypes
 
-    launch = Launch(tmp_path, ["--world-size", "2", "--", sys.executable, "-c", TRAP, str(tmp_path)], base_env(sim))
+    # No rank ever joins (the child runs no agent): --join-timeout lets the leader register at once.
+    launch = Launch(tmp_path, ["--world-size", "2", "--join-timeout", "0.01", "--", sys.executable, "-c", TRAP,
+                               str(tmp_path)], base_env(sim))
     launches.append(launch)
     wait_ready(launch, tmp_path, 60)
     env = json.loads((tmp_path / "env.json").read_text())

@@ -492,6 +492,37 @@ def test_cli_switch_json(serve: Serve, capsys: pytest.CaptureFixture[str]) -> No
     assert data["result"] == "switch_failed" and data["elapsed_s"] >= 0
 
 
+def test_cli_switch_json_has_the_same_keys_in_every_outcome(serve: Serve, closed_port: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A script reads ``outcome``, ``message``, ``elapsed_s`` ... whatever the ending: null where unknown."""
+    import grpc
+
+    from nicswitch_agent.ops.om_cli import SWITCH_JSON_KEYS
+
+    endings = {
+        "failed": serve(SwitchNicTrack=TrackScript(),
+                        SubscribeSwitchNicSignal=StreamScript(("msg", "switch nic failed, switch nic failed"))),
+        "rejected": serve(SwitchNicTrack=TrackScript(code=411, info="busy")),
+        "no_result": serve(SwitchNicTrack=TrackScript(), SubscribeSwitchNicSignal=StreamScript(
+            ("eof",), ("abort", grpc.StatusCode.UNKNOWN, f"jobId={JOB} is not swtiching nic"))),
+        "rpc_error": closed_port,
+    }
+    seen = {}
+    for expected, target in endings.items():
+        run_switch(switch_args("--server", target, "--job", JOB, *GROUP, "--timeout", "5", "--rpc-timeout", "2",
+                               "--json"), env={})
+        seen[expected] = json.loads(capsys.readouterr().out)
+    run_switch(switch_args("--server", "h:1", "--job", JOB, "--json"), env={})  # a usage error: no --node
+    seen["usage"] = json.loads(capsys.readouterr().out)
+    for ending, data in seen.items():
+        assert tuple(data) == SWITCH_JSON_KEYS, (ending, data)
+    assert {ending: data["outcome"] for ending, data in seen.items()} == {
+        "failed": "failed", "rejected": "rejected", "no_result": "no_result", "rpc_error": "rpc_error", "usage": None}
+    assert all(data["elapsed_s"] >= 0 for ending, data in seen.items() if ending != "usage")
+    assert seen["failed"]["message"] == "switch nic failed, switch nic failed" and seen["rejected"]["message"] is None
+    assert seen["rejected"]["detail"] == "busy" and seen["usage"]["error"] is not None
+
+
 def test_cli_switch_failure_message(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
     message = "switch nic failed, report error when switching nic"
     target = serve(SwitchNicTrack=TrackScript(), SubscribeSwitchNicSignal=StreamScript(("msg", message)))
@@ -536,7 +567,12 @@ def test_cli_switch_no_result(serve: Serve, capsys: pytest.CaptureFixture[str]) 
     script = StreamScript(("eof",), ("abort", grpc.StatusCode.UNKNOWN, NOT_SWITCHING))
     target = serve(SwitchNicTrack=TrackScript(), SubscribeSwitchNicSignal=script)
     assert run_switch(switch_args("--server", target, "--job", JOB, *GROUP), env={}) == ExitCode.NO_RESULT
-    assert "no result" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no result" in err
+    # What happened, and where the answer is: a reset drops the result ClusterD held (a job whose
+    # client went away right after its false reply, as on Ctrl-C: nothing else reaches the operator).
+    assert "a reset of the job drops the result ClusterD held" in err
+    assert "the job's leader log says how the switch ended ('switch #N: replied true|false ...')" in err
 
 
 def test_cli_switch_no_wait(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,7 +84,7 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
         writer(event)
 
     agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=hook, on_event=listen,
-                        reconnect_initial_s=0.02, reconnect_max_s=0.1)
+                        verify_hook=lambda order: True, reconnect_initial_s=0.02, reconnect_max_s=0.1)
     writer.start()
     try:
         agent.start()
@@ -109,6 +109,7 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
             out = capsys.readouterr().out
             assert "state       running (leader, rank 0 of 1, pause agent)" in out
             assert "last switch #1: replied true" in out
+            assert re.search(r"^last verify #1: passed in \d+ ms, [\d.]+ m?s before the write$", out, re.M), out
             assert "switches 1 ok, 0 failed; replies 1 delivered, 0 failed" in out
             assert "timings     switch " in out and "; list to reply " in out and "; parked " in out
             assert "verdict     OK" in out
@@ -173,6 +174,21 @@ def test_a_failed_leader_and_a_stuck_hook_are_shown_with_their_reason(tmp_path: 
     summary = format_summary(report)
     assert "reason      Init refused (403): label the PodGroup process-recover-enable=on" in summary
     assert "stuck hook  switch hook of order #3 is still running past its timeout" in summary
+
+
+def test_a_failed_verification_has_its_line_and_none_yet_before_any(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    status: dict[str, Any] = {"state": "running", "role": "member", "last_verify": None}
+    writer = StatusFileWriter(path, lambda: status, interval_s=10.0, clock=lambda: 1000.0)
+    assert writer.write_now()
+    assert "\nlast verify none yet\n" in format_summary(read_status(path, now=1001.0))
+    status["last_verify"] = {  # as coordination/member.py records it, with TorchLinkProbe's report
+        "order": "7.3.verify", "ok": False, "reason": "group dp: all_reduce timed out after 5 s",
+        "duration_s": 5.012, "at": 990.0,
+        "report": {"seq": 3, "ok": False, "groups": [{"group": "dp", "ok": False}, {"group": "tp", "ok": True}]}}
+    assert writer.write_now()
+    assert ("\nlast verify #3: FAILED (group dp: all_reduce timed out after 5 s) in 5.0 s, 1 of 2 group(s) ok, "
+            "10.0 s before the write\n") in format_summary(read_status(path, now=1001.0))
 
 
 def test_max_age_can_be_given(tmp_path: Path) -> None:

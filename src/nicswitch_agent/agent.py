@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nicswitch_agent")
 
+JOINED_KEY = "joined/{rank}"  # a member under a launcher says it started (ops/launcher.py: Joining)
 CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
     "created", "running", "switching", "stopping", "stopped", "failed"
 )
@@ -287,6 +288,8 @@ class SwitchAgent:
             on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail), slot=slot,
         )
         self._member.start()
+        if cfg.leader == "launcher":  # the launcher's leader registers with ClusterD once every rank has joined
+            kv.set(JOINED_KEY.format(rank=self.rank), str(self._pid))
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:
                 self._state = RUNNING

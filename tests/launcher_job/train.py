@@ -11,6 +11,8 @@ Files in DIR (JSON lines, one flush per line, appended across torchrun restarts)
     rank<r>.hooks.jsonl    {"seq", "step", "ranks", "ops", "restart", "pid", "thread"} per switch hook call
     rank<r>.signals.jsonl  {"signal", "restart", "pid"} when SIGTERM arrives (the rank then exits 0)
 
+With ``--late-rank R``, rank R starts its agent only once DIR/join exists (a rank that joins late).
+
 The loop runs until DIR/stop exists; the stop flag rides in the step's all_reduce, so every rank
 stops after the same step. Exit codes: 0 done (or SIGTERM), 1 error.
 """
@@ -57,6 +59,8 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--step-sleep", type=float, default=0.01)
+    parser.add_argument("--late-rank", type=int, default=-1,
+                        help="this rank starts its agent only once DIR/join exists (a rank that joins late)")
     opts = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -82,6 +86,9 @@ def main() -> int:
                      "thread": threading.current_thread().name})
         return True
 
+    if rank == opts.late_rank:
+        while not (out / "join").exists():  # the test says when; the other ranks wait in their first all_reduce
+            time.sleep(0.05)
     agent = SwitchAgent(switch_hook=switch).start()
     status = agent.status()
     log("start").write({"pid": os.getpid(), "ppid": os.getppid(), "restart": restart, "role": status["role"],

@@ -353,7 +353,8 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
 
     Returns:
         0 after ``switches`` switches were replied to (0: until SIGINT/SIGTERM), 1 when the job
-        could not join within ``timeout_s`` or the time ran out first, 2 for a usage error.
+        could not join within ``timeout_s`` or the time ran out first, 2 for a usage error, 128 + N
+        when signal N (SIGINT, SIGTERM) came before the job registered.
     """
     problem = check_arguments(ranks, False)
     if problem is None and switches < 0:
@@ -376,9 +377,13 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     resumes: list[int] = []
     subscribed = threading.Event()
 
+    woken = threading.Event()  # the job subscribed, or a signal came: what the wait for the job ends on
+    signals: list[int] = []
+
     def on_event(event: AgentEvent) -> None:
         if event.kind == "subscribed" and event.detail.get("stream") == "notify":
             subscribed.set()
+            woken.set()
         text = describe_event(event)
         if text is not None and (event.kind in _LEADER_EVENTS or event.kind in ("parked", "resumed")):
             out.write(f"job {job_id}: {text}\n")
@@ -390,14 +395,24 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
         if switches and len(replies) >= switches and len(resumes) >= switches:
             done.set()  # the last switch was replied to and training goes on
 
-    previous = {sig: signal.signal(sig, lambda *_: done.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+    def on_signal(signum: int, frame: Any) -> None:
+        signals.append(signum)
+        done.set()
+        woken.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = time.monotonic() + timeout_s
     try:
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir:
             job = ThreadJob(ranks, Timeline(), workdir, job_id=job_id, leader_listener=on_event)
             job.start(server)
             try:
-                if not subscribed.wait(max(0.0, deadline - time.monotonic())):
+                woken.wait(max(0.0, deadline - time.monotonic()))
+                if signals and not subscribed.is_set():  # Ctrl-C while ClusterD had not heard of the job yet
+                    print(f"nicswitch-agent demo: {signal.Signals(signals[0]).name} before job {job_id} registered "
+                          f"with ClusterD at {server}; stopped", file=sys.stderr)
+                    return 128 + signals[0]
+                if not subscribed.is_set():
                     print(f"nicswitch-agent demo: job {job_id} could not register with ClusterD at {server} "
                           f"within {timeout_s:g} s", file=sys.stderr)
                     return EXIT_FAILED
@@ -428,19 +443,33 @@ def _signal_ready() -> None:
 
 def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, switches: int,
                          timeout_s: float) -> int:
-    """Start the job as a child process; return when it reported ready (0) or ended first (its code)."""
+    """Start the job as a child process; return when it reported ready (0) or ended first (its code).
+
+    The child writes to a log file of its own, never to the caller's stdout or stderr: a caller that
+    reads them to the end (``out=$(nicswitch-agent demo --background ...)``, a pipe) would otherwise
+    wait for the whole job. If it ends before it is ready, its log is copied to stderr.
+    """
+    log_fd, log_path = tempfile.mkstemp(prefix=f"nicswitch-demo-{job_id}-", suffix=".log")
     read_fd, write_fd = os.pipe()
     args = [sys.executable, "-m", "nicswitch_agent", "demo", "--server", server, "--job", job_id,
             "--ranks", str(ranks), "--switches", str(switches), "--timeout", str(timeout_s)]
     try:
-        child = subprocess.Popen(args, pass_fds=(write_fd,), env={**os.environ, READY_FD_ENV: str(write_fd)})
+        child = subprocess.Popen(args, pass_fds=(write_fd,), env={**os.environ, READY_FD_ENV: str(write_fd)},
+                                 stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT)
     finally:
         os.close(write_fd)
+        os.close(log_fd)
     with os.fdopen(read_fd) as ready:
         started = ready.read() == "ready\n"  # EOF when the child reported ready, or died
     if not started:
-        return child.wait()
+        code = child.wait()
+        with open(log_path, encoding="utf-8", errors="replace") as log:
+            sys.stderr.write(log.read())
+        print(f"nicswitch-agent demo: the background job ended with {code} before it was ready (log: {log_path})",
+              file=sys.stderr)
+        return code
     until = f"after {switches} switch(es), or" if switches else "on"
-    out.write(f"job {job_id} runs in the background as pid {child.pid}; it stops {until} `kill {child.pid}`\n")
+    out.write(f"job {job_id} runs in the background as pid {child.pid}, logging to {log_path}; it stops {until} "
+              f"`kill {child.pid}`\n")
     out.flush()
     return EXIT_OK

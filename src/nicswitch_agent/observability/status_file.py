@@ -441,6 +441,7 @@ def format_summary(report: StatusReport) -> str:
     elif s.get("last_step") is not None:
         lines.append(f"training    last step {s.get('last_step')}")
     lines.append(f"last switch {_last_switch(s.get('last_switch'), _number(doc.get('written_at')))}")
+    lines.append(f"last verify {_last_verify(s.get('last_verify'), _number(doc.get('written_at')))}")
     links = format_links(s.get("links"), _number(doc.get("written_at")), _duration)
     if links:
         lines.append(f"links       {links}")
@@ -471,6 +472,27 @@ def _last_switch(last: Any, written_at: float | None) -> str:
     total = _number(last.get("total_s"))
     if total is not None:
         parts.append(f"{_duration(total)} from list to reply")
+    at = _number(last.get("at"))
+    if at is not None and written_at is not None:
+        parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
+    return ", ".join(parts)
+
+
+def _last_verify(last: Any, written_at: float | None) -> str:
+    """This rank's last verification (``status()["last_verify"]``, see coordination/member.py)."""
+    if not isinstance(last, dict):
+        return "none yet"
+    name = str(last.get("order", ""))
+    seq = name.split(".")[1] if name.count(".") == 2 else "?"  # "<epoch>.<seq>.verify"
+    verdict = "passed" if last.get("ok") else f"FAILED ({last.get('reason') or 'no reason'})"
+    parts = [f"#{seq}: {verdict}"]
+    took = _number(last.get("duration_s"))
+    if took is not None:
+        parts[0] += f" in {_duration(took)}"
+    report = last.get("report")
+    groups = report.get("groups") if isinstance(report, dict) else None
+    if isinstance(groups, list):
+        parts.append(f"{sum(1 for g in groups if isinstance(g, dict) and g.get('ok'))} of {len(groups)} group(s) ok")
     at = _number(last.get("at"))
     if at is not None and written_at is not None:
         parts.append(f"{_duration(max(0.0, written_at - at))} before the write")

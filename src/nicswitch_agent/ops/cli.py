@@ -122,7 +122,8 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "the switch on every rank, the reply, the resume."
     )
     parser.epilog = ("exit codes: 0 both switches finished on every rank, 1 the demo failed, 2 usage error "
-                     "(--processes without torch, --ranks out of range, a bad NICSWITCH_* setting)")
+                     "(--processes without torch, --ranks out of range, a bad NICSWITCH_* setting), 130 (143) "
+                     "with --server: SIGINT (SIGTERM) before the job registered")
     parser.add_argument("--ranks", type=int, default=4, metavar="N",
                         help="training ranks (default: %(default)s; 1-64 as threads, 1-16 with --processes)")
     parser.add_argument("--processes", action="store_true",
@@ -141,7 +142,8 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     join.add_argument("--timeout", type=float, default=300.0, metavar="S",
                       help="stop after S seconds at most (default: %(default)s)")
     join.add_argument("--background", action="store_true",
-                      help="run the job in a child process and return once it is registered (for scripts)")
+                      help="run the job in a child process and return once it is registered (for scripts); "
+                           "the job logs to a file it names, not to this command's stdout/stderr")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -162,6 +164,16 @@ def _run_version(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Ctrl-C at any moment, the imports that building the parser and running a command take
+    # included (hundreds of ms: grpc, the agent), ends the command with 130 and no traceback.
+    # (Importing this module costs only the package's first lines: nicswitch_agent/__init__.py.)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     configure_logging = getattr(args, "configure_logging", None)
@@ -179,8 +191,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:  # a bad setting (a NICSWITCH_* variable, a flag): its message says which and why
         print(f"nicswitch-agent {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

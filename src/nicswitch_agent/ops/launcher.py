@@ -67,6 +67,18 @@ exits the leader stops cleanly (a false reply for any list still owed one, strea
 Usage and configuration errors are found before the child starts and exit with 2 (any other
 failure to start the leader: 1), so a job never trains with switches that cannot work.
 
+Joining. A rank that starts after a pause was published never sees it (it begins with the next
+event), so a pause asked for before every rank has joined could not be answered. The leader is
+therefore built (settings checked) before the child starts, but makes itself known to ClusterD
+(Init, Register, the streams) only once every one of the N ranks has joined: each member writes
+``joined/<rank>`` on the leader's Store when it starts (agent.py). Until then, in pause mode agent,
+ClusterD answers a switch at once with ``job:<id> is not registered`` (nothing is paused, nothing is
+owed); in pause mode external, a list ClusterD queued waits for the notify stream and is run once
+every rank is there. If some rank has not joined after ``--join-timeout`` seconds (env
+``NICSWITCH_JOIN_TIMEOUT_S``, default 600), the leader starts anyway and says which ranks are
+missing; a pause those ranks miss then fails within ``pause_timeout_s`` (ClusterD hears it). A
+torchrun restart does not close the gate again: the leader keeps its registration (see above).
+
 Limits: SIGKILL on the launcher cannot be forwarded (the child then runs on without a leader);
 the child is not the terminal's foreground group, so it cannot read from the terminal (pdb).
 """
@@ -75,7 +87,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import logging
 import os
 import signal
@@ -87,6 +98,8 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from nicswitch_agent.ops.hosted_leader import HostedLeader, LaunchError
+
 logger = logging.getLogger("nicswitch_agent.launcher")
 
 EXIT_USAGE = 2
@@ -95,10 +108,6 @@ EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOOPBACK = "127.0.0.1"
 FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # see the module docstring
-
-
-class LaunchError(Exception):
-    """A usage problem found before anything started (exit code 2); the message says what to pass."""
 
 
 # -- the wrapped torchrun ---------------------------------------------------------------------
@@ -253,6 +262,7 @@ class Plan:
     store_port: int  # 0: a free port (first node only)
     store_host: str  # the Store host exported to the child
     env: dict[str, str] = field(default_factory=dict)  # exported on top of the launcher's environment
+    join_timeout_s: float | None = None  # --join-timeout (None: the agent's join_timeout_s)
 
 
 def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
@@ -315,7 +325,15 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     elif "NICSWITCH_FAN_OUT" not in environ:
         env["NICSWITCH_FAN_OUT"] = "flat"  # the leader cannot tell the nodes apart: nor may the ranks
     return Plan(command=command, hosts_leader=hosts_leader, node_rank=node_rank, why=why, world_size=world_size,
-                local_world_size=per_node, store_port=port, store_host=host, env=env)
+                local_world_size=per_node, store_port=port, store_host=host, env=env,
+                join_timeout_s=_join_timeout(args))
+
+
+def _join_timeout(args: argparse.Namespace) -> float | None:
+    value = getattr(args, "join_timeout", None)
+    if value is not None and not 0 < value < float("inf"):
+        raise LaunchError(f"--join-timeout={value!r} must be a positive number of seconds")
+    return None if value is None else float(value)
 
 
 def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
@@ -382,65 +400,6 @@ def _store_host(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
 
 def _join_host_port(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-# -- the hosted leader ------------------------------------------------------------------------
-
-
-class HostedLeader:
-    """The Store server and the leader-only SwitchAgent of the first node."""
-
-    def __init__(self, store: Any, agent: Any, port: int) -> None:
-        self.store = store
-        self.agent = agent
-        self.port = port
-
-    @classmethod
-    def start(cls, plan: Plan, args: argparse.Namespace) -> HostedLeader:
-        """Host the Store, then start the leader on it.
-
-        Raises:
-            LaunchError: the port is taken, or torch is missing.
-            ConfigError: the agent's settings are incomplete (server, job id, ...), or the file-descriptor
-                limit cannot be raised to what ``plan.world_size`` ranks need.
-        """
-        from nicswitch_agent.agent import SwitchAgent
-        from nicswitch_agent.config import AgentConfig
-        from nicswitch_agent.coordination import fd_budget
-
-        assert plan.world_size is not None
-        # rank=0: a leader-only agent has no rank of its own; never read RANK from the launcher's env.
-        # handle_signals=False: the launcher forwards signals to the child and stops its leader
-        # itself once the child has exited (the training ranks may still need it until then).
-        config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
-                                      world_size=plan.world_size, rank=0, handle_signals=False,
-                                      local_world_size=plan.local_world_size)
-        try:
-            from torch.distributed import TCPStore  # type: ignore[attr-defined]
-        except ImportError as exc:
-            raise LaunchError("hosting the leader needs torch (python3 -m pip install '.[torch]' in the "
-                              "nicswitch-agent checkout)") from exc
-        # Every member holds sockets here: past the soft file-descriptor limit the Store drops new
-        # connections, so raise it now (the training command inherits it: torchrun's agent, which
-        # hosts the job's own Store, needs room too), or refuse to start if the hard limit is too low.
-        fd_budget.prepare_store_host(plan.world_size)
-        timeout = datetime.timedelta(seconds=max(config.rpc_timeout_s, 30.0))
-        try:
-            store = TCPStore("0.0.0.0", plan.store_port, None, True, timeout, wait_for_workers=False)
-        except RuntimeError as exc:
-            raise LaunchError(f"cannot host the Store on port {plan.store_port}: {exc}; pass another --store-port")\
-                from exc
-        agent = SwitchAgent(config=config, store=store, leader_only=True)
-        agent.start()
-        return cls(store, agent, int(store.port))
-
-    def stop(self, reason: str) -> None:
-        """Stop the leader (bounded), then the Store server: no member is left waiting on a leader."""
-        try:
-            self.agent.stop(reason)
-        except Exception:
-            logger.exception("stopping the leader failed")
-        self.store = None  # the server closes when its last reference goes
 
 
 # -- the child --------------------------------------------------------------------------------
@@ -566,6 +525,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="log only warnings and errors (default: INFO, the leader's state changes: "
                              "'registered job', 'switch #N ... received', 'replied true', ...)")
+    parser.add_argument("--join-timeout", type=float, metavar="S",
+                        help="first node: seconds to wait for every rank to join before the leader registers "
+                             "with ClusterD anyway (default: env NICSWITCH_JOIN_TIMEOUT_S, else 600); until "
+                             "then ClusterD refuses a switch ('job ... is not registered') instead of pausing "
+                             "ranks that cannot answer yet")
     parser.add_argument("--pause", choices=("auto", "agent", "external"), type=str.lower,
                         help="pause mode of the leader (default: NICSWITCH_PAUSE, else auto)")
     parser.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
@@ -592,7 +556,9 @@ def run(args: argparse.Namespace) -> int:
         from nicswitch_agent.errors import ConfigError
 
         try:
-            leader = HostedLeader.start(plan, args)
+            assert plan.world_size is not None
+            leader = HostedLeader.start(args, world_size=plan.world_size, local_world_size=plan.local_world_size,
+                                        store_port=plan.store_port, join_timeout_s=plan.join_timeout_s)
         except (LaunchError, ConfigError) as exc:
             print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -622,6 +588,8 @@ def run(args: argparse.Namespace) -> int:
                 return code
             forwarder.attach(child)
             logger.info("started the training command: pid %d, own process group", child.pid)
+            if leader is not None:
+                leader.start_when_joined()
             code = exit_code(_wait(child))
         logger.info("the training command exited with %d", code)
         return code

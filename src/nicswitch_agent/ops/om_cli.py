@@ -382,12 +382,21 @@ def format_seconds(seconds: float) -> str:
     return f"{minutes} min {rest} s" if rest else f"{minutes} min"
 
 
-class _Report:
-    """Prints human lines as they happen, or collects one JSON object printed at the end."""
+# Every key of ``switch --json``, in every outcome (None where it is not known): a script reads
+# them without checking which ones a given ending left out (docs/operations.md, What the operator sees).
+SWITCH_JSON_KEYS = ("command", "server", "job", "tls", "request", "accepted", "status", "outcome", "message",
+                    "detail", "elapsed_s", "attempts", "rpc_code", "error", "exit_code", "result")
 
-    def __init__(self, command: str, as_json: bool) -> None:
+
+class _Report:
+    """Prints human lines as they happen, or collects one JSON object printed at the end.
+
+    ``keys``: the keys the object always has (None until set), in this order.
+    """
+
+    def __init__(self, command: str, as_json: bool, keys: tuple[str, ...] = ()) -> None:
         self.as_json = as_json
-        self.data: dict[str, Any] = {"command": command}
+        self.data: dict[str, Any] = {**dict.fromkeys(keys), "command": command}
 
     def say(self, text: str, *, error: bool = False) -> None:
         if not self.as_json:
@@ -455,6 +464,9 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
         report.say(f"no result: ClusterD is not switching job {job_id} ({outcome.detail})", error=True)
     else:
         report.say(f"no result after {took}: {outcome.detail}; check the job", error=True)
+    if kind in (OutcomeKind.NO_RESULT, OutcomeKind.NOT_SWITCHING):
+        report.say("ClusterD keeps no result: the job's leader log says how the switch ended "
+                   "('switch #N: replied true|false ...')", error=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -465,7 +477,8 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
 def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
     """``nicswitch-agent switch``: request, follow, report; returns the exit code."""
     env = os.environ if env is None else env
-    report = _Report("switch", args.json)
+    report = _Report("switch", args.json, SWITCH_JSON_KEYS)
+    started = time.monotonic()
     try:
         server = resolve_server(args.server, env)
         job_id = resolve_job(args.job, env)
@@ -487,7 +500,8 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             report.say(f"rejected ({exc.code}, {label}): {exc.info}", error=True)
             if code is ExitCode.BUSY:
                 report.say("another switch or a fault recovery is running for this job; retry later", error=True)
-            return report.done(code, accepted=False, status={"code": exc.code, "info": exc.info})
+            return report.done(code, accepted=False, status={"code": exc.code, "info": exc.info}, outcome="rejected",
+                               detail=exc.info, elapsed_s=round(time.monotonic() - started, 3))
         except OmRpcError as exc:
             if exc.maybe_delivered:
                 report.say(
@@ -497,22 +511,27 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
                 )
             else:
                 report.say(f"cannot reach ClusterD at {server}: {exc.code}: {exc.details}", error=True)
-            return report.done(ExitCode.RPC_ERROR, accepted=None, rpc_code=exc.code, detail=exc.details)
+            return report.done(ExitCode.RPC_ERROR, accepted=None, rpc_code=exc.code, detail=exc.details,
+                               outcome=OutcomeKind.RPC_ERROR.value, elapsed_s=round(time.monotonic() - started, 3))
         except KeyboardInterrupt:
             report.say("interrupted before ClusterD answered; the switch may have been accepted", error=True)
-            return report.done(ExitCode.INTERRUPTED, accepted=None)
+            return report.done(ExitCode.INTERRUPTED, accepted=None, outcome=OutcomeKind.CANCELLED.value,
+                               detail="interrupted before ClusterD answered",
+                               elapsed_s=round(time.monotonic() - started, 3))
 
         report.data.update(accepted=True, status={"code": 0, "info": accepted.info})
         report.say(f"accepted ({format_seconds(accepted.rpc_s)}): {accepted.info}")
         if args.no_wait:
             report.say(f"not waiting for the result; follow it with: {watch_command(server, job_id, args)}")
-            return report.done(ExitCode.OK, elapsed_s=round(accepted.rpc_s, 3))
+            return report.done(ExitCode.OK, outcome="accepted", elapsed_s=round(accepted.rpc_s, 3))
         report.say(f"waiting for the result (up to {format_seconds(args.timeout)})...")
         try:
             outcome = client.follow(job_id, args.timeout, server_seen=True)
         except KeyboardInterrupt:
             report.say("interrupted; the switch goes on inside ClusterD", error=True)
-            return report.done(ExitCode.INTERRUPTED)
+            return report.done(ExitCode.INTERRUPTED, outcome=OutcomeKind.CANCELLED.value,
+                               detail="interrupted while waiting for the result; the switch goes on inside ClusterD",
+                               elapsed_s=round(time.monotonic() - started, 3))
     elapsed = accepted.rpc_s + outcome.elapsed_s
     _say_outcome(report, outcome, job_id, elapsed, hint=watch_command(server, job_id, args))
     return report.done(exit_code_for(outcome), **{**_outcome_json(outcome), "elapsed_s": round(elapsed, 3)})
