@@ -18,6 +18,7 @@ import ipaddress
 import logging
 import math
 import os
+import sys
 import threading
 import types
 import typing
@@ -38,6 +39,7 @@ LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
 LEADER_PLACES = ("rank0", "launcher")
 FAN_OUTS = ("auto", "group", "node", "flat")
+FRAMEWORKS = ("auto", "torch", "mindspore")
 AUTO_GROUP_NODES = 128  # fan_out auto: above this many nodes, nodes answer through group relays
 ENV_PREFIX = "NICSWITCH_"
 
@@ -160,17 +162,21 @@ class AgentConfig:
     Ctrl-C's own KeyboardInterrupt is left to Python (process_hooks.py)."""
 
     world_size: int | None = None
-    """Ranks in the job (env WORLD_SIZE; else torch.distributed's, else 1). Lists naming a rank
-    outside it are refused; above 1, every rank coordinates through the torch Store."""
+    """Ranks in the job (env WORLD_SIZE, or msrun's MS_WORKER_NUM; else torch.distributed's, else
+    1). Lists naming a rank outside it are refused; above 1, every rank coordinates through a Store."""
     rank: int | None = None
-    """This process's global rank (env RANK; else torch.distributed's, else 0). Rank 0 leads: it
-    alone holds ClusterD's streams (ClusterD has one queue per job, read by competing subscribers)."""
+    """This process's global rank (env RANK, or msrun's RANK_ID; else torch.distributed's, else 0).
+    Rank 0 leads: it alone holds ClusterD's streams (ClusterD has one queue per job, read by
+    competing subscribers)."""
     leader: str = "rank0"
     """Where the job's leader runs: ``rank0`` (global rank 0's agent) or ``launcher`` (the
     ``nicswitch-agent launch`` process; every training rank is then a member only)."""
     store_address: str | None = None
     """``host:port`` of a TCPStore to coordinate through instead of the job's default store (the
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
+    framework: str = "auto"
+    """``torch``, ``mindspore``, or ``auto`` (MindSpore when it is imported and torch is not): which
+    Store the ranks coordinate through and the default switch hook (docs/mindspore.md)."""
     fan_out: str = "auto"
     """How ranks reach the job's Store: ``node`` (one rank per node relays for its node over a
     node-local Store, so the job's Store sees nodes, not ranks), ``group`` (as ``node``, and the
@@ -242,7 +248,8 @@ class AgentConfig:
     (``grpc.ssl_target_name_override``), e.g. when ``server`` is an IP address."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS)):
+        for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS),
+                               ("framework", FRAMEWORKS)):
             value = getattr(self, name)  # enumerations: any case (NICSWITCH_PAUSE=External)
             if isinstance(value, str) and value != value.lower() and value.lower() in choices:
                 object.__setattr__(self, name, value.lower())
@@ -277,6 +284,10 @@ class AgentConfig:
         for name, variable in (("job_id", "MINDX_TASK_ID"), ("world_size", "WORLD_SIZE"),
                                ("local_world_size", "LOCAL_WORLD_SIZE"), ("rank", "RANK")):
             read(name, variable)
+        # msrun's names, after torchrun's: in an msrun worker, or a job said to be MindSpore's
+        if env.get("MS_ROLE") == "MS_WORKER" or str(values.get("framework", "")).lower() == "mindspore":
+            for name, variable in (("world_size", "MS_WORKER_NUM"), ("rank", "RANK_ID")):
+                read(name, variable)
         for name, default_port in (("server", CLUSTERD_PORT), ("store_address", None)):
             if name in sources:  # so that its message names the variable, as every other does
                 values[name] = parse_server(values[name], sources[name][0], default_port=default_port)
@@ -409,6 +420,7 @@ class AgentConfig:
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise _invalid(f"rank={self.rank!r} is outside world_size={self.world_size!r}", "rank", "world_size")
         _check_choice("fan_out", self.fan_out, FAN_OUTS)
+        _check_choice("framework", self.framework, FRAMEWORKS)
         if self.local_world_size is not None and (
                 isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
                 or self.local_world_size < 1):
@@ -593,6 +605,14 @@ def _check_server_name(server_name: Any) -> None:
 def _ssl_reason(exc: BaseException) -> str:
     reason = getattr(exc, "reason", None)
     return str(reason) if reason else type(exc).__name__
+
+
+def job_framework(setting: str) -> str:
+    """``torch`` or ``mindspore`` for the setting ``framework``; ``auto``: MindSpore when it is
+    imported and torch is not."""
+    if setting != "auto":
+        return setting
+    return "mindspore" if "mindspore" in sys.modules and "torch" not in sys.modules else "torch"
 
 
 def known_env_names() -> frozenset[str]:
