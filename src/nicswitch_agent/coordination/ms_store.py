@@ -89,7 +89,7 @@ class _Wakeups:
 def mindspore_store_class() -> Any:
     """``mindspore.mint.distributed.TCPStore``; ConfigError if MindSpore is not installed."""
     try:
-        from mindspore.mint.distributed import TCPStore  # type: ignore[import-not-found,import-untyped,unused-ignore]
+        from mindspore.mint.distributed import TCPStore
     except ImportError as exc:
         raise ConfigError(
             "framework mindspore needs MindSpore's TCPStore (mindspore.mint.distributed.TCPStore): "
