@@ -18,7 +18,6 @@ import ipaddress
 import logging
 import math
 import os
-import sys
 import threading
 import types
 import typing
@@ -27,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.config.addresses import CLUSTERD_PORT, parse_server
+from nicswitch_agent.config.frameworks import FRAMEWORKS, MSRUN_NAMES, in_msrun, job_framework
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.status_file import expand_path
 
@@ -39,7 +39,6 @@ LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
 LEADER_PLACES = ("rank0", "launcher")
 FAN_OUTS = ("auto", "group", "node", "flat")
-FRAMEWORKS = ("auto", "torch", "mindspore")
 AUTO_GROUP_NODES = 128  # fan_out auto: above this many nodes, nodes answer through group relays
 ENV_PREFIX = "NICSWITCH_"
 
@@ -284,9 +283,8 @@ class AgentConfig:
         for name, variable in (("job_id", "MINDX_TASK_ID"), ("world_size", "WORLD_SIZE"),
                                ("local_world_size", "LOCAL_WORLD_SIZE"), ("rank", "RANK")):
             read(name, variable)
-        # msrun's names, after torchrun's: in an msrun worker, or a job said to be MindSpore's
-        if env.get("MS_ROLE") == "MS_WORKER" or str(values.get("framework", "")).lower() == "mindspore":
-            for name, variable in (("world_size", "MS_WORKER_NUM"), ("rank", "RANK_ID")):
+        if in_msrun(env, values.get("framework")):  # msrun's names, after torchrun's (frameworks.py)
+            for name, variable in MSRUN_NAMES:
                 read(name, variable)
         for name, default_port in (("server", CLUSTERD_PORT), ("store_address", None)):
             if name in sources:  # so that its message names the variable, as every other does
@@ -607,14 +605,6 @@ def _ssl_reason(exc: BaseException) -> str:
     return str(reason) if reason else type(exc).__name__
 
 
-def job_framework(setting: str) -> str:
-    """``torch`` or ``mindspore`` for the setting ``framework``; ``auto``: MindSpore when it is
-    imported and torch is not."""
-    if setting != "auto":
-        return setting
-    return "mindspore" if "mindspore" in sys.modules and "torch" not in sys.modules else "torch"
-
-
 def known_env_names() -> frozenset[str]:
     """Every ``NICSWITCH_*`` variable the library reads: one per :class:`AgentConfig` field."""
     return frozenset(_env_name(f.name) for f in dataclasses.fields(AgentConfig))
@@ -691,4 +681,4 @@ def _non_optional(kind: Any) -> Any:
     return kind
 
 
-__all__ = ["CLUSTERD_PORT", "AgentConfig", "ConfigError", "parse_server"]
+__all__ = ["CLUSTERD_PORT", "AgentConfig", "ConfigError", "job_framework", "parse_server"]
