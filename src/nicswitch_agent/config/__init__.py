@@ -175,7 +175,7 @@ class AgentConfig:
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
     framework: str = "auto"
     """``torch``, ``mindspore``, or ``auto`` (MindSpore when it is imported and torch is not): which
-    Store the ranks coordinate through and the default switch hook (docs/mindspore.md)."""
+    Store the ranks coordinate through and the default switch hook (docs/architecture.md#mindspores-tcpstore)."""
     fan_out: str = "auto"
     """How ranks reach the job's Store: ``node`` (one rank per node relays for its node over a
     node-local Store, so the job's Store sees nodes, not ranks), ``group`` (as ``node``, and the

@@ -3,7 +3,7 @@
 A MindSpore job has no torch Store: it coordinates through ``mindspore.mint.distributed.TCPStore``,
 MindSpore's own key-value engine (no network layer of ours). Its client has four calls, ``set``,
 ``get``, ``add`` and ``delete_key``; what MindSpore 2.10 does with them, measured here and pinned by
-``tests/test_ms_store.py`` (docs/mindspore.md has the numbers):
+``tests/test_ms_store.py`` (docs/architecture.md#mindspores-tcpstore has the numbers):
 
 - ``get`` of a missing key waits for it, but by asking again every 10 ms until the client's
   timeout (the one given to the constructor, 300 s by default), then raises RuntimeError "TCP get
