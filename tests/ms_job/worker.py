@@ -8,6 +8,10 @@ RANK_ID), the agent's env (NICSWITCH_SERVER, NICSWITCH_JOB_ID, NICSWITCH_PAUSE, 
     NSW_HOOK         "record" (default): a recording switch hook; "default": the agent's default
                      (MindSporeSwitcher, over a fake ``_comm_switch_nic`` that records its arguments)
     NSW_FAIL_RANK    this rank's switch hook returns False in its first call (the rollback after it works)
+    NSW_LOCKSTEP     "1": the ranks step in lockstep, as data-parallel ranks do through their
+                     collectives: a barrier per step on the job's TCPStore (an add, then polls of
+                     the count; given up after 10 s). For benchmarks: the pause parks every rank at
+                     max(step)+1, which ranks drifting apart reach late.
 
 The training: a MindSpore tensor ``w`` decays by 1 % per step (a PyNative op on CPU). The
 checkpoint guard is MindSporeCheckpointGuard (mindspore.save_checkpoint into <out>/ckpt/rank<r>).
@@ -87,8 +91,15 @@ def main() -> int:
         (out / f"rank{rank}.result.json").write_text(json.dumps({"status": "start", "reason": str(exc)}))
         return EXIT_START
     status, code = "done", EXIT_DONE
+    lockstep = os.environ.get("NSW_LOCKSTEP") == "1"
+    barrier = TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60)) if lockstep else None
     try:
         while not (out / "stop").exists():
+            if barrier is not None:
+                key, deadline = f"barrier/{state['step']}", time.monotonic() + 10
+                barrier.add(key, 1)
+                while barrier.add(key, 0) < world and time.monotonic() < deadline:
+                    time.sleep(0.0002)
             state["step"] += 1
             w = w * 0.99
             record("steps", {"step": state["step"], "w": float(w.asnumpy()[0])})

@@ -21,7 +21,8 @@ How the missing calls are built (each call below is one round trip, ~0.1 ms on l
 - ``set`` also bumps a companion counter (``key + MARK``): two round trips instead of one.
 - ``check(keys)`` reads each key's companion with ``add(mark, 0)``: one round trip per key.
 - ``get``, ``wait`` and a timed get (``set_timeout`` then ``get``, as :meth:`KV.get_when_set`
-  does) poll ``check`` from 1 ms, doubling to ``poll_max_s`` (20 ms), until the keys exist or the
+  does) poll ``check`` from 1 ms, doubling to ``poll_max_s`` (20 ms; 5 ms within 5 s of a wait
+  that found its key, so a switch's later events are seen sooner), until the keys exist or the
   timeout passes (StoreTimeout), then ``get``: one extra round trip per key read, and an idle wait
   costs one round trip every 20 ms (MindSpore's own blocking ``get`` costs one every 10 ms, with
   the GIL held). A key written by this process (a member's stop writing its own wake-up key, a
@@ -49,6 +50,8 @@ from nicswitch_agent.errors import ConfigError
 MARK = "/~set"  # suffix of a key's companion counter: how many times it was set since its last delete
 POLL_START_S = 0.001
 POLL_MAX_S = 0.02  # an idle wait's round trips: 50 a second (MindSpore's own get: 100, GIL held)
+ACTIVE_POLL_MAX_S = 0.005  # within ACTIVE_S of a wait that found its key: a switch's next event
+ACTIVE_S = 5.0
 HOST_ATTEMPTS = 5  # a free port found and taken by another process before we bind it: try another
 _KEPT: list[Any] = []  # every client and master made here: never destroyed before exit (see the module doc)
 _kept_lock = threading.Lock()
@@ -121,6 +124,7 @@ class MindSporeStore:
         self._timeout_s = timeout_s
         self._poll_max_s = poll_max_s
         self._wakeups = _Wakeups.of(host, port)
+        self._last_found = -ACTIVE_S  # monotonic time a wait last found its keys
         self._client = client if client is not None else connect(host, port, timeout_s)
 
     @classmethod
@@ -162,19 +166,25 @@ class MindSporeStore:
 
     def _await(self, keys: list[str], timeout_s: float) -> bool:
         """Poll until every key exists (True) or ``timeout_s`` passes (False)."""
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline = start + timeout_s
+        # Right after a wait that found its keys (a switch under way) polls stay at most 5 ms apart.
+        cap = min(self._poll_max_s, ACTIVE_POLL_MAX_S) if start - self._last_found < ACTIVE_S else self._poll_max_s
         interval = POLL_START_S
         pending = keys
         while True:
             seen = self._wakeups.generation
             pending = [key for key in pending if not self.check([key])]
             if not pending:
+                self._last_found = time.monotonic()
                 return True
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
             self._wakeups.pause(seen, min(interval, remaining))
-            interval = min(self._poll_max_s, interval * 2)
+            interval = min(cap, interval * 2)
+            if cap < self._poll_max_s and time.monotonic() - self._last_found >= ACTIVE_S:
+                cap = self._poll_max_s  # no longer a switch under way: idle polls
 
 
 def connect(host: str, port: int, timeout_s: float) -> Any:
