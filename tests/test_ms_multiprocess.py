@@ -163,9 +163,15 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     c.close()
 
 
-@pytest.mark.parametrize("pause", ["agent", "external"])
-def test_four_mindspore_processes_switch_twice_one_reply_each(cluster: Cluster, pause: str) -> None:
-    sim, job = cluster.start(pause)
+# Node-local fan-out over MindSpore TCPStores: 2 nodes of 2 ranks, local rank 0 hosts its node's Store.
+NODES = {"NICSWITCH_LOCAL_WORLD_SIZE": "2", "NICSWITCH_FAN_OUT": "node"}
+
+
+@pytest.mark.parametrize(("pause", "env"), [("agent", {}), ("external", {}), ("agent", NODES)],
+                         ids=["agent", "external", "agent-node-fan-out"])
+def test_four_mindspore_processes_switch_twice_one_reply_each(cluster: Cluster, pause: str,
+                                                              env: dict[str, str]) -> None:
+    sim, job = cluster.start(pause, env=env)
     job.wait_steps(3)
     assert sim.wait_until(lambda s: support.streams_ready(s, JOB), 30)
     devs, rounds = ["3", "0"], [[True, False], [False, False]]
@@ -192,6 +198,8 @@ def test_four_mindspore_processes_switch_twice_one_reply_each(cluster: Cluster, 
         assert first["saved"] and (Path(first["path"]) / "state.ckpt").is_file(), first
         result = json.loads((job.out / f"rank{rank}.result.json").read_text(encoding="utf-8"))
         assert result["agent"]["parked"] is False
+    if env is NODES:
+        assert "relays for its node" in job.log(0) and "relays for its node" in job.log(2), job.log(2)[-2000:]
 
 
 def picks(sim: Simulator) -> list[str]:

@@ -211,3 +211,21 @@ def test_a_hosted_store_takes_a_free_port(key: str) -> None:
     assert client.port != other.port and master is not None and master2 is not None
     client.set(key, "v")
     assert client.clone().get(key) == b"v" and not other.check([key])
+
+
+# -- where the coordination takes its Store from (topology.coordination_kv) ----------------------
+
+def test_the_job_store_is_wrapped_reached_or_asked_for(master: Any) -> None:
+    from nicswitch_agent import AgentConfig
+    from nicswitch_agent.coordination import topology
+
+    cfg = AgentConfig(server="127.0.0.1:8899", job_id="j", framework="mindspore")
+    kv = topology.coordination_kv(cfg, 2, store=master, leader_only=False)  # the job's own TCPStore
+    assert isinstance(kv.store, MindSporeStore) and kv.store.port == master.port
+    reached = topology.coordination_kv(cfg.replace(store_address=f"127.0.0.1:{master.port}"), 2, store=None,
+                                       leader_only=False)
+    assert isinstance(reached.store, MindSporeStore)
+    kv.set("x", "1")
+    assert reached.get("x") == "1"  # the same Store
+    with pytest.raises(ConfigError, match=r"store=mindspore\.mint\.distributed\.TCPStore"):
+        topology.coordination_kv(cfg, 2, store=None, leader_only=False)
