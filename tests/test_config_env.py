@@ -33,6 +33,7 @@ BAD_TEXT = {
     "pause": "extrnal",
     "leader": "rank",
     "fan_out": "nod",
+    "framework": "mindsp0re",
     "store_address": "storehost",
     "status_file": "/tmp/{oops}.json",
     "events_file": "/tmp/{oops}.jsonl",
@@ -136,3 +137,19 @@ def test_tls_settings_read_alone_name_their_variable() -> None:
 def test_an_unknown_keyword_gets_a_suggestion() -> None:
     with pytest.raises(ConfigError, match=r"unknown setting\(s\): swtich_timeout_s \(did you mean switch_timeout_s"):
         AgentConfig.from_env(BASE_ENV, swtich_timeout_s=5)
+
+
+def test_msrun_rank_and_world_size_are_read_in_an_msrun_worker() -> None:
+    """msrun exports MS_WORKER_NUM and RANK_ID (and MS_ROLE=MS_WORKER) to each worker; torchrun's
+    names win when both are there; outside msrun (no MS_ROLE, framework not mindspore) they are ignored."""
+    msrun = {"NICSWITCH_SERVER": "127.0.0.1:8899", "MINDX_TASK_ID": "job",
+             "MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "4", "RANK_ID": "3"}
+    cfg = AgentConfig.from_env(msrun)
+    assert (cfg.rank, cfg.world_size) == (3, 4)
+    cfg = AgentConfig.from_env({**msrun, "RANK": "1", "WORLD_SIZE": "2"})
+    assert (cfg.rank, cfg.world_size) == (1, 2)
+    assert AgentConfig.from_env({**msrun, "MS_ROLE": ""}).rank is None
+    cfg = AgentConfig.from_env({**msrun, "MS_ROLE": "", "NICSWITCH_FRAMEWORK": "MindSpore", "RANK_ID": "2"})
+    assert (cfg.framework, cfg.rank, cfg.world_size) == ("mindspore", 2, 4)
+    with pytest.raises(ConfigError, match="RANK_ID"):
+        AgentConfig.from_env({**msrun, "RANK_ID": "9"})

@@ -407,6 +407,11 @@ def write_rank_table(path: Path, servers: int, per_server: int, status: str = "c
         ({"TABLE": "initializing"}, False, "RANK_TABLE_FILE="),
         ({"TABLE": "garbage"}, False, "RANK_TABLE_FILE="),
         ({"TABLE": "missing"}, False, "RANK_TABLE_FILE="),
+        # msrun's names in an msrun worker (MS_ROLE=MS_WORKER), or with NICSWITCH_FRAMEWORK=mindspore
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "2", "MS_WORKER_NUM": "4"}, True, "rank 2 of 4"),
+        ({"NICSWITCH_FRAMEWORK": "mindspore", "RANK_ID": "1", "MS_WORKER_NUM": "2"}, True, "rank 1 of 2"),
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "4", "MS_WORKER_NUM": "4"}, False, "RANK=4 is outside WORLD_SIZE=4"),
+        ({"RANK_ID": "2", "MS_WORKER_NUM": "4"}, False, "neither torchrun's"),  # not an msrun worker
     ],
 )
 def test_rank_mapping(tmp_path: Path, env: dict[str, str], ok: bool | None, text: str) -> None:

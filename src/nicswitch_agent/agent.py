@@ -39,9 +39,8 @@ from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
 from nicswitch_agent.executor import Executor, OwedReply
+from nicswitch_agent.hooks import default_switch_hook
 from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, require_callable
-from nicswitch_agent.hooks.dry_run import DryRunSwitcher
-from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.events import AgentEvent, EventListener, EventLog
 from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
@@ -174,8 +173,7 @@ class SwitchAgent:
         self.pause_mode, self._pause_reason = resolve_pause_mode(config.pause)
         self._on_stop = on_stop
         if switch_hook is None:
-            switch_hook = (DryRunSwitcher() if config.dry_run
-                           else TorchNpuSwitcher(switch_timeout_s=config.switch_timeout_s))
+            switch_hook = default_switch_hook(config)
         self._switch_hook = switch_hook
         self._checkpoint_hook = checkpoint_hook
         self._verify_hook = verify_hook

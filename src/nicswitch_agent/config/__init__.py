@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.config.addresses import CLUSTERD_PORT, parse_server
+from nicswitch_agent.config.frameworks import FRAMEWORKS, MSRUN_NAMES, in_msrun, job_framework
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.status_file import expand_path
 
@@ -160,17 +161,21 @@ class AgentConfig:
     Ctrl-C's own KeyboardInterrupt is left to Python (process_hooks.py)."""
 
     world_size: int | None = None
-    """Ranks in the job (env WORLD_SIZE; else torch.distributed's, else 1). Lists naming a rank
-    outside it are refused; above 1, every rank coordinates through the torch Store."""
+    """Ranks in the job (env WORLD_SIZE, or msrun's MS_WORKER_NUM; else torch.distributed's, else
+    1). Lists naming a rank outside it are refused; above 1, every rank coordinates through a Store."""
     rank: int | None = None
-    """This process's global rank (env RANK; else torch.distributed's, else 0). Rank 0 leads: it
-    alone holds ClusterD's streams (ClusterD has one queue per job, read by competing subscribers)."""
+    """This process's global rank (env RANK, or msrun's RANK_ID; else torch.distributed's, else 0).
+    Rank 0 leads: it alone holds ClusterD's streams (ClusterD has one queue per job, read by
+    competing subscribers)."""
     leader: str = "rank0"
     """Where the job's leader runs: ``rank0`` (global rank 0's agent) or ``launcher`` (the
     ``nicswitch-agent launch`` process; every training rank is then a member only)."""
     store_address: str | None = None
     """``host:port`` of a TCPStore to coordinate through instead of the job's default store (the
     launcher hosts one and exports it as NICSWITCH_STORE_ADDRESS)."""
+    framework: str = "auto"
+    """``torch``, ``mindspore``, or ``auto`` (MindSpore when it is imported and torch is not): which
+    Store the ranks coordinate through and the default switch hook (docs/architecture.md#mindspores-tcpstore)."""
     fan_out: str = "auto"
     """How ranks reach the job's Store: ``node`` (one rank per node relays for its node over a
     node-local Store, so the job's Store sees nodes, not ranks), ``group`` (as ``node``, and the
@@ -245,7 +250,8 @@ class AgentConfig:
     (``grpc.ssl_target_name_override``), e.g. when ``server`` is an IP address."""
 
     def __post_init__(self) -> None:
-        for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS)):
+        for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS),
+                               ("framework", FRAMEWORKS)):
             value = getattr(self, name)  # enumerations: any case (NICSWITCH_PAUSE=External)
             if isinstance(value, str) and value != value.lower() and value.lower() in choices:
                 object.__setattr__(self, name, value.lower())
@@ -280,6 +286,9 @@ class AgentConfig:
         for name, variable in (("job_id", "MINDX_TASK_ID"), ("world_size", "WORLD_SIZE"),
                                ("local_world_size", "LOCAL_WORLD_SIZE"), ("rank", "RANK")):
             read(name, variable)
+        if in_msrun(env, values.get("framework")):  # msrun's names, after torchrun's (frameworks.py)
+            for name, variable in MSRUN_NAMES:
+                read(name, variable)
         for name, default_port in (("server", CLUSTERD_PORT), ("store_address", None)):
             if name in sources:  # so that its message names the variable, as every other does
                 values[name] = parse_server(values[name], sources[name][0], default_port=default_port)
@@ -412,6 +421,7 @@ class AgentConfig:
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise _invalid(f"rank={self.rank!r} is outside world_size={self.world_size!r}", "rank", "world_size")
         _check_choice("fan_out", self.fan_out, FAN_OUTS)
+        _check_choice("framework", self.framework, FRAMEWORKS)
         if self.local_world_size is not None and (
                 isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
                 or self.local_world_size < 1):
@@ -674,4 +684,4 @@ def _non_optional(kind: Any) -> Any:
     return kind
 
 
-__all__ = ["CLUSTERD_PORT", "AgentConfig", "ConfigError", "parse_server"]
+__all__ = ["CLUSTERD_PORT", "AgentConfig", "ConfigError", "job_framework", "parse_server"]

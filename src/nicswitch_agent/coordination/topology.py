@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig
-from nicswitch_agent.coordination import fd_budget
+from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig, job_framework
+from nicswitch_agent.coordination import fd_budget, ms_store
 from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
 from nicswitch_agent.errors import ConfigError
@@ -57,12 +57,22 @@ def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, lea
     """The key-value view the leader and the members share, under this job's key prefix."""
     # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
     prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or leader_only) else None)
+    if store is not None and ms_store.is_mindspore_store(store):  # our own client of the job's MindSpore Store
+        return KV(ms_store.MindSporeStore.of(store, cfg.store_connect_timeout_s), prefix)
     if store is not None:
         return KV(store, prefix)
+    mindspore = job_framework(cfg.framework) == "mindspore"
+    if cfg.store_address is not None and mindspore:
+        host, _, port = cfg.store_address.rpartition(":")
+        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), cfg.store_connect_timeout_s), prefix)
     if cfg.store_address is not None:
         return KV(connect_tcp_store(cfg.store_address, cfg.store_connect_timeout_s, world_size), prefix)
     if world_size == 1:
         return KV(InProcessStore(), prefix)
+    if mindspore:
+        raise ConfigError(f"world_size={world_size} with framework mindspore needs MindSpore's TCPStore to coordinate "
+                          "ranks: pass store=mindspore.mint.distributed.TCPStore(...) (the same host and port on "
+                          "every rank), or store_address (NICSWITCH_STORE_ADDRESS)")
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_initialized():
         raise ConfigError(
@@ -203,6 +213,11 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
     address (bounded) and connect to it. In process (ranks as threads) one store per ``index``."""
     if isinstance(kv.store, InProcessStore):
         return KV(_in_process_store(kv.store, kv.prefix, index), kv.prefix), None
+    mindspore = isinstance(kv.store, ms_store.MindSporeStore)
+    if hosts and mindspore:
+        client, master = ms_store.host_store(listen, max(timeout_s, 30.0))
+        kv.set(key, f"{advertise()}:{client.port}")
+        return KV(client, kv.prefix), master
     if hosts:
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -213,6 +228,8 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
     if kv.poll_all([key], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
         raise ConfigError(f"{absent} within node_store_timeout_s={timeout_s:g} s")
     host, _, port = kv.get(key).rpartition(":")
+    if mindspore:
+        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), max(timeout_s, 30.0)), kv.prefix), None
     # Connected now, within the bound: a relay's stop() may wake it through this connection, which
     # must not be the first to dial a host that may be gone by then.
     return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True),

@@ -7,17 +7,33 @@ when the job starts, not in the middle of a switch. A verify hook (``TorchLinkPr
 ``callable(order) -> bool | None`` run on every rank once the switch succeeded on every rank.
 """
 
+from nicswitch_agent.config import AgentConfig, job_framework
 from nicswitch_agent.hooks.base import CheckpointGuard, CheckpointHook, Switcher, SwitchHook, check_hook
 from nicswitch_agent.hooks.dry_run import DryRunSwitcher
+from nicswitch_agent.hooks.ms_checkpoint import MindSporeCheckpointGuard
+from nicswitch_agent.hooks.ms_switch import MindSporeSwitcher
 from nicswitch_agent.hooks.torch_checkpoint import GuardRefused, TorchCheckpointGuard
 from nicswitch_agent.hooks.torch_npu import TorchNpuSwitcher
 from nicswitch_agent.hooks.torch_probe import ProbeFailed, TorchLinkProbe
+
+
+def default_switch_hook(config: AgentConfig) -> Switcher:
+    """The switch hook when none is passed: a dry run, MindSpore's switch for a MindSpore job
+    (``framework``), else torch_npu's."""
+    if config.dry_run:
+        return DryRunSwitcher()
+    if job_framework(config.framework) == "mindspore":
+        return MindSporeSwitcher(world_size=config.world_size)
+    return TorchNpuSwitcher(switch_timeout_s=config.switch_timeout_s)
+
 
 __all__ = [
     "CheckpointGuard",
     "CheckpointHook",
     "DryRunSwitcher",
     "GuardRefused",
+    "MindSporeCheckpointGuard",
+    "MindSporeSwitcher",
     "ProbeFailed",
     "SwitchHook",
     "Switcher",
@@ -25,4 +41,5 @@ __all__ = [
     "TorchLinkProbe",
     "TorchNpuSwitcher",
     "check_hook",
+    "default_switch_hook",
 ]

@@ -276,6 +276,9 @@ class TorchCheckpointGuard(CheckpointGuard):
                     f"use_dcp={self.use_dcp}: a checkpoint over the process group needs torch.distributed.checkpoint "
                     f"and numpy (its object collectives use numpy); import failed: {exc}"
                 ) from exc
+        self._check_directory()
+
+    def _check_directory(self) -> None:
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -402,6 +405,15 @@ class TorchCheckpointGuard(CheckpointGuard):
             state["optimizer"] = self._optimizer.state_dict()
         return state
 
+    def _write_state(self, tmp: Path) -> str:
+        """Write this process's state into ``tmp`` (durably); returns the format's name."""
+        import torch
+
+        target = tmp / STATE_FILE
+        torch.save(self._make_state(), target)
+        _fsync_file(target)
+        return FORMAT_TORCH_SAVE
+
     def _finish(self, order: SwitchOrder, step: int, tmp: Path, fmt: str, world: int, started: float
                 ) -> tuple[Path, int, list[str]]:
         """Owner only: write the JSON, rename into place, apply retention. Returns (path, bytes, removed)."""
@@ -463,17 +475,12 @@ class _LocalSave:
         return decide([view], min_free_bytes=self.guard.min_free_bytes, directory=self.guard.directory)
 
     def save(self, order: SwitchOrder, step: int, started: float) -> tuple[Path, int, list[str]]:
-        import torch
-
         guard = self.guard
         tmp = guard.directory / f".tmp-step-{step}-{os.getpid()}-{secrets.token_hex(4)}"
         _inside(guard.directory, tmp)
         try:
             tmp.mkdir()
-            target = tmp / STATE_FILE
-            torch.save(guard._make_state(), target)
-            _fsync_file(target)
-            return guard._finish(order, step, tmp, FORMAT_TORCH_SAVE, 1, started)
+            return guard._finish(order, step, tmp, guard._write_state(tmp), 1, started)
         except BaseException:
             _remove_tree(tmp)
             raise

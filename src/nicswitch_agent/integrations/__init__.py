@@ -5,7 +5,9 @@
 - :mod:`~nicswitch_agent.integrations.lightning`: ``NicSwitchCallback``, a PyTorch Lightning
   ``Callback``, and ``LightningCheckpointGuard`` (``python3 -m pip install '.[lightning]'`` in the checkout);
 - :mod:`~nicswitch_agent.integrations.huggingface`: ``NicSwitchTrainerCallback``, a Hugging Face
-  ``TrainerCallback``, and ``HFCheckpointGuard`` (``python3 -m pip install '.[hf]'`` in the checkout).
+  ``TrainerCallback``, and ``HFCheckpointGuard`` (``python3 -m pip install '.[hf]'`` in the checkout);
+- :mod:`~nicswitch_agent.integrations.mindspore`: ``NicSwitchMindSporeCallback``, a MindSpore
+  ``mindspore.train.Callback`` (``python3 -m pip install '.[mindspore]'`` in the checkout).
 
 All logic stays in :class:`~nicswitch_agent.SwitchAgent`: the adapters only forward step
 boundaries and offer a checkpoint guard that saves through the framework. Importing this package
@@ -24,6 +26,7 @@ _LAZY = {
     "LightningCheckpointGuard": "nicswitch_agent.integrations.lightning",
     "NicSwitchTrainerCallback": "nicswitch_agent.integrations.huggingface",
     "HFCheckpointGuard": "nicswitch_agent.integrations.huggingface",
+    "NicSwitchMindSporeCallback": "nicswitch_agent.integrations.mindspore",
 }
 
 # The framework names are left out of __all__, so that ``import *`` never imports a framework.

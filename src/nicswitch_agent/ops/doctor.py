@@ -58,6 +58,7 @@ from nicswitch_agent.config import (
     tls_from_env,
     unknown_env_names,
 )
+from nicswitch_agent.config.frameworks import in_msrun, rank_names, world_names
 from nicswitch_agent.coordination import fd_budget
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
@@ -73,7 +74,7 @@ ROLE = "nicswitch-doctor"  # ClusterD logs ClientInfo.role: the doctor's call is
 _SERVER_ENV = ("NICSWITCH_SERVER", "LOCAL_PROXY_ENABLE", "MINDX_SERVER_IP")
 _JOB_ENV = ("NICSWITCH_JOB_ID", "MINDX_TASK_ID")
 _KEEPALIVE_ENV = ("NICSWITCH_KEEPALIVE_TIME_S", "NICSWITCH_KEEPALIVE_TIMEOUT_S")
-_TOPOLOGY_ENV = ("NICSWITCH_WORLD_SIZE", "WORLD_SIZE", "NICSWITCH_RANK", "RANK")
+_TOPOLOGY_ENV = ("NICSWITCH_WORLD_SIZE", "WORLD_SIZE", "NICSWITCH_RANK", "RANK", "MS_WORKER_NUM", "RANK_ID", "MS_ROLE")
 _TLS_ENV = tuple(ENV_PREFIX + name.upper() for name in TLS_FIELDS)
 _PLACEHOLDER_SERVER = "127.0.0.1:8899"
 _PLACEHOLDER_JOB = "doctor-placeholder"
@@ -341,8 +342,8 @@ def _needs_torch(env: Mapping[str, str]) -> str:
     """
     if env.get("NICSWITCH_STORE_ADDRESS", "").strip() or env.get("NICSWITCH_LEADER", "").strip() == "launcher":
         return "a member of a launcher's leader reaches its Store with torch"
-    world = _env_int(env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
-    if world == 1:
+    world = _env_int(env, *world_names(env))
+    if world == 1 or in_msrun(env):  # a MindSpore job coordinates through MindSpore's TCPStore
         return ""
     if isinstance(world, int):
         return f"{world} ranks coordinate through a torch Store"
@@ -415,12 +416,12 @@ def check_switch_time(inp: Inputs) -> Check:
 
 
 def check_rank_map(inp: Inputs) -> Check:
-    """torchrun's RANK/WORLD_SIZE, or a rank table, so ClusterD's global ranks mean something here."""
+    """torchrun's RANK/WORLD_SIZE (msrun's RANK_ID/MS_WORKER_NUM), or a rank table, so ClusterD's
+    global ranks mean something here."""
     name = "rank mapping"
     env = inp.env
     parts: list[str] = []
-    world = _env_int(env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
-    rank = _env_int(env, "NICSWITCH_RANK", "RANK")
+    world, rank = _env_int(env, *world_names(env)), _env_int(env, *rank_names(env))  # torchrun's, msrun's
     for label, value in (("world size", world), ("rank", rank)):
         if isinstance(value, str):
             return Check(name, False, f"{label}: {value}")
@@ -462,7 +463,7 @@ def check_rank_map(inp: Inputs) -> Check:
 
 
 def check_file_descriptors(inp: Inputs) -> Check:
-    world = inp.world_size if inp.world_size is not None else _env_int(inp.env, "NICSWITCH_WORLD_SIZE", "WORLD_SIZE")
+    world = inp.world_size if inp.world_size is not None else _env_int(inp.env, *world_names(inp.env))
     launcher = inp.env.get("NICSWITCH_LEADER", "").strip().lower() == "launcher" or bool(
         inp.env.get("NICSWITCH_STORE_ADDRESS", "").strip())
     ok, detail = fd_budget.assess(world if isinstance(world, int) else None, launcher=launcher)

@@ -1,0 +1,137 @@
+"""What MindSpore's TCPStore costs the coordination, side by side with torch's, in one run.
+
+``python -m benchmarks.ms_store [--window 10]`` (needs torch and mindspore==2.10.0 with numpy<2,
+ci/constraints-mindspore.txt). Prints a JSON line per measure:
+
+- ``round_trip_us``: one call through the backend (median of 2,000, loopback): ``set``, ``get``
+  of an existing key, ``check``, ``add``; torch's TCPStore against ``MindSporeStore`` (whose
+  ``set`` is two MindSpore calls and whose ``get`` checks first, coordination/ms_store.py);
+- ``idle_wait_cpu_pct``: a member-like waiter in a child process, ``KV.get_when_set(key, window)``
+  on a key nobody writes, for ``window`` seconds: the child's CPU (% of one core) and the Store
+  host's (this process), for torch (one blocking request) and MindSpore (polls every 20 ms);
+- ``wake_ms``: a child waiting for a key this process then writes: set -> the child has the value
+  (median of 20), for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def host(kind: str, port: int) -> Any:
+    if kind == "torch":
+        from torch.distributed import TCPStore
+
+        return TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+    from mindspore.mint.distributed import TCPStore as MsTCPStore
+
+    return MsTCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=60), wait_for_workers=False)
+
+
+def client(kind: str, port: int) -> Any:
+    if kind == "torch":
+        from torch.distributed import TCPStore
+
+        return TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=60))
+    from nicswitch_agent.coordination.ms_store import MindSporeStore
+
+    return MindSporeStore("127.0.0.1", port, 60.0)
+
+
+def round_trips(kind: str, port: int, n: int = 2000) -> dict[str, float]:
+    store = client(kind, port)
+    store.set("rt/k", "v")
+    calls = {"set": lambda: store.set("rt/k", "v"), "get": lambda: store.get("rt/k"),
+             "check": lambda: store.check(["rt/k"]), "add": lambda: store.add("rt/n", 1)}
+    out = {}
+    for name, call in calls.items():
+        samples = []
+        for _ in range(n):
+            t = time.perf_counter()
+            call()
+            samples.append(time.perf_counter() - t)
+        out[name] = round(statistics.median(samples) * 1e6, 1)
+    return out
+
+
+def child(kind: str, port: int, mode: str, window: float) -> None:
+    from nicswitch_agent.coordination.kv import KV
+
+    kv = KV(client(kind, port), "b")
+    print("ready", flush=True)
+    if mode == "idle":
+        start = time.process_time()
+        kv.get_when_set("never", window)
+        print(json.dumps({"cpu_s": time.process_time() - start}), flush=True)
+        return
+    for i in range(20):
+        kv.get_when_set(f"wake{i}", 60.0)
+        print(json.dumps({"got": i, "t": time.time()}), flush=True)
+
+
+def spawn(kind: str, port: int, mode: str, window: float) -> subprocess.Popen[str]:
+    env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": ROOT}
+    proc = subprocess.Popen([sys.executable, "-m", "benchmarks.ms_store", "--child", kind, str(port), mode,
+                             str(window)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def measure(kind: str, window: float) -> dict[str, Any]:
+    port = free_port()
+    server = host(kind, port)  # noqa: F841 - kept alive for the measure (never destroyed: ms_store.py)
+    result: dict[str, Any] = {"backend": kind, "round_trip_us": round_trips(kind, port)}
+    proc = spawn(kind, port, "idle", window)
+    host_start = time.process_time()
+    assert proc.stdout is not None
+    cpu = json.loads(proc.stdout.readline())["cpu_s"]
+    proc.wait()
+    result["idle_wait_cpu_pct"] = {"waiter": round(100 * cpu / window, 3),
+                                   "store_host": round(100 * (time.process_time() - host_start) / window, 3)}
+    writer = client(kind, port)
+    proc = spawn(kind, port, "wake", window)
+    lat = []
+    for i in range(20):
+        time.sleep(0.05)  # not synchronisation: the child is waiting for wake{i} by now
+        t = time.time()
+        writer.set(f"b/wake{i}", "x")
+        lat.append(json.loads(proc.stdout.readline())["t"] - t)
+    proc.wait()
+    result["wake_ms"] = {"median": round(statistics.median(lat) * 1e3, 2), "max": round(max(lat) * 1e3, 2)}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--window", type=float, default=10.0)
+    parser.add_argument("--child", nargs=4)
+    args = parser.parse_args()
+    if args.child:
+        kind, port, mode, window = args.child
+        child(kind, int(port), mode, float(window))
+        return
+    os.environ.setdefault("GLOG_v", "3")
+    print(json.dumps({"load_average": os.getloadavg()}))
+    for kind in ("torch", "mindspore"):
+        print(json.dumps(measure(kind, args.window)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
