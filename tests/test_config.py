@@ -44,7 +44,7 @@ def test_float_fields_are_the_expected_ones() -> None:
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
         "status_interval_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
         "node_store_timeout_s",
-        "store_connect_timeout_s", "notify_reopen_wait_s", "join_timeout_s",
+        "store_connect_timeout_s", "notify_reopen_wait_s", "join_timeout_s", "mindspore_poll_s",
     ])
 
 
@@ -281,7 +281,7 @@ def test_non_numeric_times_refused(name: str, value: Any) -> None:
     ["keepalive_timeout_s", "pause_timeout_s", "reconnect_initial_s", "reconnect_max_s",
      "guard_timeout_s", "switch_timeout_s",
      "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "store_connect_timeout_s",
-     "join_timeout_s"],
+     "join_timeout_s", "mindspore_poll_s"],
 )
 def test_zero_refused_where_a_positive_time_is_needed(name: str) -> None:
     message = refused(rf"{name}=0 must be positive", **{name: 0})

@@ -227,5 +227,14 @@ def test_the_job_store_is_wrapped_reached_or_asked_for(master: Any) -> None:
     assert isinstance(reached.store, MindSporeStore)
     kv.set("x", "1")
     assert reached.get("x") == "1"  # the same Store
+    slow = cfg.replace(mindspore_poll_s=0.25)  # the idle poll is the setting's, on every store it leads to
+    assert topology.coordination_kv(slow, 2, store=master, leader_only=False).store.poll_max_s == 0.25
+    assert topology.coordination_kv(slow.replace(store_address=f"127.0.0.1:{master.port}"), 2, store=None,
+                                    leader_only=False).store.poll_max_s == 0.25
+    assert kv.store.poll_max_s == 0.02 and kv.store.clone().poll_max_s == 0.02
+    job = topology.coordination_kv(slow, 2, store=master, leader_only=False)
+    hosted, node_master = topology.node_kv(job, 7, 0, 10.0)  # local rank 0 hosts the node's Store ...
+    joined, _ = topology.node_kv(job, 7, 1, 10.0)  # ... and the node's other ranks join it
+    assert node_master is not None and hosted.store.poll_max_s == joined.store.poll_max_s == 0.25
     with pytest.raises(ConfigError, match=r"store=mindspore\.mint\.distributed\.TCPStore"):
         topology.coordination_kv(cfg, 2, store=None, leader_only=False)

@@ -199,6 +199,9 @@ class AgentConfig:
     """How long opening a connection to the coordination Store may take before start() fails
     (torch retries a refused one until then: a Store host out of file descriptors refuses them);
     also the deadline of the Store calls that carry none of their own."""
+    mindspore_poll_s: float = 0.02
+    """With MindSpore's TCPStore (whose ``get`` holds the GIL, so waits poll): the longest gap between
+    an idle wait's polls, one round trip each. Longer costs an idle rank less and a pause more."""
     join_timeout_s: float = 600.0
     """A launcher-hosted leader (``nicswitch-agent launch``) makes itself known to ClusterD once every
     rank has joined, or after this long at most (then it names the ranks missing)."""
@@ -369,7 +372,7 @@ class AgentConfig:
         positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
                     "switch_timeout_s", "verify_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
-                    "store_connect_timeout_s", "join_timeout_s",
+                    "store_connect_timeout_s", "join_timeout_s", "mindspore_poll_s",
                     "exit_timeout_s", "conflict_window_s", "conflict_backoff_s", "conflict_backoff_max_s",
                     "node_store_timeout_s", "notify_reopen_wait_s")
         for name in positive:

@@ -49,7 +49,7 @@ from nicswitch_agent.errors import ConfigError
 
 MARK = "/~set"  # suffix of a key's companion counter: how many times it was set since its last delete
 POLL_START_S = 0.001
-POLL_MAX_S = 0.02  # an idle wait's round trips: 50 a second (MindSpore's own get: 100, GIL held)
+POLL_MAX_S = 0.02  # an idle wait's round trips: 50 a second (MindSpore's own get: 100, GIL held); mindspore_poll_s
 ACTIVE_POLL_MAX_S = 0.005  # within ACTIVE_S of a wait that found its key: a switch's next event
 ACTIVE_S = 5.0
 HOST_ATTEMPTS = 5  # a free port found and taken by another process before we bind it: try another
@@ -128,10 +128,15 @@ class MindSporeStore:
         self._client = client if client is not None else connect(host, port, timeout_s)
 
     @classmethod
-    def of(cls, store: Any, timeout_s: float) -> MindSporeStore:
+    def of(cls, store: Any, timeout_s: float, poll_max_s: float = POLL_MAX_S) -> MindSporeStore:
         """Our client of the TCPStore ``store`` (a MindSpore TCPStore the job made): a connection of
         our own, so that the job's client and its timeout stay the job's."""
-        return cls(str(store.host), int(store.port), timeout_s)
+        return cls(str(store.host), int(store.port), timeout_s, poll_max_s=poll_max_s)
+
+    @property
+    def poll_max_s(self) -> float:
+        """The longest pause between two polls of a wait (stores this one leads to inherit it)."""
+        return self._poll_max_s
 
     def clone(self) -> MindSporeStore:
         return MindSporeStore(self.host, self.port, self.connect_timeout_s, poll_max_s=self._poll_max_s)
@@ -199,7 +204,7 @@ def connect(host: str, port: int, timeout_s: float) -> Any:
                           f"up, and is the port right?") from exc
 
 
-def host_store(listen: str, timeout_s: float) -> tuple[MindSporeStore, Any]:
+def host_store(listen: str, timeout_s: float, poll_max_s: float = POLL_MAX_S) -> tuple[MindSporeStore, Any]:
     """(a client, the master) of a new MindSpore TCPStore listening on ``listen`` at a free port."""
     store_class = mindspore_store_class()
     failure: RuntimeError | None = None
@@ -214,7 +219,7 @@ def host_store(listen: str, timeout_s: float) -> tuple[MindSporeStore, Any]:
             failure = exc
             continue
         dial = "127.0.0.1" if listen == "0.0.0.0" else listen
-        return MindSporeStore(dial, port, timeout_s), master
+        return MindSporeStore(dial, port, timeout_s, poll_max_s=poll_max_s), master
     raise ConfigError(f"could not host a MindSpore TCPStore on {listen} in {HOST_ATTEMPTS} attempts: {failure}")
 
 

@@ -58,13 +58,14 @@ def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, lea
     # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
     prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or leader_only) else None)
     if store is not None and ms_store.is_mindspore_store(store):  # our own client of the job's MindSpore Store
-        return KV(ms_store.MindSporeStore.of(store, cfg.store_connect_timeout_s), prefix)
+        return KV(ms_store.MindSporeStore.of(store, cfg.store_connect_timeout_s, cfg.mindspore_poll_s), prefix)
     if store is not None:
         return KV(store, prefix)
     mindspore = job_framework(cfg.framework) == "mindspore"
     if cfg.store_address is not None and mindspore:
         host, _, port = cfg.store_address.rpartition(":")
-        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), cfg.store_connect_timeout_s), prefix)
+        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), cfg.store_connect_timeout_s,
+                                     poll_max_s=cfg.mindspore_poll_s), prefix)
     if cfg.store_address is not None:
         return KV(connect_tcp_store(cfg.store_address, cfg.store_connect_timeout_s, world_size), prefix)
     if world_size == 1:
@@ -214,8 +215,9 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
     if isinstance(kv.store, InProcessStore):
         return KV(_in_process_store(kv.store, kv.prefix, index), kv.prefix), None
     mindspore = isinstance(kv.store, ms_store.MindSporeStore)
+    poll_s = kv.store.poll_max_s if isinstance(kv.store, ms_store.MindSporeStore) else ms_store.POLL_MAX_S
     if hosts and mindspore:
-        client, master = ms_store.host_store(listen, max(timeout_s, 30.0))
+        client, master = ms_store.host_store(listen, max(timeout_s, 30.0), poll_s)
         kv.set(key, f"{advertise()}:{client.port}")
         return KV(client, kv.prefix), master
     if hosts:
@@ -229,7 +231,8 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
         raise ConfigError(f"{absent} within node_store_timeout_s={timeout_s:g} s")
     host, _, port = kv.get(key).rpartition(":")
     if mindspore:
-        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), max(timeout_s, 30.0)), kv.prefix), None
+        return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), max(timeout_s, 30.0),
+                                          poll_max_s=poll_s), kv.prefix), None
     # Connected now, within the bound: a relay's stop() may wake it through this connection, which
     # must not be the first to dial a host that may be gone by then.
     return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True),
