@@ -55,17 +55,16 @@ class Node:
 
     def completed(self, slot: int, epoch: int, step: int) -> None:
         self.local.set(p.c_key(epoch, slot), str(step))
-        self.local.add(p.c_counter_key(epoch), 1)
+        self.local.arrive(p.c_counter_key(epoch), len(self.ranks))  # as a member: the last one sets the done key
 
     def parked(self, slot: int, epoch: int, step: int) -> None:
         self.local.set(p.parked_key(epoch, slot), str(step))
-        self.local.add(p.parked_counter_key(epoch), 1)
+        self.local.arrive(p.parked_counter_key(epoch), len(self.ranks))
 
     def result(self, slot: int, event: dict[str, Any], ok: bool, reason: str = "ok") -> None:
         epoch, name = int(event["e"]), str(event["key"])
-        index = self.local.add(p.result_counter_key(epoch, name), 1)
-        self.local.set(p.result_key(epoch, name, index),
-                       p.MemberResult(self.ranks[slot], ok, reason, attempted=True, guard_ok=ok).encode())
+        p.publish_result(self.local, epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
+                                                                 guard_ok=ok), int(event["n"]))
 
 
 @pytest.fixture

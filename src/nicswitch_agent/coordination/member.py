@@ -107,7 +107,7 @@ class Member:
         self._wake_kv: KV | None = None
         self._target: tuple[str, bool | None] = ("", None)  # (order key, this rank's op in it) for switch_outcome
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
-        self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
+        self._in_flight: tuple[int, str, int | None] | None = None  # (epoch, order key, answerers) being run
         self.events_handled = 0
         self.lost = ""
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
@@ -130,9 +130,9 @@ class Member:
             in_flight, self._in_flight = self._in_flight, None
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
-                epoch, name = in_flight
-                self._publish_result(self._wake_kv, epoch, name, p.MemberResult(
-                    self.rank, False, "the agent on this rank stopped during the order", attempted=True))
+                epoch, name, expected = in_flight
+                p.publish_result(self._wake_kv, epoch, name, p.MemberResult(
+                    self.rank, False, "the agent on this rank stopped during the order", attempted=True), expected)
         except Exception:
             logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
@@ -225,7 +225,7 @@ class Member:
             if completed is None:  # so that a pause that times out can say step() was never called
                 self.kv.set(p.nostep_key(epoch, self.slot), "1")
             self.kv.set(p.c_key(epoch, self.slot), str(completed if completed is not None else 0))
-            self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
+            self.kv.arrive(p.c_counter_key(epoch), _expected(message))  # the key first, then the count
             self._emit("pause_requested", {"epoch": epoch, "completed_step": completed, "sent_at": message.get("at")})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
@@ -234,14 +234,14 @@ class Member:
             self.lot.set_target(target_epoch, int(message["S"]))
             if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
                 self.kv.set(p.parked_key(epoch, self.slot), str(self.lot.parked_step))
-                self.kv.add(p.parked_counter_key(epoch), 1)
+                self.kv.arrive(p.parked_counter_key(epoch), _expected(message))
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
             if self._stale(name, p.order_name(message)):
                 return
             with self._result_lock:
-                self._in_flight = (epoch, name)
+                self._in_flight = (epoch, name, _expected(message))
             result = self._run_order(epoch, message)
             duration = time.monotonic() - started
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
@@ -250,10 +250,10 @@ class Member:
             if message.get("kind") == p.KIND_VERIFY and self.hooks.verify_hook is not None and not self.hooks.dry_run:
                 self._record_verify(name, result, duration)
             with self._result_lock:
-                answered_by_stop = self._in_flight != (epoch, name)
+                answered_by_stop = self._in_flight is None or self._in_flight[:2] != (epoch, name)
                 self._in_flight = None
             if not answered_by_stop:
-                self._publish_result(self.kv, epoch, name, result)
+                p.publish_result(self.kv, epoch, name, result, _expected(message))
         elif kind == p.OUTCOME:
             key, op = self._target
             link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
@@ -296,11 +296,6 @@ class Member:
                                    "seq": int(seq) if seq is not None and seq.isdigit() else None})
         if not result.ok:
             logger.error("rank %d: verification of order %s failed: %s", self.rank, name, result.reason)
-
-    @staticmethod
-    def _publish_result(kv: KV, epoch: int, name: str, result: p.MemberResult) -> None:
-        index = kv.add(p.result_counter_key(epoch, name), 1)
-        kv.set(p.result_key(epoch, name, index), result.encode())
 
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         if self._on_event is not None:
@@ -426,6 +421,13 @@ class Member:
         record = hook_record(hook) if name == "rollback" else None
         return p.MemberResult(self.rank, result.ok, result.detail, attempted=name in ("rollback", "verify"),
                               detail=record, unsafe=name == "verify" and _left_unusable(hook, result))
+
+
+def _expected(message: dict[str, Any]) -> int | None:
+    """How many answer the event on this Store (its ``n``: the answer that completes the count
+    sets the done key its waiter blocks on); None from a leader of an earlier version."""
+    n = message.get("n")
+    return int(n) if n is not None else None
 
 
 def _origin(message: dict[str, Any]) -> dict[str, Any]:

@@ -56,16 +56,16 @@ import base64
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nicswitch_agent.coordination.kv import MAX_WAIT_S, done_key
 from nicswitch_agent.orders import SwitchOrder
 
 if TYPE_CHECKING:
-    import threading
-
-    from nicswitch_agent.coordination.kv import KV
+    from nicswitch_agent.coordination.kv import KV, Wake
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
@@ -217,24 +217,30 @@ class MemberResult:
                    verify_s=float(v.get("verify", 0.0)), unsafe=bool(v.get("unsafe", False)))
 
 
-# A verify round lasts about one small collective (milliseconds): its results are polled at most
-# 1 ms apart instead of 5, so the poll does not add more than the probe itself.
-VERIFY_POLL_MAX_S = 0.001
+def publish_result(kv: KV, epoch: int, name: str, result: MemberResult, expected: int | None) -> int:
+    """Answer order ``name``: the result at the next arrival index (arrival order: the first
+    failure is the first one read); then, if it decides the order (the ``expected``-th result, or
+    a failure), the done key its waiter blocks on (:meth:`KV.wait_count`). Returns the index."""
+    counter = result_counter_key(epoch, name)
+    index = kv.add(counter, 1)
+    kv.set(result_key(epoch, name, index), result.encode())
+    if expected is not None and (index == expected or not result.ok):
+        kv.set(done_key(counter), "1")  # after the result: whoever it wakes finds the result there
+    return index
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
-                     stop: threading.Event | None = None, *, max_interval_s: float = 0.005) -> Iterator[MemberResult]:
-    """The results of order ``name`` as they arrive, read in batches: one counter poll, one check
-    and one multi_get per batch, however many answered in it. Ends after ``expected`` results, or
-    early when ``deadline`` (monotonic) passes first; the caller counts what it got."""
-    counter = result_counter_key(epoch, name)
-    seen = 0
-    while seen < expected:
-        count = min(kv.poll_count(counter, seen + 1, deadline, stop, max_interval_s=max_interval_s), expected)
-        keys = [result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
-        # A member counts first, then writes its result: wait for the keys themselves too.
-        if count <= seen or kv.poll_all(keys, deadline, stop):
-            return
-        for text in kv.get_many(keys):
-            seen += 1
-            yield MemberResult.decode(text)
+                     wake: Wake | None = None) -> Iterator[MemberResult]:
+    """The results of order ``name`` in arrival order, once it is decided: all ``expected`` of
+    them, or those up to the first failure (which decides at once), or what arrived before
+    ``deadline`` (monotonic) or ``wake``. One blocking wait, then one read of every result
+    (multi_get); the caller counts what it got."""
+    count = min(kv.wait_count(result_counter_key(epoch, name), expected, deadline, wake), expected)
+    keys = [result_key(epoch, name, i) for i in range(1, count + 1)]
+    if not keys:
+        return
+    # A result's counter comes before its key: one that counted may still be writing it.
+    if not kv.wait(keys, max(0.001, min(deadline - time.monotonic(), MAX_WAIT_S))):
+        keys = [k for k in keys if kv.check([k])]
+    for text in kv.get_many(keys):
+        yield MemberResult.decode(text)
