@@ -217,16 +217,17 @@ class Coordinator:
             session = not self._paused  # pause mode external: a session of its own
             epoch = self._new_epoch() if session else self._epoch
             name = f"{epoch}.{order.seq}.{kind}"
-            self.kv.set(p.order_key(name), p.encode_order(order))
+            text = p.encode_order(order)
+            self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                           "seq": order.seq})
+                           "seq": order.seq, **p.inline_order(text)})
             if kind == p.KIND_SWITCH:
                 budget_s += self.warm_up_s
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
             self._collect(epoch, name)
             if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
-                outcome = self._verify(epoch, order, outcome, started)
+                outcome = self._verify(epoch, order, outcome, started, text)
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -237,13 +238,14 @@ class Coordinator:
                     logger.exception("recording the decided order failed; ignored")
             return outcome
 
-    def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float) -> RunOutcome:
+    def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float,
+                text: str) -> RunOutcome:
         """The second round: every rank runs its verify hook; the first failure decides."""
         name = f"{epoch}.{order.seq}.{p.KIND_VERIFY}"
         verify_started = time.monotonic()
         # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
         self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
-                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}"})
+                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}", **p.inline_order(text)})
         outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started)
         self._collect(epoch, name)
         took = (time.monotonic() - verify_started) * 1000

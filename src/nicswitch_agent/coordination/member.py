@@ -238,11 +238,12 @@ class Member:
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
-            if self._stale(name, p.order_name(message)):
+            order = self._order_of(name, message)
+            if order is None:
                 return
             with self._result_lock:
                 self._in_flight = (epoch, name, _expected(message))
-            result = self._run_order(epoch, message)
+            result = self._run_order(epoch, message, order)
             duration = time.monotonic() - started
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
                                          "reason": result.reason, "duration_s": duration,
@@ -268,17 +269,28 @@ class Member:
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
-    def _stale(self, name: str, order_name: str) -> bool:
-        """True if the leader is already past this order (this rank was busy with an earlier one
-        beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
-        block for the Store's timeout). The leader publishes its next event only once it has
-        decided this order, so a next event in our queue means nobody waits for our answer."""
-        moved_on = self.kv.check([p.queue_key(self.slot, self._next)])
-        if moved_on or not self.kv.check([p.order_key(order_name)]):
+    def _order_of(self, name: str, message: dict[str, Any]) -> SwitchOrder | None:
+        """The order an order event runs; None if the leader is already past it (this rank was
+        busy with an earlier one beyond its budget): it must not run late, and its key may be gone
+        (a ``get`` would then block for the Store's timeout). The leader publishes its next event
+        only once it has decided this order, so a next event in our queue means nobody waits for
+        our answer. A short order comes in the event itself; a verify round runs the switch's
+        order again (kept from it: not read twice)."""
+        order_name = p.order_name(message)
+        cached = self._last_order
+        order = cached[1] if cached is not None and cached[0] == order_name else None
+        inline = message.get("o")
+        if order is None and inline is not None:
+            order = p.decode_order(str(inline))
+        if self.kv.check([p.queue_key(self.slot, self._next)]) or (
+                order is None and not self.kv.check([p.order_key(order_name)])):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
-            return True
-        return False
+            return None
+        if order is None:
+            order = p.decode_order(self.kv.get(p.order_key(order_name)))
+        self._last_order = (order_name, order)
+        return order
 
     def _record_verify(self, name: str, result: p.MemberResult, duration: float) -> None:
         """Keep this rank's verification for status(), with the hook's own report if it has one
@@ -304,12 +316,7 @@ class Member:
             except Exception:
                 logger.exception("member event listener failed; ignored")
 
-    def _run_order(self, epoch: int, message: dict[str, Any]) -> p.MemberResult:
-        name = p.order_name(message)
-        cached = self._last_order  # a verify round runs the switch's order again: not read twice
-        order = cached[1] if cached is not None and cached[0] == name else \
-            p.decode_order(self.kv.get(p.order_key(name)))
-        self._last_order = (name, order)
+    def _run_order(self, epoch: int, message: dict[str, Any], order: SwitchOrder) -> p.MemberResult:
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])

@@ -10,7 +10,10 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
-                                "budget": seconds, "seq": N [, "order": K0]}
+                                "budget": seconds, "seq": N [, "order": K0] [, "o": the order, if short]}
+                                   (pause, target and order events also carry "n": how many answer
+                                   them on this Store, so the answer that completes the count can set
+                                   its done key, e/<E>/.../done, which the waiter blocks on)
                                    (verify: a switch's second round, only once every rank's switch hook
                                    succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
@@ -26,6 +29,9 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/parked/<r>           the step r parked at
     e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
+    e/<E>/c/done, e/<E>/parked/done, e/<E>/res/<K>/done
+                               set by the answer that completes the count (its "n"-th), and for
+                               results also by a failure: the leader (or relay) blocks on it
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
                                [, "interrupted": true] [, "verify": seconds: run the verify round, with
                                this budget]}
@@ -153,6 +159,16 @@ _U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
 _OPS_TO_TEXT = bytes.maketrans(b"\x00\x01", b"01")
 _TEXT_TO_OPS = bytes.maketrans(b"01", b"\x00\x01")
 RANKS_ENCODING = "u32le-b64"
+
+
+# An order this short (a few hundred ranks listed) travels in its event itself ("o"): every rank
+# and relay saves the read of o/<K> (and a relay its copy to its node's Store).
+INLINE_ORDER_MAX = 2048
+
+
+def inline_order(text: str) -> dict[str, str]:
+    """The event's ``"o"`` field for an encoded order: the order itself if it is short, else none."""
+    return {"o": text} if len(text) <= INLINE_ORDER_MAX else {}
 
 
 def encode_order(order: SwitchOrder) -> str:

@@ -155,7 +155,7 @@ class NodeRelay:
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
-        if kind == p.ORDER and p.order_key(p.order_name(message)) not in self._garbage:
+        if kind == p.ORDER and "o" not in message and p.order_key(p.order_name(message)) not in self._garbage:
             # The order itself first: members read it when the event arrives (a verify round runs
             # the switch's order, copied already).
             name = p.order_name(message)
