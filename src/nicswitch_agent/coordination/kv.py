@@ -206,12 +206,13 @@ class KV:
         arrival's number. ``expected`` None (a leader of an earlier version): no done key."""
         index = self.add(counter, 1)
         if expected is not None and index == expected:
-            self.set(done_key(counter), "1")
+            self.set(done_key(counter), str(index))
         return index
 
     def wait_count(self, counter: str, expected: int, deadline: float, wake: Wake | None = None) -> int:
         """Block until ``counter``'s done key is set (by its ``expected``-th arrival, by a failure
-        that decides early, or by ``wake``) or ``deadline`` (monotonic) passes; returns the count.
+        that decides early, or by ``wake``) or ``deadline`` (monotonic) passes; returns the count
+        (at least): the number the done key holds (the arrival that set it), else the counter's.
 
         One blocking request instead of a poll every few ms: the waiter costs nothing while it
         waits, and sees the last arrival one Store round trip after it (no poll interval).
@@ -219,14 +220,15 @@ class KV:
         done = done_key(counter)
         if wake is not None:
             wake.key = done
+        value = None
         try:
             remaining = min(deadline - time.monotonic(), MAX_WAIT_S)
             if remaining > 0 and (wake is None or not wake.stop.is_set()):
-                self.get_when_set(done, remaining)
+                value = self.get_when_set(done, remaining)
         finally:
             if wake is not None:
                 wake.key = None
-        return self.count(counter)
+        return int(value) if value is not None and value.isdigit() else self.count(counter)
 
     def poll_all(self, keys: Sequence[str], deadline: float, stop: threading.Event | None = None,
                  interval_s: float = 0.001, max_interval_s: float = 0.005) -> list[str]:

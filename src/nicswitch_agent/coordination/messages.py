@@ -241,7 +241,7 @@ def publish_result(kv: KV, epoch: int, name: str, result: MemberResult, expected
     index = kv.add(counter, 1)
     kv.set(result_key(epoch, name, index), result.encode())
     if expected is not None and (index == expected or not result.ok):
-        kv.set(done_key(counter), "1")  # after the result: whoever it wakes finds the result there
+        kv.set(done_key(counter), str(index))  # after the result: whoever it wakes finds the result there
     return index
 
 

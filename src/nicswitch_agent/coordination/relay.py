@@ -193,14 +193,17 @@ class NodeRelay:
     def _answer_pause(self, epoch: int, timeout_s: float, above: int | None) -> None:
         keys = [p.c_key(epoch, slot) for slot in range(self.size)]
         counter = p.c_counter_key(epoch)
-        self._garbage += [*keys, counter, done_key(counter), *(p.nostep_key(epoch, s) for s in range(self.size))]
+        self._garbage += [*keys, counter, done_key(counter)]
         deadline = time.monotonic() + _before_the_leader(timeout_s)
         if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
             missing = self._missing(keys)
+            self._garbage += [p.nostep_key(epoch, slot) for slot in range(self.size)]
             self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
             return
         steps = [int(v) for v in self.local.get_many(keys)]
-        # A rank whose step() was never called says 0 (and sets its nostep key): only then look.
+        # A rank whose step() was never called says 0 (and sets its nostep key): only then look,
+        # and delete (most pauses have no such key to delete).
+        self._garbage += [p.nostep_key(epoch, slot) for slot, step in enumerate(steps) if step == 0]
         if max(steps) == 0 and len(self._never_stepped(epoch)) == self.size:  # for the leader's message
             self.job.set(p.nostep_key(epoch, self.node), "1")
         self.job.set(p.c_key(epoch, self.node), str(max(steps)))
