@@ -78,8 +78,10 @@ class InProcessStore:
             self._cond.notify_all()
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        with self._cond:
-            return [self._data[k] for k in keys]  # callers ask only for keys they know exist
+        with self._cond:  # as torch's: waits until every key exists
+            if not self._cond.wait_for(lambda: all(k in self._data for k in keys), 300):
+                raise StoreTimeout(f"multi_get timeout: {keys}")
+            return [self._data[k] for k in keys]
 
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         with self._cond:
@@ -151,7 +153,8 @@ class KV:
             self.store.set(key, value)
 
     def get_many(self, keys: Sequence[str]) -> list[str]:
-        """The values of keys that exist, in one round trip where the Store can (``multi_get``)."""
+        """The values of ``keys``, in one round trip where the Store can (``multi_get``); like
+        ``get``, it waits for a key that does not exist yet (bounded by the connection's timeout)."""
         full = [self._k(k) for k in keys]
         if self._multi and len(full) > 1:
             try:
@@ -178,7 +181,7 @@ class KV:
             self.store.wait([self._k(k) for k in keys], datetime.timedelta(seconds=timeout_s))
             return True
         except RuntimeError as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             return self.check(keys)  # a key set right at the boundary can still raise
 
@@ -196,7 +199,7 @@ class KV:
         try:
             return self.get(key)
         except RuntimeError as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             return self.get(key) if self.check([key]) else None  # set right at the boundary
 
@@ -287,7 +290,7 @@ class Wake:
                 self.kv.set(key, "woken")
 
 
-def _timed_out(exc: RuntimeError) -> bool:
+def timed_out(exc: RuntimeError) -> bool:
     """torch raises DistStoreError (a RuntimeError) for a wait that timed out and for a lost Store alike."""
     text = str(exc).lower()
     return "timeout" in text or "timed out" in text

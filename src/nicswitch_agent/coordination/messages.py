@@ -62,12 +62,11 @@ import base64
 import json
 import os
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from nicswitch_agent.coordination.kv import MAX_WAIT_S, done_key
+from nicswitch_agent.coordination.kv import done_key, timed_out
 from nicswitch_agent.orders import SwitchOrder
 
 if TYPE_CHECKING:
@@ -250,13 +249,17 @@ def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: flo
     """The results of order ``name`` in arrival order, once it is decided: all ``expected`` of
     them, or those up to the first failure (which decides at once), or what arrived before
     ``deadline`` (monotonic) or ``wake``. One blocking wait, then one read of every result
-    (multi_get); the caller counts what it got."""
+    (multi_get, which waits for a result whose sender counted it and is still writing it); the
+    caller counts what it got."""
     count = min(kv.wait_count(result_counter_key(epoch, name), expected, deadline, wake), expected)
     keys = [result_key(epoch, name, i) for i in range(1, count + 1)]
     if not keys:
         return
-    # A result's counter comes before its key: one that counted may still be writing it.
-    if not kv.wait(keys, max(0.001, min(deadline - time.monotonic(), MAX_WAIT_S))):
-        keys = [k for k in keys if kv.check([k])]
-    for text in kv.get_many(keys):
+    try:
+        texts = kv.get_many(keys)
+    except RuntimeError as exc:  # a sender died between its count and its result (failure path)
+        if not timed_out(exc):
+            raise
+        texts = kv.get_many([k for k in keys if kv.check([k])])
+    for text in texts:
         yield MemberResult.decode(text)
