@@ -114,9 +114,12 @@ class KV:
     that blocks until the key exists (bounded: a ``set_timeout`` of the connection, or a timeout
     of its own), ``add`` (atomic, returns the new value), ``delete_key`` and ``clone`` (a new
     connection). The waits of a switch (:meth:`get_when_set`, :meth:`arrive`,
-    :meth:`wait_count`) need nothing more. ``check`` and ``wait`` are used at start and on the
-    failure paths (which keys are missing), ``multi_set``/``multi_get`` only where the Store has
-    them (:meth:`set_many`, :meth:`get_many` fall back to one call per key).
+    :meth:`wait_count`, and reading the answers with :meth:`get_many`, which waits like ``get``)
+    need nothing more. ``check`` is used once per order by each member (has the leader moved
+    on?), at start, and on the failure paths (which keys are missing); ``wait`` only by
+    :meth:`wait` and :meth:`get_when_set` on a Store without ``set_timeout``;
+    ``multi_set``/``multi_get`` only where the Store has them (:meth:`set_many`,
+    :meth:`get_many` fall back to one call per key).
     """
 
     def __init__(self, store: StoreLike, prefix: str) -> None:
