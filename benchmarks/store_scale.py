@@ -99,6 +99,10 @@ SLICES = (("ParkingLot", "WAIT_SLICE_S"), ("Member", "IDLE_SLICE_S"))
 # per switch, 0.3 s with 0.5 s; 4,096 ranks never finished a pause). A rank per process has no
 # such storm. Threads that block in a Store call hand the GIL over at once either way.
 HOSTED_SWITCH_INTERVAL_S = 0.5
+# The training threads' step period (--step-ms): each step is due this long after the previous
+# one began (after a park, at the resume). A step that starts later than due is late: what the
+# switch's coordination costs the training steps still running (CPU, GIL, cores).
+DEFAULT_STEP_S = 0.1
 
 
 def default_switches(ranks: int) -> int:
@@ -443,9 +447,11 @@ def hosted_slices() -> dict[str, list[float]]:
 class RankThread:
     """One rank: its ParkingLot, its Member and a training thread doing what ``agent.step()`` does.
 
-    The training thread is blocked between steps while idle (no CPU, like a rank inside a long
-    step) and steps at once while a pause request is pending, so every rank reaches its boundary
-    as soon as it can: the pause measures coordination, not a training step.
+    With a step period (``node.step_s`` > 0) the training thread calls ``step()`` every period
+    (a step "computes" by sleeping until the next one is due) and records how late each step
+    began: the steps a switch's coordination delays. Without one (0) it is blocked between steps
+    while idle and steps at once while a pause request is pending, so every rank reaches its
+    boundary as soon as it can: the pause then measures coordination only.
     """
 
     def __init__(self, rank: int, node: NodeProcess) -> None:
@@ -456,12 +462,18 @@ class RankThread:
         self.last_step: int | None = None
         self.armed = False
         self.go = threading.Event()
+        self.compute = threading.Event()
         self.quit = False
         # align_timeout_s: a rank waiting for S gives up after it (60 s by default); thousands of
         # ranks on 2 cores can take longer than that to publish their steps.
         self.lot = ParkingLot(on_event=self._on_lot_event, on_armed=self._set_armed,
                               align_timeout_s=node.timeout_s)
-        self.thread = threading.Thread(target=self._train, name=f"train-{rank}", daemon=True)
+        self.resumed = False  # set when the lot resumes the thread: the next step is due then
+        # (due time, how late the step began, whether the step before it waited at its boundary for
+        # the pause's target step), per step; appended by the training thread only.
+        self.lateness: list[tuple[float, float, bool]] = []
+        self.thread = threading.Thread(target=self._train if node.step_s <= 0 else self._train_periodic,
+                                       name=f"train-{rank}", daemon=True)
 
     def _set_armed(self, armed: bool) -> None:  # the agent's _set_armed, plus waking the idle loop
         self.armed = armed
@@ -474,6 +486,7 @@ class RankThread:
         if kind == "parked":
             self.node.stamp("parked")
         elif kind == "resumed":
+            self.resumed = True
             self.node.stamp("resumed")
 
     def _train(self) -> None:
@@ -492,13 +505,39 @@ class RankThread:
             if self.quit:
                 return
 
+    def _train_periodic(self) -> None:
+        from nicswitch_agent import TrainingStopped
+
+        period = self.node.step_s
+        step, due, held = 0, time.monotonic(), False
+        while not self.quit:
+            step += 1
+            began = time.monotonic()
+            self.lateness.append((due, began - due, held))
+            self.last_step = step
+            held = False
+            if self.armed:
+                try:
+                    self.lot.at_step_boundary(step)
+                except TrainingStopped:
+                    return
+                held = time.monotonic() - began > period / 2  # it waited for the target step
+            if self.resumed:  # it was parked: the next step is due a period after the resume
+                self.resumed, began = False, time.monotonic()
+            due = began + period
+            pause = due - time.monotonic()
+            if pause > 0:
+                self.compute.wait(pause)  # the step's compute: nothing sets it (a pause does not cut it short)
+
 
 class NodeProcess:
     """K ranks of one node, as threads of this process."""
 
     def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
-                 as_is: bool = False, per_node: int | None = None, per_group: int | None = None) -> None:
+                 as_is: bool = False, per_node: int | None = None, per_group: int | None = None,
+                 step_s: float = 0.0) -> None:
         self.slices = {} if as_is else hosted_slices()
+        self.step_s = step_s
         self.per_node = per_node  # node-local fan-out: this process hosts several nodes of this many ranks
         self.per_group = per_group  # groups of this many nodes (None: nodes answer on the job's Store)
         self.relays: list[Any] = []
@@ -511,6 +550,7 @@ class NodeProcess:
         self.local_world = math.ceil(world / nodes)
         self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
         self.registry = Registry()
+        self.node_registry = Registry()  # the node Stores' clients (node-local fan-out)
         self._cond = threading.Condition()
         self.counts: Counter[str] = Counter()
         self.last: dict[str, float] = {}
@@ -550,13 +590,15 @@ class NodeProcess:
                 server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
                                   wait_for_workers=False)
                 self.local_servers.append(server)
-                local_kv[first] = KV(server, key_prefix(JOB, "0"))
+                # Counted: every request on the node's Store (its members' and its relay's).
+                local_kv[first] = KV(CountingStore(server, self.node_registry), key_prefix(JOB, "0"))
                 node = first // self.per_node
                 # As RankFanOut: with groups the node relay answers on its group's Store, at its index there.
                 up, index = (upstream[node // self.per_group], node % self.per_group) if self.per_group \
                     else (kv, node)
                 relay = NodeRelay(up.clone(), up, local_kv[first].clone(), index,
-                                  list(range(first, first + self.per_node)), stop_timeout_s=1.0)
+                                  list(range(first, first + self.per_node)), stop_timeout_s=1.0,
+                                  **_local_wake(NodeRelay, local_kv[first]))
                 relay.start()
                 self.relays.append(relay)
 
@@ -614,7 +656,7 @@ class NodeProcess:
             upstream[g] = KV(CountingStore(group.store, self.group_registries[g]), group.prefix)
             if g in hosted:
                 relay = NodeRelay(kv.clone(), kv, upstream[g].clone(), g, [n * per_node for n in members],
-                                  stop_timeout_s=1.0, label="group",
+                                  stop_timeout_s=1.0, label="group", **_local_wake(NodeRelay, upstream[g]),
                                   names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in members])
                 relay.start()
                 self.relays.append(relay)
@@ -625,22 +667,76 @@ class NodeProcess:
             ok = self._cond.wait_for(lambda: self.counts[kind] >= count, timeout_s)
             return {"ok": ok, "count": self.counts[kind], "last": self.last.get(kind)}
 
+    def thread_roles(self) -> dict[int, str]:
+        """Thread id -> role, for the CPU by role: members, node relays, group relays, training."""
+        roles: dict[int, str] = {}
+        for m in self.members:
+            thread = getattr(m, "_thread", None)
+            if thread is not None and thread.native_id is not None:
+                roles[thread.native_id] = "member"
+        for relay in self.relays:
+            thread = getattr(relay, "_thread", None)
+            if thread is not None and thread.native_id is not None:
+                roles[thread.native_id] = "group relay" if getattr(relay, "_label", "") == "group" else "node relay"
+        for r in self.rank_threads:
+            if r.thread.native_id is not None:
+                roles[r.thread.native_id] = "training"
+        for tid in store_threads():
+            roles[tid] = "Store servers"
+        return roles
+
+    def cpu_by_role(self) -> dict[str, int]:
+        """CPU (ns, schedstat) of every thread of this process by role; "other": the rest (the main
+        thread, torch's own threads)."""
+        roles = self.thread_roles()
+        out: Counter[str] = Counter()
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+                out[roles.get(int(tid), "other")] += ns
+        return dict(out)
+
+    def late(self, start: float, end: float, half: float) -> dict[str, float]:
+        """The steps due in [start, end): how many, their summed lateness, how many were more than
+        ``half`` late, and the largest."""
+        n, total, over, worst, held, held_sum = 0, 0.0, 0, 0.0, 0, 0.0
+        for r in self.rank_threads:
+            for due, late, waited in list(r.lateness):
+                if start <= due < end:
+                    n += 1
+                    total += late
+                    over += late > half
+                    worst = max(worst, late)
+                    held += waited
+                    held_sum += late if waited else 0.0
+        return {"steps": n, "sum_s": total, "over_half": over, "max_s": worst, "held": held, "held_sum_s": held_sum}
+
     def snapshot(self) -> dict[str, Any]:
         with self._cond:
             counts = dict(self.counts)
         group_tids = set().union(*self.group_tids.values()) if self.group_tids else set()
-        return {"store": self.registry.totals(), "counts": counts,
+        return {"store": self.registry.totals(), "node_stores": self.node_registry.totals(), "counts": counts,
                 "events": sum(m.events_handled for m in self.members),
                 "lost": [m.rank for m in self.members if m.lost] + [f"relay {r.node}" for r in self.relays if r.lost],
                 "groups": {str(g): reg.totals() for g, reg in self.group_registries.items()},
                 "group_cpu_ns": {str(g): threads_cpu_ns(tids) for g, tids in self.group_tids.items()},
-                "node_stores_cpu_ns": threads_cpu_ns(store_threads() - group_tids)}
+                "node_stores_cpu_ns": threads_cpu_ns(store_threads() - group_tids),
+                "cpu_by_role_ns": self.cpu_by_role()}
+
+
+def _local_wake(relay_class: Any, kv: Any) -> dict[str, Any]:
+    """``local_wake=kv`` where NodeRelay takes it (as RankFanOut passes it); nothing for a
+    NodeRelay of an earlier version (a before/after run of the code before it)."""
+    import inspect
+
+    return {"local_wake": kv} if "local_wake" in inspect.signature(relay_class).parameters else {}
 
 
 def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool,
-              per_node: int | None, per_group: int | None = None) -> None:
+              per_node: int | None, per_group: int | None = None, step_s: float = 0.0) -> None:
     _child_setup()
-    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node, per_group=per_group)
+    proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node, per_group=per_group,
+                       step_s=step_s)
     _reply(proc.start())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -648,6 +744,8 @@ def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as
             _reply(proc.snapshot())
         elif cmd["cmd"] == "wait":
             _reply(proc.wait_for(cmd["kind"], int(cmd["count"]), float(cmd["timeout"])))
+        elif cmd["cmd"] == "late":
+            _reply(proc.late(float(cmd["start"]), float(cmd["end"]), float(cmd["half"])))
         elif cmd["cmd"] == "exit":
             break
     sys.stdout.flush()
@@ -810,7 +908,7 @@ class SizeRun:
 
 def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
              timeout_s: float, idle_s: float, log_dir: Path, per_node: int | None = None,
-             per_group: int | None = None) -> SizeRun:
+             per_group: int | None = None, step_s: float = DEFAULT_STEP_S) -> SizeRun:
     """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
     result = SizeRun(ranks, nodes, per_group=per_group or 0)
     fan_out = [*(["--ranks-per-node", str(per_node)] if per_node else []),
@@ -825,7 +923,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         children.append(server)
         # Nodes and leader start with the server: their connections wait in the listen backlog.
         node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
-                                "--world", str(ranks), "--timeout", str(timeout_s),
+                                "--world", str(ranks), "--timeout", str(timeout_s), "--step-ms", str(step_s * 1e3),
                                 *(["--as-is"] if as_is else []), *fan_out],
                                f"node{i}-{ranks}", log_dir)
                          for i in range(nodes)]
@@ -854,15 +952,20 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         # Idle: everything started, nobody switching.
         time.sleep(min(1.0, idle_s))
         s0 = server_snapshot(spid)
+        ranks0 = sum(proc_cpu_ns(c.pid) for c in node_children)
         time.sleep(idle_s)
         s1 = server_snapshot(spid)
+        ranks1 = sum(proc_cpu_ns(c.pid) for c in node_children)
+        idle_late = _late(node_children, s0["t"], s1["t"], step_s, timeout_s)
         result.idle = {"seconds": s1["t"] - s0["t"], "cpu_s": (s1["cpu_ns"] - s0["cpu_ns"]) / 1e9,
-                       "bytes": (s1["rchar"] - s0["rchar"]) + (s1["wchar"] - s0["wchar"])}
+                       "bytes": (s1["rchar"] - s0["rchar"]) + (s1["wchar"] - s0["wchar"]),
+                       "rank_cpu_s": (ranks1 - ranks0) / 1e9, **{f"late_{k}": v for k, v in idle_late.items()}}
         for i in range(switches + 1):  # the first is the warm-up: afterwards each window holds one cleanup
             node_before = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             lead_before = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
             s0 = server_snapshot(spid)
             cpu0 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
+            ranks0 = sum(proc_cpu_ns(c.pid) for c in node_children)
             answer = leader.ask({"cmd": "switch", "seq": i + 1}, timeout_s)
             if not answer.get("ok"):
                 raise RuntimeError(f"switch {i + 1} at {ranks} ranks failed: {answer.get('why')}")
@@ -875,6 +978,9 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             lead_after = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
             s1 = server_snapshot(spid)
             cpu1 = {c.name.split("-")[0]: proc_user_sys_s(c.pid) for c in [*node_children, leader]}
+            ranks1 = sum(proc_cpu_ns(c.pid) for c in node_children)
+            # The steps due from the pause request until a step after the last resume.
+            late = _late(node_children, answer["t_pause"], last_resumed_at(resumed) + step_s, step_s, timeout_s)
             node_after = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             last_resumed = max(r["last"] for r in resumed)
             members = _store_diff(_sum_store([s["store"] for s in node_after]),
@@ -908,6 +1014,13 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                 "groups": groups,
                 "node_stores_cpu_s": sum(a["node_stores_cpu_ns"] - b["node_stores_cpu_ns"]
                                          for a, b in zip(node_after, node_before, strict=True)) / 1e9,
+                "rank_cpu_s": (ranks1 - ranks0) / 1e9,
+                "node_stores": _store_diff(_sum_store([s["node_stores"] for s in node_after]),
+                                           _sum_store([s["node_stores"] for s in node_before])),
+                "cpu_by_role_s": {k: v / 1e9 for k, v in _diff(
+                    dict(sum((Counter(a.get("cpu_by_role_ns", {})) for a in node_after), Counter())),
+                    dict(sum((Counter(b.get("cpu_by_role_ns", {})) for b in node_before), Counter()))).items()},
+                "late": late,
             })
         # The server's own sockets (its listener, its in-process client and that client's accepted
         # end): what is left once every client process has gone.
@@ -929,6 +1042,19 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         for child in reversed(children):
             child.close()
     return result
+
+
+def last_resumed_at(resumed: list[dict[str, Any]]) -> float:
+    return max(float(r["last"]) for r in resumed)
+
+
+def _late(node_children: list[Child], start: float, end: float, step_s: float, timeout_s: float) -> dict[str, float]:
+    """The training steps due in [start, end) over every node process (none without a step period)."""
+    if step_s <= 0:
+        return {"steps": 0, "sum_s": 0.0, "over_half": 0, "max_s": 0.0, "held": 0, "held_sum_s": 0.0}
+    parts = [c.ask({"cmd": "late", "start": start, "end": end, "half": step_s / 2}, timeout_s) for c in node_children]
+    return {**{k: sum(q.get(k, 0) for q in parts) for k in ("steps", "sum_s", "over_half", "held", "held_sum_s")},
+            "max_s": max(q["max_s"] for q in parts)}
 
 
 def _slice(node: int, nodes: int, world: int) -> tuple[int, int]:
@@ -1065,13 +1191,71 @@ def _group_fit(result: BenchResult, grouped: list[dict[str, float]], per_node: i
                                   "per-hop network latency not included (loopback here)"))
 
 
+ROLES = ("member", "node relay", "group relay", "Store servers", "training", "other")
+
+
+def _rank_metrics(result: BenchResult, r: SizeRun, label: str, step_s: float) -> dict[str, Any]:
+    """The ranks' own side of one size: the CPU of the rank processes per rank per switch (by
+    thread role) and how late the training steps due during the switch began."""
+    sw = r.switches
+    total = [s["rank_cpu_s"] / r.ranks * 1e6 for s in sw]
+    roles = {role: median([s["cpu_by_role_s"].get(role, 0.0) for s in sw]) / r.ranks * 1e6 for role in ROLES}
+    coordination = [(s["rank_cpu_s"] - s["cpu_by_role_s"].get("training", 0.0)) / r.ranks * 1e6 for s in sw]
+    idle_rate = r.idle.get("rank_cpu_s", 0.0) / max(r.idle["seconds"], 1e-9)
+    result.add(rounds_metric(f"{label}: rank processes' CPU per rank per switch", total, "us",
+                             target="<= 1000", ok=lambda v: v <= 1000,
+                             note="every thread of the node processes (schedstat), pause request -> every rank "
+                                  "resumed; by role per rank: " + ", ".join(f"{k} {v:.0f}" for k, v in roles.items()
+                                                                            if v >= 0.5)
+                                  + f"; idle (steps only) {idle_rate / r.ranks * 1e6:.0f} us per rank per second"))
+    result.add(rounds_metric(f"{label}: ... of which coordination (all but the training threads)", coordination, "us"))
+    node_calls: Counter[str] = Counter()
+    for s in sw:
+        node_calls.update(s["node_stores"]["calls"])
+    if node_calls:
+        result.add(single_metric(f"{label}: node Store requests per rank per switch", sum(node_calls.values())
+                                 / len(sw) / r.ranks, "", note="members' and node relays': "
+                                 + _per_rank_calls(dict(node_calls), len(sw) * r.ranks)))
+    summary: dict[str, Any] = {"ranks": r.ranks, "per_group": r.per_group,
+                               "total_s": median([s["total_s"] for s in sw]),
+                               "rank_cpu_us": median(total), "coordination_cpu_us": median(coordination),
+                               "roles_us": roles,
+                               "node_requests": sum(node_calls.values()) / len(sw) / r.ranks,
+                               "job_store_cpu_us": median([s["server_cpu_s"] for s in sw]) / r.ranks * 1e6,
+                               "sockets_per_rank": r.sockets.get("per_rank", math.nan)}
+    if step_s > 0:
+        steps = [s["late"]["steps"] for s in sw]
+        mean = [s["late"]["sum_s"] / max(1, s["late"]["steps"]) * 1e3 for s in sw]
+        # Without the steps that follow a wait at the boundary for the target step (the pause's own
+        # wait, as long as the pause round): what the coordination's CPU alone costs the steps.
+        free = [(s["late"]["sum_s"] - s["late"].get("held_sum_s", 0.0))
+                / max(1, s["late"]["steps"] - s["late"].get("held", 0)) * 1e3 for s in sw]
+        over = [float(s["late"]["over_half"]) for s in sw]
+        idle_mean = r.idle.get("late_sum_s", 0.0) / max(1, r.idle.get("late_steps", 0)) * 1e3
+        result.add(rounds_metric(f"{label}: training steps late during the switch, mean", mean, "ms",
+                                 target="<= 5", ok=lambda v: v <= 5,
+                                 note=f"steps due from the pause request to a step after the last resume "
+                                      f"({median(steps):.0f} steps of {step_s * 1e3:g} ms); more than half a step "
+                                      f"late: {median(over):.0f}; worst "
+                                      f"{median([s['late']['max_s'] for s in sw]) * 1e3:.0f} ms;"
+                                      f" idle: {idle_mean:.2f} ms mean, {r.idle.get('late_over_half', 0):.0f} of "
+                                      f"{r.idle.get('late_steps', 0):.0f} more than half a step late"))
+        result.add(rounds_metric(f"{label}: ... mean without the steps after a wait for the target step", free, "ms",
+                                 note=f"{median([s['late'].get('held', 0) for s in sw]):.0f} steps came after a wait "
+                                      "at the boundary for the target (the pause's own wait)"))
+        summary.update({"late_mean_ms": median(mean), "late_over_half": median(over), "late_steps": median(steps),
+                        "idle_late_mean_ms": idle_mean, "late_free_ms": median(free)})
+    return summary
+
+
 def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
     return ", ".join(f"{k} {v / ranks:.2g}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v)
 
 
 def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
         switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
-        timeout_s: float = 600.0, per_node: int | None = None, per_group: int | str | None = None) -> BenchResult:
+        timeout_s: float = 600.0, per_node: int | None = None, per_group: int | str | None = None,
+        step_s: float = DEFAULT_STEP_S) -> BenchResult:
     """``per_group``: nodes per group (``"auto"``: as ``fan_out=group`` picks them, ceil(sqrt(nodes)));
     None or 0: no groups. Groups need ``per_node``."""
     if per_group and per_node is None:
@@ -1110,7 +1294,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
                                  timeout_s=timeout_s, idle_s=idle_s,
                                  log_dir=Path(tmp), per_node=per_node,
-                                 per_group=layout.nodes_per_group if layout is not None else None))
+                                 per_group=layout.nodes_per_group if layout is not None else None, step_s=step_s))
             print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
                   f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
     errors = [f"{r.ranks} ranks: {r.error}" for r in runs if r.error]
@@ -1120,6 +1304,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
     cpu: list[float] = []
     wall: list[float] = []
     grouped: list[dict[str, float]] = []
+    summaries: list[dict[str, Any]] = []
     for r in runs:
         label = f"{r.ranks:,} ranks"
         if r.skipped:
@@ -1168,6 +1353,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                                       f"torch's own (one per rank) not included"))
         result.add(single_metric(f"{label}: idle Store traffic", r.idle["bytes"] / max(r.idle["seconds"], 1e-9), "B/s",
                                  note=f"server CPU {r.idle['cpu_s'] * 1e3:.1f} ms over {r.idle['seconds']:.1f} s"))
+        summaries.append(_rank_metrics(result, r, label, step_s))
         if r.per_group and per_node:
             grouped.append(_group_metrics(result, r, label, per_node))
         xs.append(r.ranks)
@@ -1207,6 +1393,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                                  a + b * EXTRAPOLATE_TO, "s", target="< 1 s", ok=lambda v: v < 1.0,
                                  note="on this 2-core machine, all ranks' Python sharing it"))
     result.details = {
+        "summary": summaries, "step_s": step_s,
         "fd_limit": limits_fd, "host_limits": limits, "nodes": nodes, "listed": listed, "dual_stack": dual_stack,
         "as_is": as_is,
         "sizes": [r.__dict__ for r in runs],
@@ -1259,6 +1446,11 @@ def _cli() -> None:
     parser.add_argument("--nodes-per-group", default="0",
                         help="groups of nodes with this many nodes each ('auto': ceil(sqrt(nodes)), as fan_out=group "
                              "picks; 0: none); needs --ranks-per-node")
+    parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_S * 1e3,
+                        help="the training threads' step period in ms, for the steps' lateness (0: step only when a "
+                             "pause arms them, the coordination alone)")
+    parser.add_argument("--compare", action="store_true",
+                        help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
@@ -1272,7 +1464,7 @@ def _cli() -> None:
         server_main(args.fd, args.timeout)
     elif args.role == "node":
         node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is, args.ranks_per_node or None,
-                  int(args.nodes_per_group) or None)
+                  int(args.nodes_per_group) or None, args.step_ms / 1e3)
     elif args.role == "leader":
         leader_main(args.port, args.world, args.listed, args.timeout, args.ranks_per_node or None,
                     int(args.nodes_per_group) or None)
@@ -1293,25 +1485,58 @@ def main_standalone(args: argparse.Namespace) -> None:
         else int(args.nodes_per_group) or None
     if per_group and not args.ranks_per_node:
         raise SystemExit("--nodes-per-group needs --ranks-per-node")
-    result = run(Settings(quick=args.quick), sizes=sizes, processes=args.processes, switches=args.switches or None,
-                 listed=args.listed, dual_stack=args.dual_stack, as_is=args.as_is, timeout_s=args.timeout,
-                 per_node=args.ranks_per_node or None, per_group=per_group)
-    result.duration_s = time.monotonic() - started
+    common = {"sizes": sizes, "processes": args.processes, "switches": args.switches or None, "listed": args.listed,
+              "dual_stack": args.dual_stack, "as_is": args.as_is, "timeout_s": args.timeout,
+              "step_s": args.step_ms / 1e3}
+    if args.compare:
+        per_node = args.ranks_per_node or 8
+        results = [run(Settings(quick=args.quick), **common),
+                   run(Settings(quick=args.quick), per_node=per_node, **common),
+                   run(Settings(quick=args.quick), per_node=per_node, per_group=per_group or "auto", **common)]
+    else:
+        results = [run(Settings(quick=args.quick), per_node=args.ranks_per_node or None, per_group=per_group,
+                       **common)]
+    duration = time.monotonic() - started
+    for result in results:
+        result.duration_s = duration / len(results)
     host["load_average_end"] = machine()["load_average"]
     document = {
         "schema": SCHEMA_VERSION, "mode": "quick" if args.quick else "full",
         "started": started_wall.isoformat(timespec="seconds"), "duration_s": round(result.duration_s, 1),
         "machine": host, "command": " ".join(["python -m benchmarks.store_scale", *sys.argv[1:]]), "runs": 1,
-        "benchmarks": {result.name: result.as_dict()},
+        "benchmarks": {result.name: result.as_dict() for result in results},
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    print(render_table([result]))
+    print(render_table(results))
+    side_by_side = compare_table(results)
+    if args.compare:
+        print("\n" + side_by_side)
     if args.markdown is not None:
-        args.markdown.write_text(render_markdown([result]) + "\n", encoding="utf-8")
-    print(f"\n{result.duration_s:.1f} s on {host['nproc']} CPU(s); load average {host['load_average']} -> "
+        args.markdown.write_text(render_markdown(results) + "\n\n" + side_by_side + "\n", encoding="utf-8")
+    print(f"\n{duration:.1f} s on {host['nproc']} CPU(s); load average {host['load_average']} -> "
           f"{host['load_average_end']}; JSON: {args.out}")
-    sys.exit(1 if result.error else 0)
+    sys.exit(1 if any(result.error for result in results) else 0)
+
+
+def compare_table(results: Sequence[BenchResult]) -> str:
+    """The ranks' side of each fan-out, one row per fan-out and size (Markdown)."""
+    rows = ["| fan-out | ranks | requested -> finished | rank CPU / rank | of which coordination | members | "
+            "node relays | group relays | Store servers (node, group) | steps late: mean / > half a step (mean without "
+            "those after a wait for S) | "
+            "job Store CPU / rank | job Store sockets / rank |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for result in results:
+        for s in result.details.get("summary", []):
+            roles = s["roles_us"]
+            late = (f"{s['late_mean_ms']:.1f} ms / {s['late_over_half']:.0f} of {s['late_steps']:.0f} "
+                    f"({s['late_free_ms']:.1f} ms)" if "late_mean_ms" in s else "-")
+            rows.append(f"| {result.name} | {s['ranks']:,} | {s['total_s']:.2f} s | {s['rank_cpu_us']:,.0f} us | "
+                        f"{s['coordination_cpu_us']:,.0f} us | {roles['member']:,.0f} us | "
+                        f"{roles['node relay']:,.0f} us | {roles['group relay']:,.0f} us | "
+                        f"{roles['Store servers']:,.0f} us | {late} | "
+                        f"{s['job_store_cpu_us']:,.0f} us | {s['sockets_per_rank']:.2f} |")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -268,11 +268,11 @@ def test_with_fan_out_the_jobs_store_sees_nodes_or_groups_not_ranks(sim: Simulat
             assert sorted(c[0] for c in job.calls) == list(range(WORLD))  # every rank switched
             assert len({(c[2], c[3]) for c in job.calls}) == 1
             # Queues, pause answers and results on the job's Store: one per node or group (0 and 1), none
-            # per rank (and the pause's counters, "n").
+            # per rank (and the pause's counters, "n", with the keys their last arrival sets, "done").
             per_unit = [k.split("/")[3:] for k in job.store.written if k.split("/")[3] in ("q", "e")]
             units = {parts[1] for parts in per_unit if parts[0] == "q" and parts[1] != "head"}
             units |= {parts[3] for parts in per_unit if parts[0] == "e" and parts[2] in ("c", "parked")}
-            assert {"0", "1"} <= units <= {"0", "1", "n"}, sorted(units)
+            assert {"0", "1"} <= units <= {"0", "1", "n", "done"}, sorted(units)
             fan_outs = [rank.agent._fan_out for rank in job.ranks]
             if layout is NODE_LAYOUT:
                 assert [f.node_relay is not None for f in fan_outs] == [True, False, True, False]

@@ -35,7 +35,7 @@ class Node:
     def __init__(self, job_store: InProcessStore, node: int, ranks: list[int]) -> None:
         self.local = KV(InProcessStore(), PREFIX)
         self.relay = NodeRelay(KV(job_store, PREFIX), KV(job_store, PREFIX), self.local, node, ranks,
-                               stop_timeout_s=2.0)
+                               stop_timeout_s=2.0, local_wake=self.local)
         self.ranks = ranks
         self.read = [0] * len(ranks)  # the local queue index each rank has read
 
@@ -55,17 +55,16 @@ class Node:
 
     def completed(self, slot: int, epoch: int, step: int) -> None:
         self.local.set(p.c_key(epoch, slot), str(step))
-        self.local.add(p.c_counter_key(epoch), 1)
+        self.local.arrive(p.c_counter_key(epoch), len(self.ranks))  # as a member: the last one sets the done key
 
     def parked(self, slot: int, epoch: int, step: int) -> None:
         self.local.set(p.parked_key(epoch, slot), str(step))
-        self.local.add(p.parked_counter_key(epoch), 1)
+        self.local.arrive(p.parked_counter_key(epoch), len(self.ranks))
 
     def result(self, slot: int, event: dict[str, Any], ok: bool, reason: str = "ok") -> None:
         epoch, name = int(event["e"]), str(event["key"])
-        index = self.local.add(p.result_counter_key(epoch, name), 1)
-        self.local.set(p.result_key(epoch, name, index),
-                       p.MemberResult(self.ranks[slot], ok, reason, attempted=True, guard_ok=ok).encode())
+        p.publish_result(self.local, epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
+                                                                 guard_ok=ok), int(event["n"]))
 
 
 @pytest.fixture
@@ -216,3 +215,27 @@ def test_the_leaders_drain_returns_only_once_every_rank_behind_every_relay_took_
     node.next_event(1)
     node.local.delete([p.queue_key(1, node.read[1])])
     draining.result(10)
+
+
+def test_stop_wakes_a_relay_blocked_waiting_for_its_ranks(job: Any) -> None:
+    """A relay blocks (no polling) until its ranks' last answer sets the phase's done key; stop()
+    must end that wait by setting the key itself, not leave the thread blocked for the phase."""
+    _store, leader, nodes, pool = job
+    pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
+    relay = nodes[0].relay
+    assert support.wait_until(lambda: relay._wake.key is not None, 10)  # blocked on its ranks' answers
+    relay.stop()
+    assert not relay.running
+    leader.wake()  # and the leader, blocked on the nodes' answers, is woken the same way
+    outcome = pausing.result(20)  # long before the hour
+    assert not outcome.ok
+
+
+def test_the_leaders_wake_ends_a_wait_for_results(job: Any) -> None:
+    _store, leader, nodes, pool = job
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=3600.0)
+    every_rank_but_3_succeeds(nodes)
+    assert support.wait_until(lambda: leader._wake.key is not None, 10)
+    leader.wake()
+    outcome = running.result(20)
+    assert not outcome.ok and "did not answer" in outcome.reason

@@ -427,6 +427,8 @@ class SwitchAgent:
             session.stop_notify()  # no new lists
         self._executor.settle(reason)  # false for every list still owed a reply, before anything else
         self._coordination_stop.set()  # then cut the leader's waits short
+        if self._coordinator is not None:
+            self._coordinator.wake()  # ... including the one it blocks in now
         if session is not None:
             session.end_process_manage()  # only now: ClusterD resets the job when that stream ends
         if self._coordinator is not None:

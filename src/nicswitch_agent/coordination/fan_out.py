@@ -47,7 +47,7 @@ class RankFanOut:
                 if index == 0:  # the group's first node relay hosts its Store and runs its relay
                     self.group_relay = NodeRelay(
                         kv.clone(), kv, upstream.clone(), group, [n * per_node for n in nodes],
-                        stop_timeout_s=stop_timeout_s, label=f"group {group}",
+                        stop_timeout_s=stop_timeout_s, label=f"group {group}", local_wake=upstream,
                         names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in nodes])
             self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s, per_node)
             if server is not None:
@@ -56,7 +56,7 @@ class RankFanOut:
                 first = node * per_node
                 self.node_relay = NodeRelay(upstream.clone(), upstream, self.member_kv.clone(), index,
                                             list(range(first, first + per_node)), stop_timeout_s=stop_timeout_s,
-                                            label=f"node {node}")
+                                            label=f"node {node}", local_wake=self.member_kv)
         except BaseException:
             self._servers.clear()
             raise

@@ -5,8 +5,10 @@ on a network layer of our own. Facts that shape this wrapper (docs/torch-store.m
 
 - one Store client is one socket and one lock: a thread blocked in ``wait`` stalls every other
   call on that client, so every thread works on its own ``clone()``;
-- a timed-out ``wait`` logs two C++ warnings and may stall 5 s on reverse DNS, so waits that are
-  expected to time out are done by polling ``check`` instead (see :meth:`KV.poll_all`), and the
+- a timed-out ``wait`` logs two C++ warnings and may stall 5 s on reverse DNS, so every wait is
+  one that normally ends with its key: a waiter for N answers blocks on a ``done`` key that the
+  N-th answer sets (:meth:`KV.arrive`, :meth:`KV.wait_count`: no polling, and no round trip
+  while it waits), and is woken early (stop) by setting that key itself (:class:`Wake`); the
   long idle wait of a member is woken by a key it sets itself;
 - ``add`` on a key holding a non-integer kills the connection, so counters have keys of their own;
 - ``multi_set`` / ``multi_get`` (torch >= 2.4) do many keys in one round trip: publishing to every
@@ -20,6 +22,7 @@ without torch), so the same coordination code serves one rank and many.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -37,6 +40,9 @@ class StoreLike(Protocol):
     def add(self, key: str, value: int) -> int: ...
     def delete_key(self, key: str) -> bool: ...
     def clone(self) -> Any: ...
+
+
+MAX_WAIT_S = 7 * 86400.0  # the longest single wait (a deadline of inf is a wait this long)
 
 
 class StoreTimeout(RuntimeError):
@@ -72,8 +78,10 @@ class InProcessStore:
             self._cond.notify_all()
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        with self._cond:
-            return [self._data[k] for k in keys]  # callers ask only for keys they know exist
+        with self._cond:  # as torch's: waits until every key exists
+            if not self._cond.wait_for(lambda: all(k in self._data for k in keys), 300):
+                raise StoreTimeout(f"multi_get timeout: {keys}")
+            return [self._data[k] for k in keys]
 
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         with self._cond:
@@ -100,7 +108,19 @@ class InProcessStore:
 
 
 class KV:
-    """Prefixed Store access for one thread. Values are UTF-8 strings."""
+    """Prefixed Store access for one thread. Values are UTF-8 strings.
+
+    What a Store backend must provide (everything here is built on these): ``set``, a ``get``
+    that blocks until the key exists (bounded: a ``set_timeout`` of the connection, or a timeout
+    of its own), ``add`` (atomic, returns the new value), ``delete_key`` and ``clone`` (a new
+    connection). The waits of a switch (:meth:`get_when_set`, :meth:`arrive`,
+    :meth:`wait_count`, and reading the answers with :meth:`get_many`, which waits like ``get``)
+    need nothing more. ``check`` is used once per order by each member (has the leader moved
+    on?), at start, and on the failure paths (which keys are missing); ``wait`` only by
+    :meth:`wait` and :meth:`get_when_set` on a Store without ``set_timeout``;
+    ``multi_set``/``multi_get`` only where the Store has them (:meth:`set_many`,
+    :meth:`get_many` fall back to one call per key).
+    """
 
     def __init__(self, store: StoreLike, prefix: str) -> None:
         self.store = store
@@ -136,7 +156,8 @@ class KV:
             self.store.set(key, value)
 
     def get_many(self, keys: Sequence[str]) -> list[str]:
-        """The values of keys that exist, in one round trip where the Store can (``multi_get``)."""
+        """The values of ``keys``, in one round trip where the Store can (``multi_get``); like
+        ``get``, it waits for a key that does not exist yet (bounded by the connection's timeout)."""
         full = [self._k(k) for k in keys]
         if self._multi and len(full) > 1:
             try:
@@ -163,7 +184,7 @@ class KV:
             self.store.wait([self._k(k) for k in keys], datetime.timedelta(seconds=timeout_s))
             return True
         except RuntimeError as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             return self.check(keys)  # a key set right at the boundary can still raise
 
@@ -181,21 +202,39 @@ class KV:
         try:
             return self.get(key)
         except RuntimeError as exc:
-            if not _timed_out(exc):
+            if not timed_out(exc):
                 raise
             return self.get(key) if self.check([key]) else None  # set right at the boundary
 
-    def poll_count(self, key: str, target: int, deadline: float, stop: threading.Event | None = None,
-                   interval_s: float = 0.0005, max_interval_s: float = 0.005) -> int:
-        """Poll counter ``key`` until it reaches ``target`` or ``deadline`` (monotonic) passes;
-        returns the last value seen. One round trip per poll whatever the number of ranks; the
-        interval grows from 0.5 ms to 5 ms, so the last rank is seen within a few ms."""
-        interval = interval_s
-        while True:
-            value = self.count(key)
-            if value >= target or not _pause(deadline, stop, interval):
-                return value
-            interval = min(max_interval_s, interval * 2)
+    def arrive(self, counter: str, expected: int | None) -> int:
+        """Count one arrival at ``counter``; the arrival that completes it (``expected``) also sets
+        the counter's done key, which a waiter blocks on (:meth:`wait_count`). Returns this
+        arrival's number. ``expected`` None (a leader of an earlier version): no done key."""
+        index = self.add(counter, 1)
+        if expected is not None and index == expected:
+            self.set(done_key(counter), str(index))
+        return index
+
+    def wait_count(self, counter: str, expected: int, deadline: float, wake: Wake | None = None) -> int:
+        """Block until ``counter``'s done key is set (by its ``expected``-th arrival, by a failure
+        that decides early, or by ``wake``) or ``deadline`` (monotonic) passes; returns the count
+        (at least): the number the done key holds (the arrival that set it), else the counter's.
+
+        One blocking request instead of a poll every few ms: the waiter costs nothing while it
+        waits, and sees the last arrival one Store round trip after it (no poll interval).
+        """
+        done = done_key(counter)
+        if wake is not None:
+            wake.key = done
+        value = None
+        try:
+            remaining = min(deadline - time.monotonic(), MAX_WAIT_S)
+            if remaining > 0 and (wake is None or not wake.stop.is_set()):
+                value = self.get_when_set(done, remaining)
+        finally:
+            if wake is not None:
+                wake.key = None
+        return int(value) if value is not None and value.isdigit() else self.count(counter)
 
     def poll_all(self, keys: Sequence[str], deadline: float, stop: threading.Event | None = None,
                  interval_s: float = 0.001, max_interval_s: float = 0.005) -> list[str]:
@@ -231,7 +270,30 @@ class KV:
             interval = min(max_interval_s, interval * 2)
 
 
-def _timed_out(exc: RuntimeError) -> bool:
+def done_key(counter: str) -> str:
+    """The key set when ``counter`` (``.../n``) is complete: ``.../done``."""
+    return counter.rsplit("/", 1)[0] + "/done"
+
+
+class Wake:
+    """Wakes a thread blocked in :meth:`KV.wait_count` (its owner's stop): sets ``stop``, then
+    the done key it blocks on, through a connection of its own (opened beforehand: one opened
+    at stop time to a Store whose host died blocks for its timeout)."""
+
+    def __init__(self, kv: KV | None, stop: threading.Event | None = None) -> None:
+        self.kv = kv
+        self.stop = stop if stop is not None else threading.Event()
+        self.key: str | None = None  # the done key being waited on (set by the waiting thread)
+
+    def __call__(self) -> None:
+        self.stop.set()  # first: a waiter that has not blocked yet sees it and does not block
+        key = self.key
+        if key is not None and self.kv is not None:
+            with contextlib.suppress(Exception):  # the Store is gone: the wait ends with it
+                self.kv.set(key, "woken")
+
+
+def timed_out(exc: RuntimeError) -> bool:
     """torch raises DistStoreError (a RuntimeError) for a wait that timed out and for a lost Store alike."""
     text = str(exc).lower()
     return "timeout" in text or "timed out" in text

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.coordination.kv import KV, Wake, done_key
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.orders import SwitchOrder
 
@@ -77,7 +77,10 @@ class Coordinator:
         self.warm_up_s = warm_up_s
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         self._stop = stop or threading.Event()
-        self._cleanup_kv: KV | None = None  # one connection for every cleanup, opened on first use
+        # A connection of its own, opened now (while the Store is surely up): wake() sets the key a
+        # wait blocks on through it, and every cleanup clones it.
+        self._cleanup_kv = kv.clone()
+        self._wake = Wake(self._cleanup_kv, self._stop)
         self._lock = threading.Lock()  # one operation at a time; guards the fields below
         self._n = 0  # events published (each member's queue index)
         self._epoch = 0
@@ -88,6 +91,11 @@ class Coordinator:
         self.on_decided: Callable[[SwitchOrder, str, RunOutcome], None] | None = None
         if kv.check([p.QUEUE_HEAD]):  # a leader restarted on a Store that outlived it: continue the count
             self._n = int(kv.get(p.QUEUE_HEAD))
+
+    def wake(self) -> None:
+        """Cut the operation under way short (the agent's stop): sets ``stop`` and wakes the wait
+        it blocks in. Safe from any thread; the operation then fails as if its time ran out."""
+        self._wake()
 
     @property
     def paused(self) -> bool:
@@ -101,6 +109,9 @@ class Coordinator:
         self._n += 1
         # "at": this leader's wall clock as it publishes; members put it in their events so that a
         # timeline can line up ranks whose hosts' clocks differ (observability/timeline).
+        # "n": how many answer on this Store (the answer that completes a phase wakes the waiter).
+        if message["t"] in (p.PAUSE, p.TARGET, p.ORDER):
+            message = {**message, "n": self.world_size}
         text = p.encode({**message, "at": time.time()})
         self.kv.set_many([p.queue_key(rank, self._n) for rank in range(self.world_size)], [text] * self.world_size)
         self.kv.set(p.QUEUE_HEAD, str(self._n))
@@ -110,8 +121,6 @@ class Coordinator:
             # Off the switch's path: one delete per key (the Store has no multi-delete) is a round
             # trip per rank per key kind, seconds at tens of thousands of ranks.
             garbage, self._garbage = self._garbage, []
-            if self._cleanup_kv is None:
-                self._cleanup_kv = self.kv.clone()
             threading.Thread(target=_delete_keys, args=(self._cleanup_kv, garbage), name="nicswitch-store-cleanup",
                              daemon=True).start()
         self._epoch += 1
@@ -127,8 +136,8 @@ class Coordinator:
             epoch = self._new_epoch()
             self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
-            self._garbage += [*c_keys, p.c_counter_key(epoch)]
-            if self.kv.poll_count(p.c_counter_key(epoch), self.world_size, deadline, self._stop) < self.world_size:
+            self._garbage += [*c_keys, p.c_counter_key(epoch), done_key(p.c_counter_key(epoch))]
+            if self.kv.wait_count(p.c_counter_key(epoch), self.world_size, deadline, self._wake) < self.world_size:
                 missing = self._missing(c_keys)
                 why = self._nodes_say_why(epoch, missing) or f"no answer to the pause from rank(s) {_ranks(missing)}"
                 return self._abandon(epoch, started, why)
@@ -136,8 +145,8 @@ class Coordinator:
             self._publish({"t": p.TARGET, "e": epoch, "S": target,
                            "timeout": max(0.0, deadline - time.monotonic())})
             parked_keys = [p.parked_key(epoch, r) for r in range(self.world_size)]
-            self._garbage += [*parked_keys, p.parked_counter_key(epoch)]
-            count = self.kv.poll_count(p.parked_counter_key(epoch), self.world_size, deadline, self._stop)
+            self._garbage += [*parked_keys, p.parked_counter_key(epoch), done_key(p.parked_counter_key(epoch))]
+            count = self.kv.wait_count(p.parked_counter_key(epoch), self.world_size, deadline, self._wake)
             if count < self.world_size:
                 missing = self._missing(parked_keys)
                 return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target))
@@ -208,16 +217,17 @@ class Coordinator:
             session = not self._paused  # pause mode external: a session of its own
             epoch = self._new_epoch() if session else self._epoch
             name = f"{epoch}.{order.seq}.{kind}"
-            self.kv.set(p.order_key(name), p.encode_order(order))
+            text = p.encode_order(order)
+            self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                           "seq": order.seq})
+                           "seq": order.seq, **p.inline_order(text)})
             if kind == p.KIND_SWITCH:
                 budget_s += self.warm_up_s
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
             self._collect(epoch, name)
             if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
-                outcome = self._verify(epoch, order, outcome, started)
+                outcome = self._verify(epoch, order, outcome, started, text)
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -228,15 +238,15 @@ class Coordinator:
                     logger.exception("recording the decided order failed; ignored")
             return outcome
 
-    def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float) -> RunOutcome:
+    def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float,
+                text: str) -> RunOutcome:
         """The second round: every rank runs its verify hook; the first failure decides."""
         name = f"{epoch}.{order.seq}.{p.KIND_VERIFY}"
         verify_started = time.monotonic()
         # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
         self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
-                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}"})
-        outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started,
-                               max_interval_s=p.VERIFY_POLL_MAX_S)
+                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}", **p.inline_order(text)})
+        outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started)
         self._collect(epoch, name)
         took = (time.monotonic() - verify_started) * 1000
         if not outcome.ok:
@@ -254,7 +264,7 @@ class Coordinator:
     def _collect(self, epoch: int, name: str) -> None:
         """An order's keys become garbage once it is decided (deleted when the next epoch starts)."""
         self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
-        self._garbage += [p.result_counter_key(epoch, name)]
+        self._garbage += [p.result_counter_key(epoch, name), done_key(p.result_counter_key(epoch, name))]
         if not name.endswith(f".{p.KIND_VERIFY}"):  # a verify round has no order key of its own
             self._garbage.append(p.order_key(name))
 
@@ -266,12 +276,10 @@ class Coordinator:
         except RuntimeError:  # the Store is gone: the members cannot hear it anyway
             logger.debug("could not publish the outcome of %s", name, exc_info=True)
 
-    def _gather(self, epoch: int, name: str, deadline: float, started: float,
-                max_interval_s: float = 0.005) -> RunOutcome:
+    def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
         """Read the results as they arrive; the first failure decides at once."""
         attempted, guards, seen, verify_s = False, 0, 0, 0.0
-        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._stop,
-                                         max_interval_s=max_interval_s):
+        for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._wake):
             seen += 1
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)

@@ -107,7 +107,7 @@ class Member:
         self._wake_kv: KV | None = None
         self._target: tuple[str, bool | None] = ("", None)  # (order key, this rank's op in it) for switch_outcome
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
-        self._in_flight: tuple[int, str] | None = None  # (epoch, order key) being run
+        self._in_flight: tuple[int, str, int | None] | None = None  # (epoch, order key, answerers) being run
         self.events_handled = 0
         self.lost = ""
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
@@ -130,9 +130,9 @@ class Member:
             in_flight, self._in_flight = self._in_flight, None
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
-                epoch, name = in_flight
-                self._publish_result(self._wake_kv, epoch, name, p.MemberResult(
-                    self.rank, False, "the agent on this rank stopped during the order", attempted=True))
+                epoch, name, expected = in_flight
+                p.publish_result(self._wake_kv, epoch, name, p.MemberResult(
+                    self.rank, False, "the agent on this rank stopped during the order", attempted=True), expected)
         except Exception:
             logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
@@ -225,7 +225,7 @@ class Member:
             if completed is None:  # so that a pause that times out can say step() was never called
                 self.kv.set(p.nostep_key(epoch, self.slot), "1")
             self.kv.set(p.c_key(epoch, self.slot), str(completed if completed is not None else 0))
-            self.kv.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
+            self.kv.arrive(p.c_counter_key(epoch), _expected(message))  # the key first, then the count
             self._emit("pause_requested", {"epoch": epoch, "completed_step": completed, "sent_at": message.get("at")})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
@@ -234,15 +234,16 @@ class Member:
             self.lot.set_target(target_epoch, int(message["S"]))
             if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
                 self.kv.set(p.parked_key(epoch, self.slot), str(self.lot.parked_step))
-                self.kv.add(p.parked_counter_key(epoch), 1)
+                self.kv.arrive(p.parked_counter_key(epoch), _expected(message))
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
-            if self._stale(name, p.order_name(message)):
+            order = self._order_of(name, message)
+            if order is None:
                 return
             with self._result_lock:
-                self._in_flight = (epoch, name)
-            result = self._run_order(epoch, message)
+                self._in_flight = (epoch, name, _expected(message))
+            result = self._run_order(epoch, message, order)
             duration = time.monotonic() - started
             self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
                                          "reason": result.reason, "duration_s": duration,
@@ -250,10 +251,10 @@ class Member:
             if message.get("kind") == p.KIND_VERIFY and self.hooks.verify_hook is not None and not self.hooks.dry_run:
                 self._record_verify(name, result, duration)
             with self._result_lock:
-                answered_by_stop = self._in_flight != (epoch, name)
+                answered_by_stop = self._in_flight is None or self._in_flight[:2] != (epoch, name)
                 self._in_flight = None
             if not answered_by_stop:
-                self._publish_result(self.kv, epoch, name, result)
+                p.publish_result(self.kv, epoch, name, result, _expected(message))
         elif kind == p.OUTCOME:
             key, op = self._target
             link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
@@ -268,17 +269,28 @@ class Member:
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
-    def _stale(self, name: str, order_name: str) -> bool:
-        """True if the leader is already past this order (this rank was busy with an earlier one
-        beyond its budget): it must not run late, and its key may be gone (a ``get`` would then
-        block for the Store's timeout). The leader publishes its next event only once it has
-        decided this order, so a next event in our queue means nobody waits for our answer."""
-        moved_on = self.kv.check([p.queue_key(self.slot, self._next)])
-        if moved_on or not self.kv.check([p.order_key(order_name)]):
+    def _order_of(self, name: str, message: dict[str, Any]) -> SwitchOrder | None:
+        """The order an order event runs; None if the leader is already past it (this rank was
+        busy with an earlier one beyond its budget): it must not run late, and its key may be gone
+        (a ``get`` would then block for the Store's timeout). The leader publishes its next event
+        only once it has decided this order, so a next event in our queue means nobody waits for
+        our answer. A short order comes in the event itself; a verify round runs the switch's
+        order again (kept from it: not read twice)."""
+        order_name = p.order_name(message)
+        cached = self._last_order
+        order = cached[1] if cached is not None and cached[0] == order_name else None
+        inline = message.get("o")
+        if order is None and inline is not None:
+            order = p.decode_order(str(inline))
+        if self.kv.check([p.queue_key(self.slot, self._next)]) or (
+                order is None and not self.kv.check([p.order_key(order_name)])):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)
-            return True
-        return False
+            return None
+        if order is None:
+            order = p.decode_order(self.kv.get(p.order_key(order_name)))
+        self._last_order = (order_name, order)
+        return order
 
     def _record_verify(self, name: str, result: p.MemberResult, duration: float) -> None:
         """Keep this rank's verification for status(), with the hook's own report if it has one
@@ -297,11 +309,6 @@ class Member:
         if not result.ok:
             logger.error("rank %d: verification of order %s failed: %s", self.rank, name, result.reason)
 
-    @staticmethod
-    def _publish_result(kv: KV, epoch: int, name: str, result: p.MemberResult) -> None:
-        index = kv.add(p.result_counter_key(epoch, name), 1)
-        kv.set(p.result_key(epoch, name, index), result.encode())
-
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         if self._on_event is not None:
             try:
@@ -309,12 +316,7 @@ class Member:
             except Exception:
                 logger.exception("member event listener failed; ignored")
 
-    def _run_order(self, epoch: int, message: dict[str, Any]) -> p.MemberResult:
-        name = p.order_name(message)
-        cached = self._last_order  # a verify round runs the switch's order again: not read twice
-        order = cached[1] if cached is not None and cached[0] == name else \
-            p.decode_order(self.kv.get(p.order_key(name)))
-        self._last_order = (name, order)
+    def _run_order(self, epoch: int, message: dict[str, Any], order: SwitchOrder) -> p.MemberResult:
         if self.hooks.local_ranks is not None:
             order = replace(order, local_ranks=self.hooks.local_ranks(order))
         kind, budget = str(message["kind"]), float(message["budget"])
@@ -426,6 +428,13 @@ class Member:
         record = hook_record(hook) if name == "rollback" else None
         return p.MemberResult(self.rank, result.ok, result.detail, attempted=name in ("rollback", "verify"),
                               detail=record, unsafe=name == "verify" and _left_unusable(hook, result))
+
+
+def _expected(message: dict[str, Any]) -> int | None:
+    """How many answer the event on this Store (its ``n``: the answer that completes the count
+    sets the done key its waiter blocks on); None from a leader of an earlier version."""
+    n = message.get("n")
+    return int(n) if n is not None else None
 
 
 def _origin(message: dict[str, Any]) -> dict[str, Any]:

@@ -10,7 +10,10 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
                                {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
-                                "budget": seconds, "seq": N [, "order": K0]}
+                                "budget": seconds, "seq": N [, "order": K0] [, "o": the order, if short]}
+                                   (pause, target and order events also carry "n": how many answer
+                                   them on this Store, so the answer that completes the count can set
+                                   its done key, e/<E>/.../done, which the waiter blocks on)
                                    (verify: a switch's second round, only once every rank's switch hook
                                    succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
@@ -26,6 +29,9 @@ Member ``r`` -> leader, per pause/session ``E``::
     e/<E>/parked/<r>           the step r parked at
     e/<E>/parked/n             how many ranks have parked (add() only)
     e/<E>/res/<K>/n            results counter (an integer key: add() only)
+    e/<E>/c/done, e/<E>/parked/done, e/<E>/res/<K>/done
+                               set by the answer that completes the count (its "n"-th), and for
+                               results also by a failure: the leader (or relay) blocks on it
     e/<E>/res/<K>/<i>          the i-th result to arrive: {"rank", "ok", "reason", "attempted", "guard"
                                [, "interrupted": true] [, "verify": seconds: run the verify round, with
                                this budget]}
@@ -60,12 +66,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nicswitch_agent.coordination.kv import done_key, timed_out
 from nicswitch_agent.orders import SwitchOrder
 
 if TYPE_CHECKING:
-    import threading
-
-    from nicswitch_agent.coordination.kv import KV
+    from nicswitch_agent.coordination.kv import KV, Wake
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
@@ -155,6 +160,16 @@ _TEXT_TO_OPS = bytes.maketrans(b"01", b"\x00\x01")
 RANKS_ENCODING = "u32le-b64"
 
 
+# An order this short (a few hundred ranks listed) travels in its event itself ("o"): every rank
+# and relay saves the read of o/<K> (and a relay its copy to its node's Store).
+INLINE_ORDER_MAX = 2048
+
+
+def inline_order(text: str) -> dict[str, str]:
+    """The event's ``"o"`` field for an encoded order: the order itself if it is short, else none."""
+    return {"o": text} if len(text) <= INLINE_ORDER_MAX else {}
+
+
 def encode_order(order: SwitchOrder) -> str:
     packed = array.array(_U32, order.ranks)
     if sys.byteorder == "big":
@@ -217,24 +232,34 @@ class MemberResult:
                    verify_s=float(v.get("verify", 0.0)), unsafe=bool(v.get("unsafe", False)))
 
 
-# A verify round lasts about one small collective (milliseconds): its results are polled at most
-# 1 ms apart instead of 5, so the poll does not add more than the probe itself.
-VERIFY_POLL_MAX_S = 0.001
+def publish_result(kv: KV, epoch: int, name: str, result: MemberResult, expected: int | None) -> int:
+    """Answer order ``name``: the result at the next arrival index (arrival order: the first
+    failure is the first one read); then, if it decides the order (the ``expected``-th result, or
+    a failure), the done key its waiter blocks on (:meth:`KV.wait_count`). Returns the index."""
+    counter = result_counter_key(epoch, name)
+    index = kv.add(counter, 1)
+    kv.set(result_key(epoch, name, index), result.encode())
+    if expected is not None and (index == expected or not result.ok):
+        kv.set(done_key(counter), str(index))  # after the result: whoever it wakes finds the result there
+    return index
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
-                     stop: threading.Event | None = None, *, max_interval_s: float = 0.005) -> Iterator[MemberResult]:
-    """The results of order ``name`` as they arrive, read in batches: one counter poll, one check
-    and one multi_get per batch, however many answered in it. Ends after ``expected`` results, or
-    early when ``deadline`` (monotonic) passes first; the caller counts what it got."""
-    counter = result_counter_key(epoch, name)
-    seen = 0
-    while seen < expected:
-        count = min(kv.poll_count(counter, seen + 1, deadline, stop, max_interval_s=max_interval_s), expected)
-        keys = [result_key(epoch, name, i) for i in range(seen + 1, count + 1)]
-        # A member counts first, then writes its result: wait for the keys themselves too.
-        if count <= seen or kv.poll_all(keys, deadline, stop):
-            return
-        for text in kv.get_many(keys):
-            seen += 1
-            yield MemberResult.decode(text)
+                     wake: Wake | None = None) -> Iterator[MemberResult]:
+    """The results of order ``name`` in arrival order, once it is decided: all ``expected`` of
+    them, or those up to the first failure (which decides at once), or what arrived before
+    ``deadline`` (monotonic) or ``wake``. One blocking wait, then one read of every result
+    (multi_get, which waits for a result whose sender counted it and is still writing it); the
+    caller counts what it got."""
+    count = min(kv.wait_count(result_counter_key(epoch, name), expected, deadline, wake), expected)
+    keys = [result_key(epoch, name, i) for i in range(1, count + 1)]
+    if not keys:
+        return
+    try:
+        texts = kv.get_many(keys)
+    except RuntimeError as exc:  # a sender died between its count and its result (failure path)
+        if not timed_out(exc):
+            raise
+        texts = kv.get_many([k for k in keys if kv.check([k])])
+    for text in texts:
+        yield MemberResult.decode(text)

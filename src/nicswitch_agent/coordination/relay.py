@@ -34,7 +34,7 @@ import time
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.coordination.kv import KV, Wake, done_key
 
 logger = logging.getLogger("nicswitch_agent.coordination")
 
@@ -53,6 +53,9 @@ class NodeRelay:
         wake_kv: a connection :meth:`stop` may write through (the rank's existing one: no socket
             is opened for it).
         local_kv: a connection of its own to the node-local Store.
+        local_wake: another connection to the node-local Store, through which :meth:`stop` wakes
+            a wait for the node's ranks (the rank's existing one: no socket is opened for it);
+            without it a stop waits for that phase's deadline.
         node: the node's index (global rank // ranks per node): its queue on the job's Store.
         ranks: the node's global ranks, in local-rank order (local rank i answers at slot i).
         names, label: for messages. A group relay (the same class, one level up: ``job_kv`` the
@@ -61,7 +64,8 @@ class NodeRelay:
     """
 
     def __init__(self, job_kv: KV, wake_kv: KV, local_kv: KV, node: int, ranks: list[int], *,
-                 stop_timeout_s: float = 1.0, names: list[str] | None = None, label: str | None = None) -> None:
+                 stop_timeout_s: float = 1.0, names: list[str] | None = None, label: str | None = None,
+                 local_wake: KV | None = None) -> None:
         if not ranks:
             raise ValueError("a node relay needs at least one rank")
         if names is not None and len(names) != len(ranks):
@@ -74,6 +78,7 @@ class NodeRelay:
         self._slots_are = "rank(s)" if names is None else "node(s)"
         self._label = label or f"node {node}"
         self._stop = threading.Event()
+        self._wake = Wake(local_wake, self._stop)  # wakes a wait for the slots' answers (stop)
         self._stop_timeout_s = stop_timeout_s
         self._next = 1  # the job queue index this relay waits for
         self._local_n = 0  # events published to the local queues
@@ -97,8 +102,9 @@ class NodeRelay:
         return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
-        """Stop the thread (bounded): wake its idle wait through ``wake_kv``."""
-        self._stop.set()
+        """Stop the thread (bounded): wake its idle wait through ``wake_kv``, a wait for the
+        slots' answers through ``local_wake``."""
+        self._wake()  # sets _stop
         try:
             key = p.queue_key(self.node, self._next)
             # An event already there (a release published just before this stop) wakes it anyway,
@@ -149,7 +155,7 @@ class NodeRelay:
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
-        if kind == p.ORDER and p.order_key(p.order_name(message)) not in self._garbage:
+        if kind == p.ORDER and "o" not in message and p.order_key(p.order_name(message)) not in self._garbage:
             # The order itself first: members read it when the event arrives (a verify round runs
             # the switch's order, copied already).
             name = p.order_name(message)
@@ -163,14 +169,19 @@ class NodeRelay:
                 return
             self.local.set(p.order_key(name), order)
             self._garbage.append(p.order_key(name))
-        self._publish_local(_for_the_level_below(message, text))
+        self._publish_local(_for_the_level_below(message, text, self.size))
+        # How many answer on the Store above (the leader's or the group relay's count): the answer
+        # that completes it sets the done key its waiter blocks on.
+        above = int(message["n"]) if message.get("n") is not None else None
         if kind == p.PAUSE:
-            self._answer_pause(epoch, float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
+            self._answer_pause(epoch, float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)), above)
         elif kind == p.TARGET:
-            self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)))
+            self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)),
+                                above)
         elif kind == p.ORDER:
             self._answer_order(epoch, str(message["key"]), float(message["budget"]),
-                               float(message.get("slack", ORDER_SLACK_S)), verify=message.get("kind") == p.KIND_VERIFY)
+                               float(message.get("slack", ORDER_SLACK_S)), above,
+                               verify=message.get("kind") == p.KIND_VERIFY)
         elif kind == p.RELEASE:
             self._clean_up()
 
@@ -179,25 +190,31 @@ class NodeRelay:
         self.local.set_many([p.queue_key(slot, self._local_n) for slot in range(self.size)], [text] * self.size)
         self.local.set(p.QUEUE_HEAD, str(self._local_n))
 
-    def _answer_pause(self, epoch: int, timeout_s: float) -> None:
+    def _answer_pause(self, epoch: int, timeout_s: float, above: int | None) -> None:
         keys = [p.c_key(epoch, slot) for slot in range(self.size)]
-        self._garbage += [*keys, p.c_counter_key(epoch), *(p.nostep_key(epoch, s) for s in range(self.size))]
+        counter = p.c_counter_key(epoch)
+        self._garbage += [*keys, counter, done_key(counter)]
         deadline = time.monotonic() + _before_the_leader(timeout_s)
-        if self.local.poll_count(p.c_counter_key(epoch), self.size, deadline, self._stop) < self.size:
+        if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
             missing = self._missing(keys)
+            self._garbage += [p.nostep_key(epoch, slot) for slot in range(self.size)]
             self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
             return
-        if len(self._never_stepped(epoch)) == self.size:  # for the leader's message, should the pause fail
+        steps = [int(v) for v in self.local.get_many(keys)]
+        # A rank whose step() was never called says 0 (and sets its nostep key): only then look,
+        # and delete (most pauses have no such key to delete).
+        self._garbage += [p.nostep_key(epoch, slot) for slot, step in enumerate(steps) if step == 0]
+        if max(steps) == 0 and len(self._never_stepped(epoch)) == self.size:  # for the leader's message
             self.job.set(p.nostep_key(epoch, self.node), "1")
-        highest = max(int(v) for v in self.local.get_many(keys))
-        self.job.set(p.c_key(epoch, self.node), str(highest))
-        self.job.add(p.c_counter_key(epoch), 1)  # the key first, then the count the leader polls
+        self.job.set(p.c_key(epoch, self.node), str(max(steps)))
+        self.job.arrive(p.c_counter_key(epoch), above)  # the key first, then the count
 
-    def _answer_parked(self, epoch: int, target: int, timeout_s: float) -> None:
+    def _answer_parked(self, epoch: int, target: int, timeout_s: float, above: int | None) -> None:
         keys = [p.parked_key(epoch, slot) for slot in range(self.size)]
-        self._garbage += [*keys, p.parked_counter_key(epoch)]
+        counter = p.parked_counter_key(epoch)
+        self._garbage += [*keys, counter, done_key(counter)]
         deadline = time.monotonic() + _before_the_leader(timeout_s)
-        if self.local.poll_count(p.parked_counter_key(epoch), self.size, deadline, self._stop) < self.size:
+        if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
             missing = self._missing(keys)
             reason = f"{self._slots_are} {_listed(missing)} did not park at step {target}"
             nostep = [self._names[slot] for slot in self._never_stepped(epoch)]
@@ -206,37 +223,36 @@ class NodeRelay:
             self._why(epoch, reason, missing)
             return
         self.job.set(p.parked_key(epoch, self.node), str(target))
-        self.job.add(p.parked_counter_key(epoch), 1)
+        self.job.arrive(p.parked_counter_key(epoch), above)
 
-    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, *, verify: bool = False) -> None:
+    def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, above: int | None, *,
+                      verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
-        self._garbage += [p.result_counter_key(epoch, name),
-                          *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
+        counter = p.result_counter_key(epoch, name)
+        self._garbage += [counter, done_key(counter), *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
         attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
-        poll = p.VERIFY_POLL_MAX_S if verify else 0.005
-        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._stop, max_interval_s=poll):
+        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._wake):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
             verify_s = max(verify_s, result.verify_s)
             if not result.ok:
-                self._answer(epoch, name, result)  # as the rank said it: the leader names the rank
+                self._answer(epoch, name, result, above)  # as the rank said it: the leader names the rank
                 return
         if seen < self.size:
             silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
                 f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
-                f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify))
+                f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify), above)
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
-                                                 guard_ok=guards == self.size, verify_s=verify_s))
+                                                 guard_ok=guards == self.size, verify_s=verify_s), above)
 
-    def _answer(self, epoch: int, name: str, result: p.MemberResult) -> None:
-        index = self.job.add(p.result_counter_key(epoch, name), 1)
-        self.job.set(p.result_key(epoch, name, index), result.encode())
+    def _answer(self, epoch: int, name: str, result: p.MemberResult, above: int | None) -> None:
+        p.publish_result(self.job, epoch, name, result, above)
 
     def _why(self, epoch: int, reason: str, missing: list[str]) -> None:
         """Why this relay cannot answer a phase, for the leader's message (failure path only); with
@@ -265,13 +281,17 @@ class NodeRelay:
         self.local.delete(garbage)
 
 
-def _for_the_level_below(message: dict[str, Any], text: str) -> str:
+def _for_the_level_below(message: dict[str, Any], text: str, size: int) -> str:
     """The event as the slots get it: with the phase's time shortened to this relay's share, so a
-    relay below (a group's node relays) answers, or says why, before this one stops waiting."""
-    if message["t"] in (p.PAUSE, p.TARGET) and "timeout" in message:
-        return p.encode({**message, "timeout": _before_the_leader(float(message["timeout"]))})
+    relay below (a group's node relays) answers, or says why, before this one stops waiting; and
+    with ``n``, how many answer on this relay's Store (``size``, for the done key it waits on)."""
+    if message["t"] in (p.PAUSE, p.TARGET):
+        below = {**message, "n": size}
+        if "timeout" in message:
+            below["timeout"] = _before_the_leader(float(message["timeout"]))
+        return p.encode(below)
     if message["t"] == p.ORDER:
-        return p.encode({**message, "slack": float(message.get("slack", ORDER_SLACK_S)) / 2})
+        return p.encode({**message, "n": size, "slack": float(message.get("slack", ORDER_SLACK_S)) / 2})
     return text
 
 
