@@ -35,6 +35,7 @@ from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
+from nicswitch_agent.coordination.messages import joined_key
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("nicswitch_agent")
 
-JOINED_KEY = "joined/{rank}"  # a member under a launcher says it started (ops/launcher.py: Joining)
 CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
     "created", "running", "switching", "stopping", "stopped", "failed"
 )
@@ -287,7 +287,7 @@ class SwitchAgent:
         )
         self._member.start()
         if cfg.leader == "launcher":  # the launcher's leader registers with ClusterD once every rank has joined
-            kv.set(JOINED_KEY.format(rank=self.rank), str(self._pid))
+            kv.set(joined_key(self.rank), str(self._pid))
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:
                 self._state = RUNNING

@@ -92,6 +92,11 @@ def key_prefix(job_id: str, restart_count: str | None = None) -> str:
 QUEUE_HEAD = "q/head"  # the number of the last event published (a member joining late starts after it)
 
 
+def joined_key(rank: int) -> str:
+    """Under ``nicswitch-agent launch``: a member says it started (the leader registers once all did)."""
+    return f"joined/{rank}"
+
+
 def queue_key(rank: int, n: int) -> str:
     return f"q/{rank}/{n}"
 

@@ -21,7 +21,7 @@ class LaunchError(Exception):
     """A usage problem found before anything started (exit code 2); the message says what to pass."""
 
 
-JOIN_POLL_S = 0.1  # how often the leader looks for ranks that joined (one Store check each time)
+JOIN_POLL_S = 0.1  # how often the leader looks again for the ranks not yet joined (a Store check each)
 
 
 class HostedLeader:
@@ -88,14 +88,15 @@ class HostedLeader:
         self._thread = threading.Thread(target=self._join_then_start, name="nicswitch-launcher-join", daemon=True)
         self._thread.start()
 
-    def missing(self) -> list[int]:
-        """The ranks that have not said they joined (agent.py writes ``joined/<rank>`` when a member starts)."""
-        from nicswitch_agent.agent import JOINED_KEY
+    def missing(self, among: list[int] | None = None) -> list[int]:
+        """The ranks (of ``among``, by default all) that have not said they joined (a member writes
+        its ``joined_key`` when it starts, agent.py): one check per rank asked about."""
         from nicswitch_agent.coordination.kv import KV
-        from nicswitch_agent.coordination.messages import key_prefix
+        from nicswitch_agent.coordination.messages import joined_key, key_prefix
 
         kv = KV(self.store, key_prefix(self.agent.config.job_id, "launcher"))
-        return [rank for rank in range(self.world_size) if not kv.check([JOINED_KEY.format(rank=rank)])]
+        ranks = range(self.world_size) if among is None else among
+        return [rank for rank in ranks if not kv.check([joined_key(rank)])]
 
     def _join_then_start(self) -> None:
         began = time.monotonic()
@@ -103,7 +104,7 @@ class HostedLeader:
         try:
             missing = self.missing()
             while missing and not self._stopping.wait(JOIN_POLL_S) and time.monotonic() < deadline:
-                missing = self.missing()
+                missing = self.missing(missing)  # a rank that joined stays joined: ask only about the rest
         except Exception:  # our own Store server: should not fail; if it does, start anyway
             logger.exception("could not tell which ranks joined; starting the leader now")
             missing = []

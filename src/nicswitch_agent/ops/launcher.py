@@ -71,10 +71,10 @@ Joining. A rank that starts after a pause was published never sees it (it begins
 event), so a pause asked for before every rank has joined could not be answered. The leader is
 therefore built (settings checked) before the child starts, but makes itself known to ClusterD
 (Init, Register, the streams) only once every one of the N ranks has joined: each member writes
-``joined/<rank>`` on the leader's Store when it starts (agent.py). Until then, in pause mode agent,
-ClusterD answers a switch at once with ``job:<id> is not registered`` (nothing is paused, nothing is
-owed); in pause mode external, a list ClusterD queued waits for the notify stream and is run once
-every rank is there. If some rank has not joined after ``--join-timeout`` seconds (env
+``joined/<rank>`` (coordination/messages.py: ``joined_key``) on the leader's Store when it starts.
+Until then, in pause mode agent, ClusterD answers a switch at once with ``job:<id> is not
+registered`` (nothing is paused, nothing is owed); in pause mode external, a list ClusterD
+queued waits for the notify stream and is run once every rank is there. If some rank has not joined after ``--join-timeout`` seconds (env
 ``NICSWITCH_JOIN_TIMEOUT_S``, default 600), the leader starts anyway and says which ranks are
 missing; a pause those ranks miss then fails within ``pause_timeout_s`` (ClusterD hears it). A
 torchrun restart does not close the gate again: the leader keeps its registration (see above).
