@@ -74,10 +74,11 @@ therefore built (settings checked) before the child starts, but makes itself kno
 ``joined/<rank>`` (coordination/messages.py: ``joined_key``) on the leader's Store when it starts.
 Until then, in pause mode agent, ClusterD answers a switch at once with ``job:<id> is not
 registered`` (nothing is paused, nothing is owed); in pause mode external, a list ClusterD
-queued waits for the notify stream and is run once every rank is there. If some rank has not joined after ``--join-timeout`` seconds (env
-``NICSWITCH_JOIN_TIMEOUT_S``, default 600), the leader starts anyway and says which ranks are
-missing; a pause those ranks miss then fails within ``pause_timeout_s`` (ClusterD hears it). A
-torchrun restart does not close the gate again: the leader keeps its registration (see above).
+queued waits for the notify stream and is run once every rank is there. If some rank has not
+joined after ``--join-timeout`` seconds (env ``NICSWITCH_JOIN_TIMEOUT_S``, default 600), the
+leader starts anyway and says which ranks are missing; a pause those ranks miss then fails within
+``pause_timeout_s`` (ClusterD hears it). A torchrun restart does not close the gate again: the
+leader keeps its registration (see above).
 
 Limits: SIGKILL on the launcher cannot be forwarded (the child then runs on without a leader);
 the child is not the terminal's foreground group, so it cannot read from the terminal (pdb).
