@@ -523,7 +523,15 @@ class Simulator:
             signal = controller.next_signal(token)
             if signal is None:
                 return
-            yield signal
+            try:
+                yield signal
+            except GeneratorExit:
+                # gRPC dropped the generator without resuming it: the client went away as the message
+                # went out (it may well have read it). ClusterD's Send into a dying stream returns nil
+                # and its send result runs as for any send (docs/clusterd.md#the-reconnect-race): the
+                # signal counts as sent (a killMaster the leader acted on was otherwise never recorded).
+                controller.signal_sent(token, signal)
+                raise
             # Reaching here means the message was written: gRPC resumes a response generator
             # only after the previous send completed.
             controller.signal_sent(token, signal)
