@@ -79,7 +79,8 @@ class VerifiedJob(Job):
         self.log: list[tuple[str, int, str, int]] = []
         self.log_lock = threading.Lock()
         self.verifiers = [Verify(r, self.log, self.log_lock, **(verify or {}).get(r, {})) for r in range(WORLD)]
-        hooks = {r: {"verify_hook": self.verifiers[r], **kwargs.pop("hooks", {}).get(r, {})} for r in range(WORLD)}
+        extra = kwargs.pop("hooks", {})
+        hooks = {r: {"verify_hook": self.verifiers[r], **extra.get(r, {})} for r in range(WORLD)}
         super().__init__(sim, hooks=hooks, **kwargs)
 
     def verify_calls(self) -> list[tuple[str, int, str, int]]:
@@ -158,6 +159,20 @@ def test_no_rank_verifies_before_every_rank_switched(sim: Simulator, make_job: A
     operator.join(40)
     assert answers == [FINISH]
     assert sorted(c[1] for c in job.verify_calls()) == list(range(WORLD))
+
+
+@pytest.mark.parametrize("without", [0, 2])
+def test_a_rank_without_a_verify_hook_answers_the_round_and_the_others_verify(
+        sim: Simulator, make_job: Any, without: int) -> None:
+    """Rank 0 leads: without a verify hook of its own it does not expect the round (the ranks' results
+    ask for it, a queue event); with one, the ranks wait on their go keys, rank 2 without a hook too."""
+    job = make_job(hooks={without: {"verify_hook": None}})
+    assert sim.wait_until(streams_ready, 10)
+    assert switch(sim, "node-1", ["1"], [True]) == FINISH
+    assert sorted(c[1] for c in job.verify_calls()) == [r for r in range(WORLD) if r != without]
+    kinds = [e.detail.get("kind") for e in job.ranks[without].agent.events() if e.kind == "member_result"]
+    assert kinds == ["switch", "verify"]
+    assert sim.job_view(JOB).replies == [True]
 
 
 def last_reason(job: VerifiedJob) -> str:

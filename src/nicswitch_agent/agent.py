@@ -329,8 +329,8 @@ class SwitchAgent:
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
                                         layout=self._layout, drain_s=cfg.stop_timeout_s,
-                                        warm_up_s=verification.warm_up_budget(cfg, self._verify_hook,
-                                                                              leader_only=self._leader_only))
+                                        **verification.coordinator_settings(cfg, self._verify_hook,
+                                                                            leader_only=self._leader_only))
         self._session = LeaderSession(
             cfg, pause_mode=self.pause_mode, coordinator=self._coordinator, hooks=self._hook_settings(),
             callbacks=SessionCallbacks(

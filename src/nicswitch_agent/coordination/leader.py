@@ -7,7 +7,10 @@ when the budget runs out, and the caller answers ClusterD false instead of waiti
 A switch whose ranks have a verify hook is two rounds in one epoch: the order, and once every
 rank's switch hook succeeded (never before: a probe must not meet a rank still switching), a
 ``verify`` order run the same way. A verification failure is the switch's failure (attempted:
-its links moved), so the caller's failed-switch path (rollback in pause mode agent) runs.
+its links moved), so the caller's failed-switch path (rollback in pause mode agent) runs. Where
+the leader expects verification (``verify_expected``) the switch order says so, every rank that
+switched waits on its go key, and the verify order is that key's value: one multi-set, no queue
+head, and no queue read on the ranks (messages.py, ``e/<E>/go/<K>/<r>``).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class Coordinator:
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
                  ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0,
-                 warm_up_s: float = 0.0) -> None:
+                 warm_up_s: float = 0.0, verify_expected: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -75,6 +78,8 @@ class Coordinator:
         # A switch order may take this much longer: a verify hook's warm-up before the switch hook
         # (the verify timeout where verification is configured, or may be: a launcher's leader).
         self.warm_up_s = warm_up_s
+        # Switch orders ask the ranks to wait on a go key for the verify round (see the module docstring).
+        self.verify_expected = verify_expected
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         self._stop = stop or threading.Event()
         # A connection of its own, opened now (while the Store is surely up): wake() sets the key a
@@ -86,6 +91,9 @@ class Coordinator:
         self._epoch = 0
         self._paused = False
         self._garbage: list[str] = []  # keys of the last epoch, deleted when the next one starts
+        # Go keys live one epoch longer: a rank still in its switch hook when the leader decided
+        # without it answers later and must find its wake (pause mode external: an epoch per order).
+        self._go_garbage: tuple[list[str], list[str]] = ([], [])  # (this epoch's, the last one's)
         self.last_pause: PauseOutcome | None = None
         # Told every decided order (the agent's link map: observability/links.py); must not raise.
         self.on_decided: Callable[[SwitchOrder, str, RunOutcome], None] | None = None
@@ -107,20 +115,26 @@ class Coordinator:
 
     def _publish(self, message: dict[str, object]) -> None:
         self._n += 1
-        # "at": this leader's wall clock as it publishes; members put it in their events so that a
-        # timeline can line up ranks whose hosts' clocks differ (observability/timeline).
-        # "n": how many answer on this Store (the answer that completes a phase wakes the waiter).
-        if message["t"] in (p.PAUSE, p.TARGET, p.ORDER):
-            message = {**message, "n": self.world_size}
-        text = p.encode({**message, "at": time.time()})
+        text = self._event(message)
         self.kv.set_many([p.queue_key(rank, self._n) for rank in range(self.world_size)], [text] * self.world_size)
         self.kv.set(p.QUEUE_HEAD, str(self._n))
 
+    def _event(self, message: dict[str, object]) -> str:
+        """An event as it is written: with "at", this leader's wall clock as it publishes (members
+        put it in their events so that a timeline can line up ranks whose hosts' clocks differ:
+        observability/timeline), and "n", how many answer on this Store (the answer that completes
+        a phase wakes the waiter)."""
+        if message["t"] in (p.PAUSE, p.TARGET, p.ORDER):
+            message = {**message, "n": self.world_size}
+        return p.encode({**message, "at": time.time()})
+
     def _new_epoch(self) -> int:
-        if self._garbage:
+        current, last = self._go_garbage
+        self._go_garbage = ([], current)
+        if self._garbage or last:
             # Off the switch's path: one delete per key (the Store has no multi-delete) is a round
             # trip per rank per key kind, seconds at tens of thousands of ranks.
-            garbage, self._garbage = self._garbage, []
+            garbage, self._garbage = self._garbage + last, []
             threading.Thread(target=_delete_keys, args=(self._cleanup_kv, garbage), name="nicswitch-store-cleanup",
                              daemon=True).start()
         self._epoch += 1
@@ -219,15 +233,18 @@ class Coordinator:
             name = f"{epoch}.{order.seq}.{kind}"
             text = p.encode_order(order)
             self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
+            go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                           "seq": order.seq, **p.inline_order(text)})
+                           "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": self.warm_up_s} if go else {})})
             if kind == p.KIND_SWITCH:
                 budget_s += self.warm_up_s
             deadline = started + budget_s + RESULT_SLACK_S
             outcome = self._gather(epoch, name, deadline, started)
             self._collect(epoch, name)
             if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
-                outcome = self._verify(epoch, order, outcome, started, text)
+                outcome = self._verify(epoch, order, outcome, started, text, go=go)
+            elif go:  # no verify round: the ranks that switched go back to their queues
+                self._go(epoch, name, p.encode({"t": p.WAKE}))
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -239,13 +256,19 @@ class Coordinator:
             return outcome
 
     def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float,
-                text: str) -> RunOutcome:
-        """The second round: every rank runs its verify hook; the first failure decides."""
+                text: str, *, go: bool) -> RunOutcome:
+        """The second round: every rank runs its verify hook; the first failure decides. With
+        ``go`` the ranks wait on the switch's go keys for it, else it is a queue event."""
         name = f"{epoch}.{order.seq}.{p.KIND_VERIFY}"
         verify_started = time.monotonic()
         # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
-        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
-                       "seq": order.seq, "order": f"{epoch}.{order.seq}.{p.KIND_SWITCH}", **p.inline_order(text)})
+        switch_name = f"{epoch}.{order.seq}.{p.KIND_SWITCH}"
+        event = {"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
+                 "seq": order.seq, "order": switch_name, **p.inline_order(text)}
+        if go:
+            self._go(epoch, switch_name, self._event(event))
+        else:
+            self._publish(event)
         outcome = self._gather(epoch, name, verify_started + switched.verify_s + RESULT_SLACK_S, started)
         self._collect(epoch, name)
         took = (time.monotonic() - verify_started) * 1000
@@ -260,6 +283,12 @@ class Coordinator:
         logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
+
+    def _go(self, epoch: int, name: str, text: str) -> None:
+        """Tell the ranks waiting on switch ``name``'s go keys what follows (one multi-set)."""
+        keys = [p.go_key(epoch, name, rank) for rank in range(self.world_size)]
+        self.kv.set_many(keys, [text] * self.world_size)
+        self._go_garbage[0].extend(keys)
 
     def _collect(self, epoch: int, name: str) -> None:
         """An order's keys become garbage once it is decided (deleted when the next epoch starts)."""

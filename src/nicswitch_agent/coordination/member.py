@@ -12,7 +12,9 @@ The member reads its event queue (see messages.py) and drives the rank's :class:
   when parked (pause mode agent), else on this thread with timeouts (pause mode external) — and
   publish the result. Every rank runs the same full list in the received order. A ``verify``
   order (the leader sends one only once the switch succeeded on every rank) runs the verify hook
-  the same way, on the same thread as the switch hook when parked.
+  the same way, on the same thread as the switch hook when parked. A switch order that says a
+  verify round may follow (``"v"``) is followed, on a rank that switched, by a blocking read of
+  the switch's go key instead of the queue: the verify order, or a wake (messages.py).
 - ``outcome``: the leader's decision on an order; told to listeners as ``switch_outcome``, so a
   rank that is only a member (the launcher leads) learns how a switch ended too.
 - ``release``: let the training thread go (or make ``step()`` raise TrainingStopped).
@@ -108,6 +110,7 @@ class Member:
         self._target: tuple[str, bool | None] = ("", None)  # (order key, this rank's op in it) for switch_outcome
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
         self._in_flight: tuple[int, str, int | None] | None = None  # (epoch, order key, answerers) being run
+        self._go: str | None = None  # the go key being waited on (guarded by _result_lock: stop wakes it)
         self.events_handled = 0
         self.lost = ""
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
@@ -128,11 +131,14 @@ class Member:
         self._stop.set()
         with self._result_lock:
             in_flight, self._in_flight = self._in_flight, None
+            go = self._go
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
                 epoch, name, expected = in_flight
                 p.publish_result(self._wake_kv, epoch, name, p.MemberResult(
                     self.rank, False, "the agent on this rank stopped during the order", attempted=True), expected)
+            if go is not None and self._wake_kv is not None and not self.lost:
+                self._wake_kv.set(go, p.encode({"t": p.WAKE}))
         except Exception:
             logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
@@ -216,7 +222,7 @@ class Member:
             except Exception:
                 logger.exception("on_lost callback failed")
 
-    def _handle(self, message: dict[str, Any]) -> None:
+    def _handle(self, message: dict[str, Any], *, from_go: bool = False) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
         if kind == p.PAUSE:
             local = self.lot.request(aligned=True)  # the flag first ...
@@ -238,7 +244,7 @@ class Member:
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
-            order = self._order_of(name, message)
+            order = self._order_of(name, message, decided_check=not from_go)
             if order is None:
                 return
             with self._result_lock:
@@ -255,6 +261,8 @@ class Member:
                 self._in_flight = None
             if not answered_by_stop:
                 p.publish_result(self.kv, epoch, name, result, _expected(message))
+                if result.ok and message.get("v") and message.get("kind") == p.KIND_SWITCH:
+                    self._follow_go(epoch, name, message)
         elif kind == p.OUTCOME:
             key, op = self._target
             link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
@@ -269,20 +277,48 @@ class Member:
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
-    def _order_of(self, name: str, message: dict[str, Any]) -> SwitchOrder | None:
+    def _follow_go(self, epoch: int, name: str, message: dict[str, Any]) -> None:
+        """After switch order ``name`` succeeded here: block on its go key and run what it holds
+        (the verify order) at once, without a queue event. Bounded: a leader gone leaves the
+        wait to the queue loop (and its ``max_parked_s``)."""
+        key = p.go_key(epoch, name, self.slot)
+        with self._result_lock:
+            if self._stop.is_set():
+                return
+            self._go = key
+        try:
+            text = self.kv.get_when_set(key, p.go_wait_s(message))
+        finally:
+            with self._result_lock:
+                self._go = None
+        if text is None:
+            logger.warning("rank %d: no word from the leader after switch %s within %.0f s", self.rank, name,
+                           p.go_wait_s(message))
+            return
+        try:
+            follow = p.decode(text)
+        except ValueError as exc:
+            logger.error("rank %d: ignoring a malformed go message: %s", self.rank, exc)
+            return
+        if follow["t"] == p.ORDER and not self._stop.is_set():
+            self._handle(follow, from_go=True)
+            self.events_handled += 1
+
+    def _order_of(self, name: str, message: dict[str, Any], *, decided_check: bool = True) -> SwitchOrder | None:
         """The order an order event runs; None if the leader is already past it (this rank was
         busy with an earlier one beyond its budget): it must not run late, and its key may be gone
         (a ``get`` would then block for the Store's timeout). The leader publishes its next event
         only once it has decided this order, so a next event in our queue means nobody waits for
-        our answer. A short order comes in the event itself; a verify round runs the switch's
-        order again (kept from it: not read twice)."""
+        our answer (not asked of an order from a go key: the leader wrote it just now, for us). A
+        short order comes in the event itself; a verify round runs the switch's order again (kept
+        from it: not read twice)."""
         order_name = p.order_name(message)
         cached = self._last_order
         order = cached[1] if cached is not None and cached[0] == order_name else None
         inline = message.get("o")
         if order is None and inline is not None:
             order = p.decode_order(str(inline))
-        if self.kv.check([p.queue_key(self.slot, self._next)]) or (
+        if (decided_check and self.kv.check([p.queue_key(self.slot, self._next)])) or (
                 order is None and not self.kv.check([p.order_key(order_name)])):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)

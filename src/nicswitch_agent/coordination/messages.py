@@ -16,10 +16,19 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
                                    its done key, e/<E>/.../done, which the waiter blocks on)
                                    (verify: a switch's second round, only once every rank's switch hook
                                    succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
+                                   (a switch order with "v": 1 says a verify round may follow: see go/)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
     o/<K>                      the order itself (written once, read by every member)
+    e/<E>/go/<K>/<r>           after a switch order K with "v": 1, what follows it for r: the verify
+                               order event, or {"t": "wake"} (no verify round). A rank (or relay)
+                               that answered K ok blocks on it instead of its queue, so the verify
+                               round costs the leader one multi-set and no queue head, and each
+                               rank no delete and no look at its queue (with "w": the verify
+                               warm-up's seconds, which the wait's bound adds). One key per rank,
+                               not one shared, so that a rank's stop can wake its own wait with a
+                               wake of its own without sending the others back to their queues
 
 Member ``r`` -> leader, per pause/session ``E``::
 
@@ -77,6 +86,7 @@ KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 # The second round of a switch, once the switch hook succeeded on every rank: an order event of its
 # own (its own result keys), so relays forward and aggregate it as they do any order.
 KIND_VERIFY = "verify"
+GO_SLACK_S = 5.0  # a go key is awaited this much past the switch's budget (the leader waits 2 s past it)
 
 
 def order_name(message: dict[str, Any]) -> str:
@@ -99,6 +109,16 @@ def joined_key(rank: int) -> str:
 
 def queue_key(rank: int, n: int) -> str:
     return f"q/{rank}/{n}"
+
+
+def go_key(epoch: int, name: str, rank: int) -> str:
+    return f"e/{epoch}/go/{name}/{rank}"
+
+
+def go_wait_s(message: dict[str, Any]) -> float:
+    """How long a rank (or relay) that answered switch order ``message`` ok waits for its go key:
+    the leader decides the switch within its budget, the warm-up and its slack (it started first)."""
+    return float(message["budget"]) + float(message.get("w", 0.0)) + GO_SLACK_S
 
 
 def c_key(epoch: int, rank: int) -> str:

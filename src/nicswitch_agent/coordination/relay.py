@@ -14,7 +14,9 @@ switch, two sockets per rank on the Store's host, and a single-threaded Store se
   target, "parked" once every local rank parked; for an order, the first local failure at once,
   or one success once every local rank succeeded (any rank attempted, every rank checkpointed,
   the largest verify budget a rank asked for). A switch's ``verify`` round is an order like any
-  other here.
+  other here; where the switch order says one may follow (``"v"``), the relay that answered it
+  blocks on its go key above and writes what it holds to its slots' go keys below (the verify
+  order, or a wake), then answers the verify round: one multi-set per level (messages.py).
 
 Why the step-aligned pause stays deadlock-free: each member still sets its flag before it reads
 its ``c_r``, and the leader's target is ``max`` over nodes of ``max`` over ranks, which is the
@@ -83,6 +85,8 @@ class NodeRelay:
         self._next = 1  # the job queue index this relay waits for
         self._local_n = 0  # events published to the local queues
         self._garbage: list[str] = []  # local keys of the last epoch
+        self._go_garbage: tuple[list[str], list[str]] = ([], [])  # go keys live one epoch longer (leader.py)
+        self._go: str | None = None  # the go key above being waited on (stop wakes it)
         self._thread: threading.Thread | None = None
         self.events_relayed = 0
         self.lost = ""
@@ -106,6 +110,9 @@ class NodeRelay:
         slots' answers through ``local_wake``."""
         self._wake()  # sets _stop
         try:
+            go = self._go  # set before the relay looks at _stop: one of the two sees the other
+            if go is not None and not self.lost:
+                self._wake_kv.set(go, p.encode({"t": p.WAKE}))
             key = p.queue_key(self.node, self._next)
             # An event already there (a release published just before this stop) wakes it anyway,
             # and is relayed first: a wake written over it would lose it for the node's ranks.
@@ -182,8 +189,33 @@ class NodeRelay:
             self._answer_order(epoch, str(message["key"]), float(message["budget"]),
                                float(message.get("slack", ORDER_SLACK_S)), above,
                                verify=message.get("kind") == p.KIND_VERIFY)
+            if message.get("v") and message.get("kind") == p.KIND_SWITCH:
+                self._forward_go(epoch, str(message["key"]), message)
         elif kind == p.RELEASE:
             self._clean_up()
+
+    def _forward_go(self, epoch: int, name: str, message: dict[str, Any]) -> None:
+        """What follows switch ``name`` (this relay's go key above) to its slots' go keys below; a
+        verify order is then answered as any order. A leader silent past the switch's bound (or a
+        stop) sends the slots back to their queues."""
+        self._go = p.go_key(epoch, name, self.node)
+        text = None if self._stop.is_set() else self.job.get_when_set(self._go, p.go_wait_s(message))
+        self._go = None
+        try:
+            follow = p.decode(text) if text is not None else {"t": p.WAKE}
+        except ValueError as exc:
+            logger.error("%s: ignoring a malformed go message: %s", self._label, exc)
+            follow = {"t": p.WAKE}
+        below = [p.go_key(epoch, name, slot) for slot in range(self.size)]
+        self._go_garbage[0].extend(below)
+        if follow["t"] != p.ORDER or self._stop.is_set():
+            self.local.set_many(below, [p.encode({"t": p.WAKE})] * self.size)
+            return
+        assert text is not None
+        self.local.set_many(below, [_for_the_level_below(follow, text, self.size)] * self.size)
+        above = int(follow["n"]) if follow.get("n") is not None else None
+        self._answer_order(epoch, str(follow["key"]), float(follow["budget"]),
+                           float(follow.get("slack", ORDER_SLACK_S)), above, verify=True)
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
@@ -276,8 +308,11 @@ class NodeRelay:
         return [self._names[slot] for slot, key in enumerate(keys) if not self.local.check([key])]
 
     def _clean_up(self) -> None:
-        """Delete the epoch's local keys (the switch is over on this node; nobody reads them)."""
-        garbage, self._garbage = self._garbage, []
+        """Delete the epoch's local keys (the switch is over on this node; nobody reads them), and
+        the go keys of the epoch before (a rank may still answer a switch late and read its wake)."""
+        current, last = self._go_garbage
+        self._go_garbage = ([], current)
+        garbage, self._garbage = self._garbage + last, []
         self.local.delete(garbage)
 
 

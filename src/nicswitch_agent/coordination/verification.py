@@ -91,4 +91,14 @@ def warm_up_budget(config: AgentConfig, verify_hook: Any, *, leader_only: bool) 
     return 0.0
 
 
-__all__ = ["check_hooks_at_start", "runs_collectives", "warm_up_budget"]
+def coordinator_settings(config: AgentConfig, verify_hook: Any, *, leader_only: bool) -> dict[str, Any]:
+    """The leader's verification settings: the warm-up's budget, and whether switch orders ask the
+    ranks to wait on a go key for a verify round (where one is likely: this rank's agent has a
+    verify hook, or a launcher's leader, which cannot know; never in a dry run, which verifies
+    nothing). A rank with a verify hook under a leader without one still gets the round, as a
+    queue event."""
+    expected = not config.dry_run and (leader_only or verify_hook is not None)
+    return {"warm_up_s": warm_up_budget(config, verify_hook, leader_only=leader_only), "verify_expected": expected}
+
+
+__all__ = ["check_hooks_at_start", "coordinator_settings", "runs_collectives", "warm_up_budget"]
