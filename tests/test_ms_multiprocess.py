@@ -224,3 +224,48 @@ def test_a_failed_switch_of_a_mindspore_job_ends_in_exit_not_dump(cluster: Clust
         result = json.loads((job.out / f"rank{rank}.result.json").read_text(encoding="utf-8"))
         assert "ClusterD chose exit" in result["reason"], result
     assert sim.job_view(JOB).violations == []
+
+
+def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
+    """Real msrun (2 workers on CPU): its scheduler process runs the script too, with MS_ROLE=MS_SCHED
+    and RANK_ID=0; there the agent starts nothing, while the two workers are rank 0 (the leader,
+    registered once with the simulator) and rank 1."""
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists():
+        pytest.skip(f"no msrun beside {sys.executable}")
+    out = tmp_path / "out"
+    out.mkdir()
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"]}, framework=P.MINDSPORE)],
+                   settings=FAST) as sim:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
+        env.update({"NICSWITCH_SERVER": sim.address, "NICSWITCH_JOB_ID": JOB, "NSW_OUT": str(out),
+                    "NSW_STORE_PORT": str(free_port()), "GLOG_v": "3", "PYTHONUNBUFFERED": "1",
+                    "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})
+        proc = subprocess.Popen([str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+                                 str(free_port()), "--log_dir", str(tmp_path / "logs"), "--join", "True",
+                                 str(ROOT / "tests" / "ms_job" / "msrun_start.py")],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            def statuses() -> dict[str, dict[str, Any]] | None:
+                found = {p.name.split(".")[0]: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
+                return found if len(found) == 3 else None
+
+            found = poll(lambda: statuses() or proc.poll() is not None, 90) and statuses()
+            logs = {p.name: p.read_text(errors="replace")[-2000:] for p in (tmp_path / "logs").glob("*.log")}
+            assert found, (proc.poll(), logs)
+            assert poll(lambda: sim.job_view(JOB).registered, 30)
+            (out / "stop").touch()
+            assert proc.wait(60) == 0, logs
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    sched = found["scheduler"]
+    assert (sched["state"], sched["role"], sched["rank"]) == ("inactive", None, None), sched
+    assert "MS_ROLE=MS_SCHED" in sched["reason"]
+    assert [(found[f"rank{r}"]["role"], found[f"rank{r}"]["rank"]) for r in (0, 1)] == [("leader", 0), ("member", 1)]
+    assert sim.job_view(JOB).violations == []
+    scheduler_log = (tmp_path / "logs" / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count("nicswitch-agent inactive: msrun's scheduler process") == 1, scheduler_log[-2000:]
