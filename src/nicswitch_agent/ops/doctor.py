@@ -11,7 +11,8 @@ Checks, in order: where ClusterD is (``--server`` or the agent's own discovery),
 and who pauses training, torch, torch_npu and ``torch_npu.npu._comm_switch_nic`` (or, with ``--switch-hook``,
 that hook), ``HCCL_OP_RETRY_ENABLE`` enabling L2 (without it HCCL accepts a switch and does nothing),
 ``P2P_HCCL_BUFFSIZE`` (send/recv communicators a switch does not visit), HCCL's worst-case switch time, a way to
-map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the
+map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE``, msrun's ``RANK_ID``/``MS_WORKER_NUM``,
+or a rank table ``RANK_TABLE_FILE``: ops/doctor_ranks.py), the
 file-descriptor limit the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and
 the checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
 

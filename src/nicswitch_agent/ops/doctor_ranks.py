@@ -9,33 +9,45 @@ import json
 from collections.abc import Mapping
 from pathlib import Path
 
-from nicswitch_agent.config.frameworks import rank_names, world_names
+from nicswitch_agent.config.frameworks import msrun_scheduler, rank_names, world_names
 from nicswitch_agent.coordination import fd_budget
+
+# Each variable that may carry the world size, with its counterpart carrying the rank.
+_PAIRS = {"NICSWITCH_WORLD_SIZE": "NICSWITCH_RANK", "WORLD_SIZE": "RANK", "MS_WORKER_NUM": "RANK_ID"}
 
 
 def rank_map(env: Mapping[str, str]) -> tuple[bool | None, str]:
     """torchrun's RANK/WORLD_SIZE (msrun's RANK_ID/MS_WORKER_NUM), or a rank table, so ClusterD's
-    global ranks mean something here."""
+    global ranks mean something here. Every value is named by the variable it came from."""
+    scheduler = msrun_scheduler(env)
+    if scheduler:
+        return (None, f"{scheduler}: run the doctor with a worker's environment (MS_ROLE=MS_WORKER)")
     parts: list[str] = []
-    world, rank = env_int(env, *world_names(env)), env_int(env, *rank_names(env))  # torchrun's, msrun's
+    (world, world_name), (rank, rank_name) = env_named(env, *world_names(env)), env_named(env, *rank_names(env))
     for label, value in (("world size", world), ("rank", rank)):
         if isinstance(value, str):
             return (False, f"{label}: {value}")
-    torch_env = False
+    ranked = False
     if isinstance(world, int) and world == 1 and rank in (None, 0):
-        torch_env = True
-        parts.append("a single process (WORLD_SIZE=1)")
+        ranked = True
+        parts.append(f"a single process ({world_name}=1)")
     elif isinstance(world, int) and isinstance(rank, int):
         if not 0 <= rank < world:
-            return (False, f"RANK={rank} is outside WORLD_SIZE={world}")
-        torch_env = True
+            return (False, f"{rank_name}={rank} is outside {world_name}={world}")
+        ranked = True
         lws = env_int(env, "LOCAL_WORLD_SIZE")
         local = f", {lws} per node: node {rank // lws}, local rank {rank % lws}" if isinstance(lws, int) and lws else ""
-        parts.append(f"rank {rank} of {world}{local}")
-    elif world is not None or rank is not None:
-        missing = "RANK" if rank is None else "WORLD_SIZE"
-        return (False, f"{missing} is not set while {'WORLD_SIZE' if rank is None else 'RANK'} is: "
-                       "start training with torchrun, or set both")
+        parts.append(f"rank {rank} of {world}{local} (from {rank_name}, {world_name})")
+    elif world is not None:
+        missing = _PAIRS[world_name]
+        fix = ("msrun exports it on one node or with --node_rank; else MindSpore sets it in "
+               "mindspore.communication.init(): create the agent after init()" if missing == "RANK_ID"
+               else "start training with torchrun, or set both")
+        return (False, f"{missing} is not set while {world_name} is: {fix}")
+    elif rank is not None:
+        missing = next(world for world, paired in _PAIRS.items() if paired == rank_name)
+        return (False, f"{missing} is not set while {rank_name} is: start training with "
+                       f"{'msrun' if missing == 'MS_WORKER_NUM' else 'torchrun'}, or set both")
     table_path = env.get("RANK_TABLE_FILE", "").strip()
     if table_path:
         try:
@@ -44,16 +56,16 @@ def rank_map(env: Mapping[str, str]) -> tuple[bool | None, str]:
             return (False, f"RANK_TABLE_FILE={table_path}: {exc}")
         if state not in ("", "completed"):
             return (False, f"RANK_TABLE_FILE={table_path} has status {state!r}, not 'completed': "
-                       "the rank table is not ready yet")
+                           "the rank table is not ready yet")
         parts.append(f"rank table with {ranks} rank(s) on {servers} server(s)")
         if isinstance(world, int) and world != ranks:
-            return (None, f"{'; '.join(parts)}: WORLD_SIZE={world} differs from the rank table's "
-                      f"{ranks} ranks, so ClusterD's rank ids may not be this job's ranks")
+            return (None, f"{'; '.join(parts)}: {world_name}={world} differs from the rank table's "
+                          f"{ranks} ranks, so ClusterD's rank ids may not be this job's ranks")
     if not parts:
-        return (False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set: ClusterD's "
-                       "global rank ids cannot be mapped to this job's processes (for a "
-                       "single-process job set WORLD_SIZE=1)")
-    if not torch_env:
+        return (False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set (nor msrun's "
+                       "RANK_ID/MS_WORKER_NUM with MS_ROLE=MS_WORKER): ClusterD's global rank ids cannot be "
+                       "mapped to this job's processes (for a single-process job set WORLD_SIZE=1)")
+    if not ranked:
         parts.append("no RANK/WORLD_SIZE: the agent runs as a single rank unless torch.distributed is initialised")
     return (True, "; ".join(parts))
 
@@ -68,13 +80,18 @@ def file_descriptors(env: Mapping[str, str], world_size: int | None) -> tuple[bo
 
 def env_int(env: Mapping[str, str], *names: str) -> int | str | None:
     """The first set variable as an int >= 0; an error text if it is not one; None if none is set."""
+    return env_named(env, *names)[0]
+
+
+def env_named(env: Mapping[str, str], *names: str) -> tuple[int | str | None, str]:
+    """(:func:`env_int`'s value, the name of the variable it came from; "" if none is set)."""
     for name in names:
         raw = env.get(name, "").strip()
         if raw:
             if not (raw.isascii() and raw.isdigit()):
-                return f"{name}={raw!r} is not a non-negative integer"
-            return int(raw)
-    return None
+                return f"{name}={raw!r} is not a non-negative integer", name
+            return int(raw), name
+    return None, ""
 
 
 def read_rank_table(path: str) -> tuple[int, int, str]:
