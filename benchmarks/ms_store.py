@@ -11,6 +11,10 @@ ci/constraints-mindspore.txt). Prints a JSON line per measure:
   host's (this process), for torch (one blocking request) and MindSpore (polls every 20 ms);
 - ``wake_ms``: a child waiting for a key this process then writes: set -> the child has the value
   (median of 20), for both.
+
+In the suite (``python -m benchmarks --only ms_store``, :func:`run`) the same measures, 10 s idle
+window (1 s with ``--quick``); skipped, with the reason as the metric's note, when torch or
+MindSpore cannot be imported (the torch-only and the MindSpore-only environments of CI).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import socket
 import statistics
@@ -25,6 +30,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from benchmarks._common import BenchResult, Settings, single_metric
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,7 +94,8 @@ def child(kind: str, port: int, mode: str, window: float) -> None:
 
 
 def spawn(kind: str, port: int, mode: str, window: float) -> subprocess.Popen[str]:
-    env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": ROOT}
+    path = os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))  # the caller's too (src/)
+    env = {**os.environ, "GLOG_v": "3", "PYTHONPATH": path}
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.ms_store", "--child", kind, str(port), mode,
                              str(window)], stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -115,6 +123,42 @@ def measure(kind: str, window: float) -> dict[str, Any]:
         lat.append(json.loads(proc.stdout.readline())["t"] - t)
     proc.wait()
     result["wake_ms"] = {"median": round(statistics.median(lat) * 1e3, 2), "max": round(max(lat) * 1e3, 2)}
+    return result
+
+
+def unavailable() -> str:
+    """Why the measure cannot run here ("" when it can): it needs torch and MindSpore in one process."""
+    missing = []
+    for module in ("torch.distributed", "mindspore.mint.distributed"):
+        try:
+            __import__(module)
+        except Exception as exc:  # MindSpore under NumPy 2 raises more than ImportError
+            missing.append(f"{module.split('.')[0]} ({type(exc).__name__}: {str(exc)[:120]})")
+    if not missing:
+        return ""
+    return (f"skipped: {' and '.join(missing)} not importable; needs torch and mindspore==2.10.0 with numpy<2 "
+            "(ci/constraints-mindspore.txt)")
+
+
+def run(settings: Settings) -> BenchResult:
+    result = BenchResult("ms_store", "MindSpore's TCPStore beside torch's (coordination/ms_store.py)",
+                         limits="one machine, loopback; the idle waiter is one member-like get_when_set")
+    why = unavailable()
+    if why:
+        result.add(single_metric("not run on this environment", math.nan, "", note=why))
+        return result
+    os.environ.setdefault("GLOG_v", "3")
+    window = settings.pick(1.0, 10.0)
+    for kind in ("torch", "mindspore"):
+        measured = measure(kind, window)
+        result.details[kind] = measured
+        cpu, wake = measured["idle_wait_cpu_pct"], measured["wake_ms"]
+        result.add(single_metric(f"{kind}: idle waiter CPU ({window:g} s)", cpu["waiter"], "% of a core"))
+        result.add(single_metric(f"{kind}: Store host CPU while it waits", cpu["store_host"], "% of a core"))
+        result.add(single_metric(f"{kind}: write -> waiter in another process (median of 20)", wake["median"], "ms",
+                                 note=f"max {wake['max']} ms"))
+        for call, us in measured["round_trip_us"].items():
+            result.add(single_metric(f"{kind}: {call} (median of 2,000)", us, "us"))
     return result
 
 
