@@ -3,8 +3,12 @@
 ``python -m benchmarks._ms_switch_worker`` with NSW_KIND (``torch`` or ``mindspore``), NSW_RANK,
 NSW_WORLD, NSW_STORE_PORT (rank 0 hosts the job's TCPStore there), NSW_STOP (a file: stop when it
 exists) and the agent's NICSWITCH_SERVER / NICSWITCH_JOB_ID / NICSWITCH_FRAMEWORK. The ranks step
-in lockstep, as data-parallel ranks do through their collectives: a barrier per step on the job's
-TCPStore (an add, then polls of the count), then ``agent.step()``, then 4 ms of "compute". After
+in lockstep, as data-parallel ranks do through their collectives: a barrier per step, then
+``agent.step()``, then 4 ms of "compute". The barrier is files (each rank replaces
+``<NSW_STOP>.step<rank>`` with its step and polls the others' every 0.2 ms), not the Store under
+test: MindSpore's TCPStore calls hold the GIL for their round trip (torch's release it), so a
+barrier polling MindSpore's Store 5,000 times a second would stall the agent's own threads in every
+rank, a cost of the benchmark, not of a MindSpore job (whose collectives run in HCCL). After
 its first step a rank creates ``<NSW_STOP>.ready<rank>``. The switch hook does nothing. The same
 code for both kinds: only the Store differs.
 """
@@ -35,7 +39,13 @@ def main() -> int:
     tcp_store = store_class(kind)
     timeout = datetime.timedelta(seconds=60)
     store = tcp_store("127.0.0.1", port, world if rank == 0 else None, rank == 0, timeout, wait_for_workers=False)
-    barrier = tcp_store("127.0.0.1", port, None, False, timeout)
+    mine, others = Path(f"{stop}.step{rank}"), [Path(f"{stop}.step{r}") for r in range(world)]
+
+    def reached(path: Path, step: int) -> bool:
+        try:
+            return int(path.read_text() or 0) >= step
+        except (FileNotFoundError, ValueError):
+            return False
 
     from nicswitch_agent import SwitchAgent
 
@@ -43,9 +53,11 @@ def main() -> int:
     step = 0
     try:
         while not stop.exists():
-            key, deadline = f"barrier/{step}", time.monotonic() + 10
-            barrier.add(key, 1)
-            while int(barrier.add(key, 0)) < world and time.monotonic() < deadline:
+            partial = Path(f"{mine}.partial")
+            partial.write_text(str(step))
+            partial.replace(mine)  # whole, for the others' reads
+            deadline = time.monotonic() + 10
+            while not all(reached(path, step) for path in others) and time.monotonic() < deadline:
                 time.sleep(0.0002)
             step += 1
             agent.step(step)
