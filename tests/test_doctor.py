@@ -395,7 +395,8 @@ def write_rank_table(path: Path, servers: int, per_server: int, status: str = "c
     [
         ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, True,
          "rank 3 of 8, 4 per node: node 0, local rank 3"),
-        ({"NICSWITCH_RANK": "5", "NICSWITCH_WORLD_SIZE": "8"}, True, "rank 5 of 8 (from NICSWITCH_RANK, NICSWITCH_W"),
+        ({"NICSWITCH_RANK": "5", "NICSWITCH_WORLD_SIZE": "8"}, True,
+         "rank 5 of 8 (from NICSWITCH_RANK, NICSWITCH_WORLD_SIZE)"),
         ({"WORLD_SIZE": "1"}, True, "a single process (WORLD_SIZE=1)"),
         ({"RANK": "8", "WORLD_SIZE": "8"}, False, "RANK=8 is outside WORLD_SIZE=8"),
         ({"WORLD_SIZE": "8"}, False, "RANK is not set while WORLD_SIZE is"),
