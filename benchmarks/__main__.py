@@ -19,7 +19,18 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from benchmarks import SCHEMA_VERSION, e2e, idle, notify, resubscribe, scale, store_scale, timeline, verify
+from benchmarks import (
+    SCHEMA_VERSION,
+    e2e,
+    idle,
+    ms_store,
+    notify,
+    resubscribe,
+    scale,
+    store_scale,
+    timeline,
+    verify,
+)
 from benchmarks._common import (
     RESULTS_DIR,
     BenchResult,
@@ -43,6 +54,7 @@ SUITE: dict[str, tuple[Callable[[Settings], BenchResult | list[BenchResult]], tu
     "store_scale_node": (store_scale.run_node, ("store_scale_node",)),
     "store_scale_group": (store_scale.run_group, ("store_scale_group",)),
     "timeline": (timeline.run, ("timeline",)),
+    "ms_store": (ms_store.run, ("ms_store",)),  # skipped, with the reason, without torch and MindSpore
 }
 
 

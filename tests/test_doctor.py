@@ -395,22 +395,38 @@ def write_rank_table(path: Path, servers: int, per_server: int, status: str = "c
     [
         ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}, True,
          "rank 3 of 8, 4 per node: node 0, local rank 3"),
-        ({"NICSWITCH_RANK": "5", "NICSWITCH_WORLD_SIZE": "8"}, True, "rank 5 of 8"),
+        ({"NICSWITCH_RANK": "5", "NICSWITCH_WORLD_SIZE": "8"}, True,
+         "rank 5 of 8 (from NICSWITCH_RANK, NICSWITCH_WORLD_SIZE)"),
         ({"WORLD_SIZE": "1"}, True, "a single process (WORLD_SIZE=1)"),
         ({"RANK": "8", "WORLD_SIZE": "8"}, False, "RANK=8 is outside WORLD_SIZE=8"),
         ({"WORLD_SIZE": "8"}, False, "RANK is not set while WORLD_SIZE is"),
         ({"RANK": "x", "WORLD_SIZE": "8"}, False, "rank: RANK='x' is not a non-negative integer"),
         ({}, False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set"),
         ({"TABLE": "good"}, True, "rank table with 8 rank(s) on 2 server(s); no RANK/WORLD_SIZE"),
-        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "8"}, True, "rank 0 of 8; rank table with 8 rank(s)"),
-        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "4"}, None, "rank 0 of 4; rank table with 8 rank(s)"),
+        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "8"}, True,
+         "rank 0 of 8 (from RANK, WORLD_SIZE); rank table with 8 rank(s)"),
+        ({"TABLE": "good", "RANK": "0", "WORLD_SIZE": "4"}, None,
+         "rank 0 of 4 (from RANK, WORLD_SIZE); rank table with 8 rank(s) on 2 server(s): WORLD_SIZE=4 differs"),
         ({"TABLE": "initializing"}, False, "RANK_TABLE_FILE="),
         ({"TABLE": "garbage"}, False, "RANK_TABLE_FILE="),
         ({"TABLE": "missing"}, False, "RANK_TABLE_FILE="),
-        # msrun's names in an msrun worker (MS_ROLE=MS_WORKER), or with NICSWITCH_FRAMEWORK=mindspore
-        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "2", "MS_WORKER_NUM": "4"}, True, "rank 2 of 4"),
-        ({"NICSWITCH_FRAMEWORK": "mindspore", "RANK_ID": "1", "MS_WORKER_NUM": "2"}, True, "rank 1 of 2"),
-        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "4", "MS_WORKER_NUM": "4"}, False, "RANK=4 is outside WORLD_SIZE=4"),
+        # msrun's names in an msrun worker (MS_ROLE=MS_WORKER), or with NICSWITCH_FRAMEWORK=mindspore,
+        # named as such (issue 22)
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "2", "MS_WORKER_NUM": "4"}, True,
+         "rank 2 of 4 (from RANK_ID, MS_WORKER_NUM)"),
+        ({"NICSWITCH_FRAMEWORK": "mindspore", "RANK_ID": "1", "MS_WORKER_NUM": "2"}, True,
+         "rank 1 of 2 (from RANK_ID, MS_WORKER_NUM)"),
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "4", "MS_WORKER_NUM": "4"}, False, "RANK_ID=4 is outside MS_WORKER_NUM=4"),
+        ({"MS_ROLE": "MS_WORKER", "RANK": "1", "RANK_ID": "3", "MS_WORKER_NUM": "4"}, True,
+         "rank 1 of 4 (from RANK, MS_WORKER_NUM)"),  # torchrun's name wins, each named
+        ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "1"}, True, "a single process (MS_WORKER_NUM=1)"),
+        ({"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "8"}, False,  # msrun on many nodes without --node_rank
+         "RANK_ID is not set while MS_WORKER_NUM is: msrun exports it on one node or with --node_rank"),
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "x", "MS_WORKER_NUM": "4"}, False,
+         "rank: RANK_ID='x' is not a non-negative integer"),
+        ({"MS_ROLE": "MS_WORKER", "RANK_ID": "1"}, False, "MS_WORKER_NUM is not set while RANK_ID is: start "
+                                                          "training with msrun"),
+        ({"MS_ROLE": "MS_SCHED", "RANK_ID": "0", "MS_WORKER_NUM": "4"}, None, "msrun's scheduler process"),
         ({"RANK_ID": "2", "MS_WORKER_NUM": "4"}, False, "neither torchrun's"),  # not an msrun worker
     ],
 )

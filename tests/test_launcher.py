@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -534,3 +535,42 @@ def test_torchrun_restarts_get_a_fresh_store_unless_the_user_chose(role: list[st
     for chosen in ("0", "1", ""):
         env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": chosen}
         assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in plan([*role, *command], env).env
+
+
+# -- msrun (MindSpore): the leader hosts MindSpore's TCPStore (ops/launch_msrun.py) -----------------
+
+
+def test_an_msrun_command_is_a_mindspore_job_read_as_msrun_reads_it() -> None:
+    one_node = plan(["--", "msrun", "--worker_num", "4", "--local_worker_num=4", "--log_dir", "logs", "t.py",
+                     "--worker_num", "9"])  # after the script: the script's own argument
+    assert (one_node.framework, one_node.world_size, one_node.local_world_size, one_node.store_port) == (
+        "mindspore", 4, 4, 0)
+    assert one_node.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_FRAMEWORK": "mindspore",
+                            "NICSWITCH_LOCAL_WORLD_SIZE": "4"}  # no torchrun variable
+    msrun = ["msrun", "--worker_num", "16", "--local_worker_num", "8", "--master_addr", "10.0.0.1",
+             "--master_port", "8200"]
+    first = plan(["--", *msrun, "--node_rank", "0", "t.py"])
+    assert first.hosts_leader and (first.world_size, first.store_port) == (16, 8201)
+    other = plan(["--", *msrun, "--node_rank", "1", "t.py"])
+    assert not other.hosts_leader and other.why == "node rank 1 (the msrun --node_rank)"
+    assert other.env["NICSWITCH_STORE_ADDRESS"] == "10.0.0.1:8201"
+    defaults = plan(["--", "python3", "-m", "mindspore.parallel.cluster.run", "--local_worker_num", "8", "t.py"],
+                    {"NODE_RANK": "1"})  # msrun's defaults: 8 workers, scheduler at 127.0.0.1:8118
+    assert defaults.framework == "mindspore" and defaults.env["NICSWITCH_STORE_ADDRESS"] == "127.0.0.1:8119"
+    assert plan(["--world-size", "3", "--", "python", "t.py"], {"NICSWITCH_FRAMEWORK": "mindspore"}).framework == (
+        "mindspore")
+    assert plan(["--", "msrun", "--worker_num", "2", "t.py"], {"NICSWITCH_FRAMEWORK": "torch"}).framework == "torch"
+    with pytest.raises(launcher.LaunchError, match="cannot read the msrun options"):
+        plan(["--", "msrun", "--no_such_option", "1", "t.py"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mindspore") is not None, reason="MindSpore is installed here")
+def test_an_msrun_job_without_mindspore_in_the_launcher_is_refused_before_it_starts(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    code = launcher.main(["--server", "127.0.0.1:1", "--job-id", "j", "--", "msrun", "--worker_num", "2",
+                          "--local_worker_num", "2", "touch", str(marker)])
+    err = capsys.readouterr().err
+    assert code == 2 and not marker.exists(), err
+    assert "this is a MindSpore job (msrun, or NICSWITCH_FRAMEWORK=mindspore)" in err
+    assert "python3 -m pip install '.[mindspore]'" in err

@@ -224,3 +224,101 @@ def test_a_failed_switch_of_a_mindspore_job_ends_in_exit_not_dump(cluster: Clust
         result = json.loads((job.out / f"rank{rank}.result.json").read_text(encoding="utf-8"))
         assert "ClusterD chose exit" in result["reason"], result
     assert sim.job_view(JOB).violations == []
+
+
+def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
+    """Real msrun (2 workers on CPU): its scheduler process runs the script too, with MS_ROLE=MS_SCHED
+    and RANK_ID=0; there the agent starts nothing, while the two workers are rank 0 (the leader,
+    registered once with the simulator) and rank 1."""
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists():
+        pytest.skip(f"no msrun beside {sys.executable}")
+    out = tmp_path / "out"
+    out.mkdir()
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"]}, framework=P.MINDSPORE)],
+                   settings=FAST) as sim:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
+        env.update({"NICSWITCH_SERVER": sim.address, "NICSWITCH_JOB_ID": JOB, "NSW_OUT": str(out),
+                    "NSW_STORE_PORT": str(free_port()), "GLOG_v": "3", "PYTHONUNBUFFERED": "1",
+                    "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})
+        proc = subprocess.Popen([str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+                                 str(free_port()), "--log_dir", str(tmp_path / "logs"), "--join", "True",
+                                 str(ROOT / "tests" / "ms_job" / "msrun_start.py")],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            def statuses() -> dict[str, dict[str, Any]] | None:
+                found = {p.name.split(".")[0]: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
+                return found if len(found) == 3 else None
+
+            found = poll(lambda: statuses() or proc.poll() is not None, 90) and statuses()
+            logs = {p.name: p.read_text(errors="replace")[-2000:] for p in (tmp_path / "logs").glob("*.log")}
+            assert found, (proc.poll(), logs)
+            assert poll(lambda: sim.job_view(JOB).registered, 30)
+            (out / "stop").touch()
+            assert proc.wait(60) == 0, logs
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+    sched = found["scheduler"]
+    assert (sched["state"], sched["role"], sched["rank"]) == ("inactive", None, None), sched
+    assert "MS_ROLE=MS_SCHED" in sched["reason"]
+    assert [(found[f"rank{r}"]["role"], found[f"rank{r}"]["rank"]) for r in (0, 1)] == [("leader", 0), ("member", 1)]
+    assert sim.job_view(JOB).violations == []
+    scheduler_log = (tmp_path / "logs" / "scheduler.log").read_text(errors="replace")
+    assert scheduler_log.count("nicswitch-agent inactive: msrun's scheduler process") == 1, scheduler_log[-2000:]
+
+
+def test_nicswitch_agent_launch_around_msrun_hosts_a_mindspore_store(tmp_path: Path) -> None:
+    """``nicswitch-agent launch -- msrun ...``: the launcher reads msrun's options (2 workers), hosts
+    MindSpore's TCPStore and the leader; the two workers (no store passed) are members on it, the
+    scheduler process starts nothing; a switch runs on both ranks, one reply."""
+    msrun = Path(sys.executable).parent / "msrun"
+    if not msrun.exists():
+        pytest.skip(f"no msrun beside {sys.executable}")
+    out = tmp_path / "out"
+    out.mkdir()
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0", "1"]}, framework=P.MINDSPORE)],
+                   settings=FAST) as sim:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
+        env.update({"NSW_OUT": str(out), "GLOG_v": "3", "PYTHONUNBUFFERED": "1", "NICSWITCH_PAUSE": "agent",
+                    "NICSWITCH_RECONNECT_INITIAL_S": "0.02", "NICSWITCH_RECONNECT_MAX_S": "0.1",
+                    "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
+                    "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})
+        log = open(tmp_path / "launch.log", "wb")  # noqa: SIM115 - closed below
+        proc = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "launch", "--server", sim.address,
+                                 "--job-id", JOB, "--", str(msrun), "--worker_num", "2", "--local_worker_num", "2",
+                                 "--master_port", str(free_port()), "--log_dir", str(tmp_path / "logs"),
+                                 "--join", "True", str(ROOT / "tests" / "ms_job" / "msrun_start.py")],
+                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                start_new_session=True)
+
+        def logs() -> str:
+            text = (tmp_path / "launch.log").read_text(errors="replace")[-3000:]
+            return text + "".join(f"\n== {p.name}\n" + p.read_text(errors="replace")[-2000:]
+                                  for p in sorted((tmp_path / "logs").glob("*.log")))
+
+        try:
+            assert poll(lambda: support.streams_ready(sim, JOB) or proc.poll() is not None, 90), logs()
+            assert proc.poll() is None, logs()
+            message = support.operator_switch(sim.address, JOB, ["1", "0"], [True, False])
+            assert message == FINISH, logs()
+            (out / "stop").touch()
+            assert proc.wait(60) == 0, logs()
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+            log.close()
+        view = sim.job_view(JOB)
+        assert view.replies == [True] and view.violations == [], logs()
+    found = {p.name.split(".")[0]: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
+    assert sorted(found) == ["rank0", "rank1", "scheduler"], found
+    assert [(found[f"rank{r}"]["role"], found[f"rank{r}"]["rank"]) for r in (0, 1)] == [("member", 0), ("member", 1)]
+    assert found["scheduler"]["state"] == "inactive"
+    for rank in (0, 1):
+        calls = read_jsonl(out / f"rank{rank}.switch.jsonl")
+        assert [(c["ranks"], c["ops"]) for c in calls] == [([1, 0], [True, False])], calls
+    assert "a MindSpore Store on port" in (tmp_path / "launch.log").read_text(errors="replace")

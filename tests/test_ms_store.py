@@ -238,3 +238,17 @@ def test_the_job_store_is_wrapped_reached_or_asked_for(master: Any) -> None:
     assert node_master is not None and hosted.store.poll_max_s == joined.store.poll_max_s == 0.25
     with pytest.raises(ConfigError, match=r"store=mindspore\.mint\.distributed\.TCPStore"):
         topology.coordination_kv(cfg, 2, store=None, leader_only=False)
+
+
+def test_under_the_launcher_the_launchers_store_wins_over_the_jobs(master: Any) -> None:
+    """``nicswitch-agent launch`` exports NICSWITCH_LEADER=launcher and NICSWITCH_STORE_ADDRESS (the
+    leader's MindSpore Store): a rank that also passes its job's TCPStore as ``store=`` (as the
+    quickstart's script does) must meet the leader there, not on the job's Store."""
+    from nicswitch_agent import AgentConfig
+    from nicswitch_agent.coordination import topology
+
+    launchers, _ = host_store("127.0.0.1", 10.0)
+    cfg = AgentConfig(server="127.0.0.1:8899", job_id="j", framework="mindspore", leader="launcher",
+                      store_address=f"127.0.0.1:{launchers.port}")
+    kv = topology.coordination_kv(cfg, 2, store=master, leader_only=False)
+    assert isinstance(kv.store, MindSporeStore) and kv.store.port == launchers.port != master.port

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent import process_hooks
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
+from nicswitch_agent.config.frameworks import msrun_scheduler
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
@@ -61,6 +62,7 @@ logger = logging.getLogger("nicswitch_agent")
 CREATED, RUNNING, SWITCHING, STOPPING, STOPPED, FAILED = (
     "created", "running", "switching", "stopping", "stopped", "failed"
 )
+INACTIVE = "inactive"  # start() in a process that is no rank (msrun's scheduler): nothing runs
 
 
 class SwitchAgent:
@@ -222,14 +224,21 @@ class SwitchAgent:
     def start(self) -> SwitchAgent:
         """Check the hooks, open the channel and start the threads; returns once they run.
 
+        In msrun's scheduler process (MS_ROLE=MS_SCHED), which runs the training script but is
+        no rank, it starts nothing: state ``inactive``, the reason in ``status()``, one INFO line.
+
         Raises:
             AgentStateError: started twice, or after stop().
             ConfigError: a hook reports it cannot work here (e.g. torch_npu missing).
         """
+        inactive = msrun_scheduler(os.environ)  # "" in any process that is a rank
         with self._lock:
             if self._state != CREATED:
                 raise AgentStateError(f"start() called on an agent that is {self._state}")
-            self._state = "starting"
+            self._state, self._state_reason = (INACTIVE, inactive) if inactive else ("starting", "")
+        if inactive:
+            logger.info("nicswitch-agent inactive: %s", inactive)
+            return self
         try:
             if not self.config.dry_run and not self._leader_only:  # a leader-only process runs no hooks
                 hooks = {"switch_hook": self._switch_hook, "checkpoint_hook": self._checkpoint_hook,
@@ -388,7 +397,7 @@ class SwitchAgent:
                 in_progress = True
             else:
                 in_progress = False
-                was_started = self._state not in (CREATED, "starting")
+                was_started = self._state not in (CREATED, "starting", INACTIVE)
                 self._state = STOPPING
                 self._stopping_thread = threading.current_thread()
         failure = self._failure_thread
@@ -487,9 +496,9 @@ class SwitchAgent:
             conflict = {"detail": self._conflict, "action": "fell back to pause mode external (pause=auto)"}
         return {
             "state": state,
-            "reason": reason if state in (FAILED, STOPPED) else "",
+            "reason": reason if state in (FAILED, STOPPED, INACTIVE) else "",
             "role": "leader" if self._coordinator is not None else ("member" if self._member is not None else None),
-            "rank": self.rank,
+            "rank": None if state == INACTIVE else self.rank,
             "world_size": self.world_size,
             "job_id": self.config.job_id,
             "server": self.config.server,
@@ -503,11 +512,7 @@ class SwitchAgent:
             "conflict": conflict,
             "last_message_age_s": None if last_msg is None else round(time.monotonic() - last_msg, 3),
             "uptime_s": None if self._started_mono is None else round(time.monotonic() - self._started_mono, 3),
-            "stream": {
-                "opens": sub.opens if sub else 0,
-                "clean_ends": sub.clean_ends if sub else 0,
-                "errors": sub.errors if sub else 0,
-            },
+            "stream": {key: getattr(sub, key) if sub else 0 for key in ("opens", "clean_ends", "errors")},
             "counters": counters,
             "timings": self._stats.snapshot(),
             "links": self._stats.links.status(),
@@ -518,12 +523,8 @@ class SwitchAgent:
             "stuck_hook": None if self._member is None else self._member.stuck_hook(),
             "last_verify": None if self._member is None else self._member.last_verify,
             "process_manage": None if pm is None else {
-                "registered": pm.registered,
-                "stream_open": pm.stream_open,
-                "opens": pm.opens,
-                "errors": pm.errors,
-                "last_error": pm.last_error,
-                "last_error_seen": pm.last_error_seen,
+                **{key: getattr(pm, key) for key in ("registered", "stream_open", "opens", "errors", "last_error",
+                                                     "last_error_seen")},
                 "last_signal": controller.last_signal if controller else "",
                 "quiet_resets": pm.conflict_resets,
             },

@@ -204,14 +204,17 @@ def connect(host: str, port: int, timeout_s: float) -> Any:
                           f"up, and is the port right?") from exc
 
 
-def host_store(listen: str, timeout_s: float, poll_max_s: float = POLL_MAX_S) -> tuple[MindSporeStore, Any]:
-    """(a client, the master) of a new MindSpore TCPStore listening on ``listen`` at a free port."""
+def host_store(listen: str, timeout_s: float, poll_max_s: float = POLL_MAX_S, *,
+               port: int = 0) -> tuple[MindSporeStore, Any]:
+    """(a client, the master) of a new MindSpore TCPStore listening on ``listen`` at ``port`` (0: a free port)."""
     store_class = mindspore_store_class()
     failure: RuntimeError | None = None
-    for _ in range(HOST_ATTEMPTS):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((listen, 0))
-            port = probe.getsockname()[1]
+    wanted = port
+    for _ in range(HOST_ATTEMPTS if wanted == 0 else 1):
+        if wanted == 0:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                probe.bind((listen, 0))
+                port = probe.getsockname()[1]
         try:
             master = _keep(store_class(listen, port, None, True, datetime.timedelta(seconds=timeout_s),
                                        wait_for_workers=False))
@@ -220,6 +223,8 @@ def host_store(listen: str, timeout_s: float, poll_max_s: float = POLL_MAX_S) ->
             continue
         dial = "127.0.0.1" if listen == "0.0.0.0" else listen
         return MindSporeStore(dial, port, timeout_s, poll_max_s=poll_max_s), master
+    if wanted:
+        raise ConfigError(f"could not host a MindSpore TCPStore on {listen}:{wanted}: {failure}")
     raise ConfigError(f"could not host a MindSpore TCPStore on {listen} in {HOST_ATTEMPTS} attempts: {failure}")
 
 

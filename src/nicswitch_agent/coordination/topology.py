@@ -57,6 +57,8 @@ def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, lea
     """The key-value view the leader and the members share, under this job's key prefix."""
     # A launcher-hosted leader outlives training restarts, so its keys must not change with them.
     prefix = key_prefix(cfg.job_id, "launcher" if (cfg.leader == "launcher" or leader_only) else None)
+    if cfg.leader == "launcher" and cfg.store_address is not None and not leader_only:
+        store = None  # under `nicswitch-agent launch` every rank meets the leader on its Store, not the job's
     if store is not None and ms_store.is_mindspore_store(store):  # our own client of the job's MindSpore Store
         return KV(ms_store.MindSporeStore.of(store, cfg.store_connect_timeout_s, cfg.mindspore_poll_s), prefix)
     if store is not None:

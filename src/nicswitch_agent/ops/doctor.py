@@ -11,7 +11,8 @@ Checks, in order: where ClusterD is (``--server`` or the agent's own discovery),
 and who pauses training, torch, torch_npu and ``torch_npu.npu._comm_switch_nic`` (or, with ``--switch-hook``,
 that hook), ``HCCL_OP_RETRY_ENABLE`` enabling L2 (without it HCCL accepts a switch and does nothing),
 ``P2P_HCCL_BUFFSIZE`` (send/recv communicators a switch does not visit), HCCL's worst-case switch time, a way to
-map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE`` or a rank table ``RANK_TABLE_FILE``), the
+map ClusterD's global ranks (torchrun's ``RANK``/``WORLD_SIZE``, msrun's ``RANK_ID``/``MS_WORKER_NUM``,
+or a rank table ``RANK_TABLE_FILE``: ops/doctor_ranks.py), the
 file-descriptor limit the Store's host needs for the job's ranks (``--world-size``, else ``WORLD_SIZE``), and
 the checkpoint directory (``--checkpoint-dir``: exists, writable, free space).
 
@@ -58,13 +59,12 @@ from nicswitch_agent.config import (
     tls_from_env,
     unknown_env_names,
 )
-from nicswitch_agent.config.frameworks import in_msrun, rank_names, world_names
-from nicswitch_agent.coordination import fd_budget
+from nicswitch_agent.config.frameworks import in_msrun, world_names
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
-from nicswitch_agent.ops import hook_spec
+from nicswitch_agent.ops import doctor_ranks, hook_spec
 from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP, add_tls_arguments, positive_float, tls_overrides
 
 DEFAULT_TIMEOUT_S = 3.0
@@ -342,7 +342,7 @@ def _needs_torch(env: Mapping[str, str]) -> str:
     """
     if env.get("NICSWITCH_STORE_ADDRESS", "").strip() or env.get("NICSWITCH_LEADER", "").strip() == "launcher":
         return "a member of a launcher's leader reaches its Store with torch"
-    world = _env_int(env, *world_names(env))
+    world = doctor_ranks.env_int(env, *world_names(env))
     if world == 1 or in_msrun(env):  # a MindSpore job coordinates through MindSpore's TCPStore
         return ""
     if isinstance(world, int):
@@ -416,89 +416,12 @@ def check_switch_time(inp: Inputs) -> Check:
 
 
 def check_rank_map(inp: Inputs) -> Check:
-    """torchrun's RANK/WORLD_SIZE (msrun's RANK_ID/MS_WORKER_NUM), or a rank table, so ClusterD's
-    global ranks mean something here."""
-    name = "rank mapping"
-    env = inp.env
-    parts: list[str] = []
-    world, rank = _env_int(env, *world_names(env)), _env_int(env, *rank_names(env))  # torchrun's, msrun's
-    for label, value in (("world size", world), ("rank", rank)):
-        if isinstance(value, str):
-            return Check(name, False, f"{label}: {value}")
-    torch_env = False
-    if isinstance(world, int) and world == 1 and rank in (None, 0):
-        torch_env = True
-        parts.append("a single process (WORLD_SIZE=1)")
-    elif isinstance(world, int) and isinstance(rank, int):
-        if not 0 <= rank < world:
-            return Check(name, False, f"RANK={rank} is outside WORLD_SIZE={world}")
-        torch_env = True
-        lws = _env_int(env, "LOCAL_WORLD_SIZE")
-        local = f", {lws} per node: node {rank // lws}, local rank {rank % lws}" if isinstance(lws, int) and lws else ""
-        parts.append(f"rank {rank} of {world}{local}")
-    elif world is not None or rank is not None:
-        missing = "RANK" if rank is None else "WORLD_SIZE"
-        return Check(name, False, f"{missing} is not set while {'WORLD_SIZE' if rank is None else 'RANK'} is: "
-                                  "start training with torchrun, or set both")
-    table_path = env.get("RANK_TABLE_FILE", "").strip()
-    if table_path:
-        try:
-            ranks, servers, state = _read_rank_table(table_path)
-        except (OSError, ValueError) as exc:
-            return Check(name, False, f"RANK_TABLE_FILE={table_path}: {exc}")
-        if state not in ("", "completed"):
-            return Check(name, False, f"RANK_TABLE_FILE={table_path} has status {state!r}, not 'completed': "
-                                      "the rank table is not ready yet")
-        parts.append(f"rank table with {ranks} rank(s) on {servers} server(s)")
-        if isinstance(world, int) and world != ranks:
-            return Check(name, None, f"{'; '.join(parts)}: WORLD_SIZE={world} differs from the rank table's "
-                                     f"{ranks} ranks, so ClusterD's rank ids may not be this job's ranks")
-    if not parts:
-        return Check(name, False, "neither torchrun's RANK/WORLD_SIZE nor RANK_TABLE_FILE is set: ClusterD's "
-                                  "global rank ids cannot be mapped to this job's processes (for a "
-                                  "single-process job set WORLD_SIZE=1)")
-    if not torch_env:
-        parts.append("no RANK/WORLD_SIZE: the agent runs as a single rank unless torch.distributed is initialised")
-    return Check(name, True, "; ".join(parts))
+    """torchrun's RANK/WORLD_SIZE (msrun's RANK_ID/MS_WORKER_NUM), or a rank table (doctor_ranks.py)."""
+    return Check("rank mapping", *doctor_ranks.rank_map(inp.env))
 
 
 def check_file_descriptors(inp: Inputs) -> Check:
-    world = inp.world_size if inp.world_size is not None else _env_int(inp.env, *world_names(inp.env))
-    launcher = inp.env.get("NICSWITCH_LEADER", "").strip().lower() == "launcher" or bool(
-        inp.env.get("NICSWITCH_STORE_ADDRESS", "").strip())
-    ok, detail = fd_budget.assess(world if isinstance(world, int) else None, launcher=launcher)
-    return Check("file descriptors", ok, detail)
-
-
-def _env_int(env: Mapping[str, str], *names: str) -> int | str | None:
-    """The first set variable as an int >= 0; an error text if it is not one; None if none is set."""
-    for name in names:
-        raw = env.get(name, "").strip()
-        if raw:
-            if not (raw.isascii() and raw.isdigit()):
-                return f"{name}={raw!r} is not a non-negative integer"
-            return int(raw)
-    return None
-
-
-def _read_rank_table(path: str) -> tuple[int, int, str]:
-    """(ranks, servers, status) of an Ascend rank table (``server_list[].device[].rank_id``)."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"not JSON ({exc})") from None
-    servers = data.get("server_list") if isinstance(data, dict) else None
-    if not isinstance(servers, list) or not servers:
-        raise ValueError("no server_list: not an Ascend rank table")
-    ranks = 0
-    for server in servers:
-        devices = server.get("device") if isinstance(server, dict) else None
-        if not isinstance(devices, list):
-            raise ValueError("a server_list entry has no device list")
-        ranks += sum(1 for d in devices if isinstance(d, dict) and "rank_id" in d)
-    if ranks == 0:
-        raise ValueError("no device has a rank_id")
-    return ranks, len(servers), str(data.get("status", ""))
+    return Check("file descriptors", *doctor_ranks.file_descriptors(inp.env, inp.world_size))
 
 
 def check_checkpoint_dir(inp: Inputs) -> Check:

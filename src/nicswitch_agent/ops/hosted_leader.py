@@ -34,6 +34,7 @@ class HostedLeader:
 
     def __init__(self, store: Any, agent: Any, port: int, world_size: int, join_timeout_s: float) -> None:
         self.store = store
+        self.master: Any = None  # a MindSpore Store's master, when the client is not the server itself
         self.agent = agent
         self.port = port
         self.world_size = world_size
@@ -45,11 +46,13 @@ class HostedLeader:
 
     @classmethod
     def start(cls, args: argparse.Namespace, *, world_size: int, local_world_size: int | None, store_port: int,
-              join_timeout_s: float | None) -> HostedLeader:
+              join_timeout_s: float | None, framework: str = "torch") -> HostedLeader:
         """Host the Store and build the leader on it (started later by :meth:`start_when_joined`).
 
+        ``framework`` ``mindspore``: the Store is MindSpore's TCPStore (ops/launch_msrun.py).
+
         Raises:
-            LaunchError: the port is taken, or torch is missing.
+            LaunchError: the port is taken, or torch (MindSpore) is missing.
             ConfigError: the agent's settings are incomplete (server, job id, ...), or the file-descriptor
                 limit cannot be raised to what ``world_size`` ranks need.
         """
@@ -62,8 +65,10 @@ class HostedLeader:
         # itself once the child has exited (the training ranks may still need it until then).
         config = AgentConfig.from_env(server=args.server, job_id=args.job_id, pause=args.pause,
                                       world_size=world_size, rank=0, handle_signals=False,
-                                      local_world_size=local_world_size)
+                                      local_world_size=local_world_size, framework=framework)
         topology.choose_layout(config, world_size)  # what start() would refuse, refused now
+        if framework == "mindspore":
+            return cls._start_mindspore(config, world_size, store_port, join_timeout_s)
         try:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
         except ImportError as exc:
@@ -82,6 +87,32 @@ class HostedLeader:
         agent = SwitchAgent(config=config, store=store, leader_only=True)
         return cls(store, agent, int(store.port), world_size,
                    config.join_timeout_s if join_timeout_s is None else join_timeout_s)
+
+    @classmethod
+    def _start_mindspore(cls, config: Any, world_size: int, store_port: int,
+                         join_timeout_s: float | None) -> HostedLeader:
+        from nicswitch_agent.agent import SwitchAgent
+        from nicswitch_agent.coordination import fd_budget, ms_store
+        from nicswitch_agent.errors import ConfigError
+
+        try:
+            ms_store.mindspore_store_class()
+        except ConfigError as exc:
+            raise LaunchError(f"this is a MindSpore job (msrun, or NICSWITCH_FRAMEWORK=mindspore): the leader hosts "
+                              f"MindSpore's TCPStore, so the launcher needs MindSpore: python3 -m pip install "
+                              f"'.[mindspore]' in the nicswitch-agent checkout, in the launcher's environment "
+                              f"({exc.__cause__})") from exc
+        fd_budget.prepare_store_host(world_size)
+        timeout_s = max(config.rpc_timeout_s, 30.0)
+        try:
+            client, master = ms_store.host_store("0.0.0.0", timeout_s, config.mindspore_poll_s, port=store_port)
+        except ConfigError as exc:
+            raise LaunchError(f"cannot host the MindSpore Store on port {store_port}: {exc}; pass another "
+                              "--store-port") from exc
+        leader = cls(client, SwitchAgent(config=config, store=client, leader_only=True), client.port, world_size,
+                     config.join_timeout_s if join_timeout_s is None else join_timeout_s)
+        leader.master = master  # kept with the leader (ms_store.py keeps every master until exit anyway)
+        return leader
 
     def start_when_joined(self) -> None:
         """Start the leader on a thread of its own once every rank has joined (or the bound passed)."""

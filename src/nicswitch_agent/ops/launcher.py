@@ -7,6 +7,8 @@ every restart. The launcher wraps the training command (typically ``torchrun``) 
 **first node**, hosts the leader itself (ClusterD streams + a ``torch.distributed.TCPStore``
 server the members coordinate through); every training rank, rank 0 included, is then a member
 only. On the **other nodes** it hosts nothing and only exports where the leader's Store is.
+Around msrun (a MindSpore job) the Store is MindSpore's TCPStore and msrun's options give the
+world size, node rank and port (ops/launch_msrun.py); the rules below name torchrun's.
 
 What the child gets (on top of the launcher's own environment, which passes through untouched,
 ``NICSWITCH_*`` and ``MINDX_*`` included)::
@@ -100,6 +102,7 @@ from types import FrameType
 from typing import Any
 
 from nicswitch_agent.ops.hosted_leader import HostedLeader, LaunchError
+from nicswitch_agent.ops.launch_msrun import MsrunOptions, launch_framework, parse_msrun
 
 logger = logging.getLogger("nicswitch_agent.launcher")
 
@@ -264,6 +267,7 @@ class Plan:
     store_host: str  # the Store host exported to the child
     env: dict[str, str] = field(default_factory=dict)  # exported on top of the launcher's environment
     join_timeout_s: float | None = None  # --join-timeout (None: the agent's join_timeout_s)
+    framework: str = "torch"  # whose Store the leader hosts: torch's, or MindSpore's (ops/launch_msrun.py)
 
 
 def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
@@ -278,12 +282,16 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     if not command:
         raise LaunchError("no training command: nicswitch-agent launch [options] -- <command ...>")
     leader_only = bool(args.leader_only)
-    torchrun = None if leader_only else parse_torchrun(command, environ)
+    framework = launch_framework(command, environ)
+    msrun = None if leader_only else parse_msrun(command)
+    torchrun = None if leader_only or msrun is not None else parse_torchrun(command, environ)
 
     if args.node_rank is not None:
         node_rank, source = _int("--node-rank", args.node_rank), "--node-rank"
     elif torchrun is not None and torchrun.node_rank is not None:
         node_rank, source = torchrun.node_rank, "the torchrun --node-rank"
+    elif msrun is not None and msrun.node_rank is not None:
+        node_rank, source = msrun.node_rank, "the msrun --node_rank"
     else:
         node_rank, source = 0, "no node rank set"
         for name in ("GROUP_RANK", "NODE_RANK"):
@@ -294,7 +302,9 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     why = "--leader-only" if leader_only else f"node rank {node_rank} ({source})"
 
     env: dict[str, str] = {"NICSWITCH_LEADER": "launcher"}
-    if FRESH_RDZV_STORE not in environ:  # the user's choice, if any, wins
+    if framework == "mindspore" and "NICSWITCH_FRAMEWORK" not in environ:  # the ranks dial a MindSpore Store
+        env["NICSWITCH_FRAMEWORK"] = "mindspore"
+    if FRESH_RDZV_STORE not in environ and msrun is None:  # the user's choice, if any, wins; torchrun's only
         env[FRESH_RDZV_STORE] = "1"
     for flag, name in (("server", "NICSWITCH_SERVER"), ("job_id", "NICSWITCH_JOB_ID"), ("pause", "NICSWITCH_PAUSE")):
         value = getattr(args, flag, None)
@@ -309,25 +319,25 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
         if value is not None:
             env[name] = str(value)
 
-    port = _store_port(args, environ, torchrun, hosts_leader)
+    port = _store_port(args, environ, torchrun, hosts_leader, msrun)
     world_size: int | None = None
     if hosts_leader:
-        world_size = _world_size(args, environ, torchrun, leader_only)
+        world_size = _world_size(args, environ, torchrun, leader_only, msrun)
         host = args.store_host or LOOPBACK  # our own children: loopback always reaches the server
     else:
-        host = _store_host(args, environ, torchrun)
+        host = args.store_host or msrun.master_addr if msrun is not None else _store_host(args, environ, torchrun)
     if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
         env["NICSWITCH_STORE_ADDRESS"] = _join_host_port(host, port)
     # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
     # the ranks per node the leader is told are the ones the training ranks are told.
-    per_node = torchrun.local_world_size() if torchrun is not None else None
+    per_node = torchrun.local_world_size() if torchrun is not None else msrun.local_worker_num if msrun else None
     if per_node is not None:
         env["NICSWITCH_LOCAL_WORLD_SIZE"] = str(per_node)
     elif "NICSWITCH_FAN_OUT" not in environ:
         env["NICSWITCH_FAN_OUT"] = "flat"  # the leader cannot tell the nodes apart: nor may the ranks
     return Plan(command=command, hosts_leader=hosts_leader, node_rank=node_rank, why=why, world_size=world_size,
                 local_world_size=per_node, store_port=port, store_host=host, env=env,
-                join_timeout_s=_join_timeout(args))
+                join_timeout_s=_join_timeout(args), framework=framework)
 
 
 def _join_timeout(args: argparse.Namespace) -> float | None:
@@ -338,32 +348,34 @@ def _join_timeout(args: argparse.Namespace) -> float | None:
 
 
 def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
-                leader_only: bool) -> int:
+                leader_only: bool, msrun: MsrunOptions | None = None) -> int:
     if args.world_size is not None:
         value = _int("--world-size", args.world_size)
     elif environ.get("NICSWITCH_WORLD_SIZE", "").strip():
         value = _int("NICSWITCH_WORLD_SIZE", environ["NICSWITCH_WORLD_SIZE"])
     elif torchrun is not None:
         value = torchrun.world_size()
+    elif msrun is not None:
+        value = msrun.worker_num
     elif leader_only:
         raise LaunchError("--leader-only does not read the wrapped command: pass --world-size N "
                           "(the number of training ranks the leader waits for)")
     else:
         raise LaunchError("cannot tell how many training ranks the leader leads: the command is not torchrun "
-                          "(torchrun ... or python -m torch.distributed.run ...); pass --world-size N")
+                          "(torchrun ... or python -m torch.distributed.run ...) nor msrun; pass --world-size N")
     if value < 1:
         raise LaunchError(f"the world size must be at least 1, got {value}")
     return value
 
 
 def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
-                hosts_leader: bool) -> int:
+                hosts_leader: bool, msrun: MsrunOptions | None = None) -> int:
     if args.store_port is not None:
         port = _int("--store-port", args.store_port)
         if port > 65535 or (port == 0 and not hosts_leader):
             raise LaunchError(f"--store-port={port} must be a port number between 1 and 65535")
         return port
-    if hosts_leader and torchrun is not None and torchrun.single_node():
+    if hosts_leader and ((torchrun is not None and torchrun.single_node()) or (msrun and msrun.single_node)):
         return 0  # only this node's children need it
     candidates: list[tuple[str, int | None]] = []
     if environ.get("MASTER_PORT", "").strip():
@@ -371,6 +383,8 @@ def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
     if torchrun is not None:
         candidates += [("torchrun --master-port", torchrun.master_port),
                        ("torchrun --rdzv-endpoint", torchrun.rdzv_host_port()[1])]
+    if msrun is not None:  # msrun's scheduler listens on --master_port (8118 unless given)
+        candidates.append(("msrun --master_port", msrun.master_port))
     for name, base in candidates:
         if base is not None:
             if not 0 < base < 65535:
@@ -559,7 +573,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             assert plan.world_size is not None
             leader = HostedLeader.start(args, world_size=plan.world_size, local_world_size=plan.local_world_size,
-                                        store_port=plan.store_port, join_timeout_s=plan.join_timeout_s)
+                                        store_port=plan.store_port, join_timeout_s=plan.join_timeout_s,
+                                        framework=plan.framework)
         except (LaunchError, ConfigError) as exc:
             print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
@@ -570,8 +585,9 @@ def run(args: argparse.Namespace) -> int:
         env.update({"NICSWITCH_STORE_ADDRESS": _join_host_port(plan.store_host, leader.port),
                     "NICSWITCH_SERVER": cfg.server, "NICSWITCH_JOB_ID": cfg.job_id,
                     "NICSWITCH_PAUSE": leader.agent.pause_mode})
-        logger.info("hosting the job's leader (%s): %d ranks, job %s, ClusterD %s, pause %s, Store on port %d",
-                    plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode, leader.port)
+        logger.info("hosting the job's leader (%s): %d ranks, job %s, ClusterD %s, pause %s, %s Store on port %d",
+                    plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode,
+                    "a MindSpore" if plan.framework == "mindspore" else "a torch", leader.port)
     else:
         logger.info("passing through (%s): the leader's Store is %s", plan.why, env["NICSWITCH_STORE_ADDRESS"])
     if FRESH_RDZV_STORE in env:
