@@ -10,11 +10,14 @@ real msrun run is in tests/test_ms_multiprocess.py).
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from collections.abc import Iterator
 
 import pytest
 
-from nicswitch_agent import AgentConfig, SwitchAgent
+from nicswitch_agent import AgentConfig, ConfigError, SwitchAgent
+from nicswitch_agent.coordination import topology
 from nicswitch_agent.sim import SimJob, Simulator
 
 JOB = "job-msrun-sched"
@@ -60,3 +63,35 @@ def test_msrun_scheduler_env_gives_no_rank() -> None:
         assert (cfg.rank, cfg.world_size) == (None, None)
     worker = AgentConfig.from_env({**env, "MS_ROLE": "MS_WORKER", "RANK_ID": "2"})  # a worker's are its own
     assert (worker.rank, worker.world_size) == (2, 4)
+
+
+# What msrun exports to a worker on one of several nodes started without --node_rank: no RANK_ID
+# until mindspore.communication.init() runs.
+WORKER_ENV = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "16", "MS_SCHED_HOST": "10.0.0.1", "MS_SCHED_PORT": "8118"}
+
+
+def test_an_msrun_worker_whose_rank_is_unknown_is_refused_not_made_rank_0(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every such process taking rank 0 would make the first rank of every node a leader."""
+    for name in ("RANK", "RANK_ID", "NICSWITCH_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in WORKER_ENV.items():
+        monkeypatch.setenv(name, value)
+    agent = SwitchAgent(server="127.0.0.1:1", job_id=JOB, dry_run=True)
+    with pytest.raises(ConfigError, match=r"RANK_ID not set.*mindspore\.communication\.init\(\)"):
+        agent.start()
+    assert agent.status()["state"] == "created"
+    monkeypatch.setenv("RANK_ID", "9")
+    assert topology.rank_and_world(SwitchAgent(server="127.0.0.1:1", job_id=JOB).config, leader_only=False) == (9, 16)
+
+
+def test_after_mindspores_init_its_rank_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fake ``mindspore.communication.management`` as init() leaves it (GlobalComm.INITED, get_rank)."""
+    for name in ("RANK", "RANK_ID", "NICSWITCH_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in WORKER_ENV.items():
+        monkeypatch.setenv(name, value)
+    management = types.ModuleType("mindspore.communication.management")
+    management.GlobalComm = types.SimpleNamespace(INITED=True)  # type: ignore[attr-defined]
+    management.get_rank = lambda: 11  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "mindspore.communication.management", management)
+    assert topology.rank_and_world(SwitchAgent(server="127.0.0.1:1", job_id=JOB).config, leader_only=False) == (11, 16)

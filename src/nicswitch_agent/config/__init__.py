@@ -164,7 +164,8 @@ class AgentConfig:
     """Ranks in the job (env WORLD_SIZE, or msrun's MS_WORKER_NUM; else torch.distributed's, else
     1). Lists naming a rank outside it are refused; above 1, every rank coordinates through a Store."""
     rank: int | None = None
-    """This process's global rank (env RANK, or msrun's RANK_ID; else torch.distributed's, else 0).
+    """This process's global rank (env RANK, or msrun's RANK_ID; else torch.distributed's, else
+    MindSpore's after its init(), else 0; an msrun worker of several ranks with none is refused).
     Rank 0 leads: it alone holds ClusterD's streams (ClusterD has one queue per job, read by
     competing subscribers)."""
     leader: str = "rank0"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import math
+import os
 import socket
 import sys
 import threading
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig, job_framework
+from nicswitch_agent.config.frameworks import in_msrun
 from nicswitch_agent.coordination import fd_budget, ms_store
 from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
@@ -36,7 +38,8 @@ from nicswitch_agent.errors import ConfigError
 
 
 def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
-    """(rank, world size): configured, else torch.distributed's, else a single rank."""
+    """(rank, world size): configured, else torch.distributed's, else MindSpore's (after its
+    ``init()``), else a single rank."""
     rank, world = cfg.rank, cfg.world_size
     if leader_only:
         if world is None:
@@ -46,11 +49,32 @@ def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
     if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
         rank = dist.get_rank() if rank is None else rank
         world = dist.get_world_size() if world is None else world
+    if rank is None:
+        rank = _mindspore_rank()
     world = world or 1
+    if rank is None and world > 1 and in_msrun(os.environ, cfg.framework):
+        # msrun on several nodes without --node_rank exports RANK_ID only from init() on: every
+        # process taking rank 0 would make every node's first rank a leader.
+        raise ConfigError(
+            f"this process's rank is unknown (world_size={world} from msrun, RANK_ID not set): msrun exports "
+            "RANK_ID only when it assigns ranks (one node, or --node_rank given). Create the agent after "
+            "mindspore.communication.init(), pass rank=, or set NICSWITCH_RANK", settings=("rank",))
     rank = rank or 0
     if rank >= world:
         raise ConfigError(f"rank={rank} is outside world_size={world}")
     return rank, world
+
+
+def _mindspore_rank() -> int | None:
+    """MindSpore's global rank once ``mindspore.communication.init()`` ran in this process; else None."""
+    management = sys.modules.get("mindspore.communication.management")
+    comm = getattr(management, "GlobalComm", None)
+    if management is None or not getattr(comm, "INITED", False):
+        return None
+    try:
+        return int(management.get_rank())
+    except Exception:  # initialised for another backend, or torn down: not ours to decide
+        return None
 
 
 def coordination_kv(cfg: AgentConfig, world_size: int, *, store: Any | None, leader_only: bool) -> KV:
