@@ -88,14 +88,19 @@ def test_each_request_is_a_new_epoch_and_parks_again() -> None:
             lot.release()
 
 
-def test_release_with_stop_reason_raises_training_stopped_in_the_training_thread() -> None:
+def test_release_with_stop_reason_raises_training_stopped_in_the_training_thread(
+        caplog: pytest.LogCaptureFixture) -> None:
     lot = ParkingLot()
-    with Trainer(lot) as trainer:
+    with caplog.at_level("INFO", logger="nicswitch_agent"), Trainer(lot) as trainer:
         assert lot.wait_parked(lot.request(), 10)
         lot.release(stop_reason="ClusterD chose exit")
         assert trainer.finished.wait(10)
     assert isinstance(trainer.error, TrainingStopped)
     assert "ClusterD chose exit" in str(trainer.error)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("training resumed" in m for m in said), said  # it does not resume: it stops
+    assert any(m.startswith("training leaves its parking spot") and "to stop: ClusterD chose exit" in m
+               for m in said), said
 
 
 def test_stop_while_not_parked_raises_at_the_next_step() -> None:

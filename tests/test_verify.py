@@ -354,6 +354,13 @@ def test_a_hook_that_runs_collectives_is_refused_in_pause_mode_external() -> Non
     agent(pause="external", verify_hook=Collective(), dry_run=True).start().stop()  # a dry run runs no hook
 
 
+def test_a_refusal_in_pause_mode_auto_says_why_auto_chose_external(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user who never wrote 'external' must see what made it so (MindIO's TTP_PORT here)."""
+    monkeypatch.setenv("TTP_PORT", "8000")
+    with pytest.raises(ConfigError, match=r"external because pause='auto' and TTP_PORT is set"):
+        agent(pause="auto", verify_hook=Collective()).start()
+
+
 def test_a_collective_checkpoint_guard_is_refused_in_pause_mode_external(tmp_path: Any) -> None:
     pytest.importorskip("torch")
     guard = TorchCheckpointGuard(tmp_path, state=dict, step=lambda: 1, use_dcp=True)
@@ -377,8 +384,11 @@ def test_with_a_verify_hook_the_budget_counts_verify_timeout_twice() -> None:
     refused = agent(verify_hook=Collective(), **settings)
     with pytest.raises(ConfigError) as info:
         refused.start()
-    assert str(info.value).startswith("with a verify hook, guard_timeout_s + switch_timeout_s + 2 x verify_timeout_s "
-                                      "+ reply_timeout_s = 900 s must stay below ClusterD's 900 s wait")
+    message = str(info.value)
+    assert message.startswith("with a verify hook, guard_timeout_s (500) + switch_timeout_s (120) + 2 x "
+                              "verify_timeout_s (110) + reply_timeout_s (60) = 900 s must stay below ClusterD's 900 s "
+                              "wait"), message
+    assert message.endswith("lower verify_timeout_s to below 110 s, or lower the others"), message
     assert refused.status()["state"] == "created"  # nothing was started
     agent(**settings).start().stop()  # no verify hook: no verify phase
     agent(verify_hook=Collective(), **{**settings, "verify_timeout_s": 109.5}).start().stop()  # 899 s

@@ -238,7 +238,11 @@ class ParkingLot:
                                    "it does not resume", parked_for * 1000, type(interrupted).__name__)
                     self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
                                            "interrupted": type(interrupted).__name__})
-            logger.info("training resumed after %.1f ms parked", parked_for * 1000)
+            if self._stop_reason is None:
+                logger.info("training resumed after %.1f ms parked", parked_for * 1000)
+            else:  # step() raises TrainingStopped next: it does not resume
+                logger.info("training leaves its parking spot after %.1f ms parked, to stop: %s", parked_for * 1000,
+                            self._stop_reason)
             self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
                                    "interrupted": None})
             self._raise_if_stopped()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nicswitch_agent.config import CLUSTERD_REPORT_TIMEOUT_S, AgentConfig
+from nicswitch_agent.config import CLUSTERD_REPORT_TIMEOUT_S, AgentConfig, resolve_pause_mode
 from nicswitch_agent.errors import ConfigError
 
 
@@ -43,7 +43,7 @@ def check_hooks_at_start(config: AgentConfig, pause_mode: str, hooks: dict[str, 
     if pause_mode == "external":
         for name, hook in hooks.items():
             if hook is not None and runs_collectives(hook):
-                raise ConfigError(_external_refusal(name, hook))
+                raise ConfigError(_external_refusal(name, hook, chosen=_why_external(config)))
     verify_hook = hooks.get("verify_hook")
     own = getattr(verify_hook, "timeout_s", None)
     if isinstance(own, (int, float)) and not isinstance(own, bool) and own >= config.verify_timeout_s:
@@ -60,15 +60,26 @@ def _check_verified_budget(config: AgentConfig) -> None:
     """The budget rule of AgentConfig, with the verify phase: it can run twice per switch."""
     budget = config.guard_timeout_s + config.switch_timeout_s + 2 * config.verify_timeout_s + config.reply_timeout_s
     if budget >= CLUSTERD_REPORT_TIMEOUT_S:
+        room = (CLUSTERD_REPORT_TIMEOUT_S - (budget - 2 * config.verify_timeout_s)) / 2
+        fix = (f"lower verify_timeout_s to below {room:g} s, or lower the others" if room > 0 else
+               "lower guard_timeout_s or switch_timeout_s: they alone leave verification no time")
         raise ConfigError(
-            f"with a verify hook, guard_timeout_s + switch_timeout_s + 2 x verify_timeout_s + reply_timeout_s = "
-            f"{budget:g} s must stay below ClusterD's {CLUSTERD_REPORT_TIMEOUT_S:g} s wait for the result (the hook's "
-            "warm-up before the switch and its verification after it may each take verify_timeout_s), or ClusterD "
-            "gives up first",
+            f"with a verify hook, guard_timeout_s ({config.guard_timeout_s:g}) + switch_timeout_s "
+            f"({config.switch_timeout_s:g}) + 2 x verify_timeout_s ({config.verify_timeout_s:g}) + reply_timeout_s "
+            f"({config.reply_timeout_s:g}) = {budget:g} s must stay below ClusterD's {CLUSTERD_REPORT_TIMEOUT_S:g} s "
+            "wait for the result (the hook's warm-up before the switch and its verification after it may each take "
+            f"verify_timeout_s), or ClusterD gives up first: {fix}",
             settings=("guard_timeout_s", "switch_timeout_s", "verify_timeout_s", "reply_timeout_s"))
 
 
-def _external_refusal(name: str, hook: Any) -> str:
+def _why_external(config: AgentConfig) -> str:
+    """Why the pause mode is external, when the user did not say so (pause auto saw MindIO/TaskD)."""
+    if config.pause != "auto":
+        return ""
+    return f" (pause mode external because pause='auto' and {resolve_pause_mode('auto')[1]})"
+
+
+def _external_refusal(name: str, hook: Any, *, chosen: str = "") -> str:
     kind = type(hook).__name__
     fixes = ["pause='agent' (NICSWITCH_PAUSE=agent: the agent parks training and runs the hook on the "
              "training thread)"]
@@ -76,7 +87,7 @@ def _external_refusal(name: str, hook: Any) -> str:
         fixes.append(f"{kind}(..., use_dcp=False) (each rank saves its own state with torch.save, no collective)")
     else:
         fixes.append(f"leave {name} out in pause mode external")
-    return (f"{name}={kind}(...) runs collectives, and in pause mode external the agent runs hooks on a "
+    return (f"{name}={kind}(...) runs collectives, and in pause mode external{chosen} the agent runs hooks on a "
             "thread of its own while the training thread may be inside its own collective: the two meet on "
             "one communicator and wait for each other for ever. Fix: " + ", or ".join(fixes))
 

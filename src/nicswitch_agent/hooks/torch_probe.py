@@ -27,6 +27,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import logging
+import re
 import threading
 import time
 from collections.abc import Sequence
@@ -145,8 +146,8 @@ class TorchLinkProbe:
                 raise ProbeFailed(f"warm-up before the switch: {detail}")
             with self._lock:
                 self._sizes[index], self._before[index] = size, latency
-            logger.info("link probe: group %s (%d ranks) warmed up in %.2f ms", self.names[index], size,
-                        latency * 1000)
+            logger.info("rank %s: link probe: group %s (%d ranks) warmed up in %.2f ms", _global_rank(),
+                        self.names[index], size, latency * 1000)
 
     def prepare(self, order: SwitchOrder) -> bool:
         """Called by the agent right before the switch hook, on the same thread: warm up the groups
@@ -187,7 +188,7 @@ class TorchLinkProbe:
             self._last = report
         if failed is not None:
             raise ProbeFailed(f"group {failed.group}: {failed.detail}")
-        logger.info("link probe after switch #%d: %s", order.seq, ", ".join(
+        logger.info("rank %s: link probe after switch #%d: %s", _global_rank(), order.seq, ", ".join(
             f"{g.group} {g.after_s * 1000:.2f} ms (before {g.before_s * 1000:.2f} ms)" for g in results
             if g.after_s is not None and g.before_s is not None))
         return True
@@ -202,7 +203,8 @@ class TorchLinkProbe:
             dist.get_rank(group)  # raises for a group this rank is not (or no longer) a member of
             return int(dist.get_world_size(group))
         except (ValueError, RuntimeError) as exc:
-            raise ProbeFailed(f"group {self.names[index]} is not usable on this rank: {exc}") from exc
+            name = self.names[index]
+            raise ProbeFailed(f"group {name} is not usable on this rank: {_plain(exc, name)}") from exc
 
     def _run(self, index: int, size: int, deadline: float) -> tuple[float | None, str]:
         """(latency, "ok") when the op completed with the right sum; (None, why) otherwise."""
@@ -225,7 +227,8 @@ class TorchLinkProbe:
             if took >= left * 0.95 or "timed out" in str(exc).lower():
                 return None, (f"all_reduce on group {name} did not complete within {left:.3g} s; the communicator "
                               "may be unusable (the op is still pending: its next collective may hang or fail)")
-            return None, f"all_reduce on group {name} failed after {took * 1000:.1f} ms: {type(exc).__name__}: {exc}"
+            return None, (f"all_reduce on group {name} failed after {took * 1000:.1f} ms: {type(exc).__name__}: "
+                          f"{_plain(exc, name)}")
         took = time.monotonic() - started
         if total != size:
             return None, (f"all_reduce on group {name} summed to {total:g}, expected {size} (one per rank): some "
@@ -242,6 +245,22 @@ class TorchLinkProbe:
             return "cpu"
         module = getattr(importlib.import_module("torch"), kind, None)  # torch.cuda, or torch.npu (torch_npu)
         return f"{kind}:{module.current_device()}" if module is not None else kind
+
+
+def _plain(exc: BaseException, name: str) -> str:
+    """torch's message with a group's object repr (``<...ProcessGroup object at 0x7f...>``) replaced
+    by the group's name: an address tells an operator nothing, and differs on every rank."""
+    return _OBJECT_REPR.sub(f"'{name}'", str(exc))
+
+
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _global_rank() -> str:
+    """This process's global rank for log lines (every rank logs the same words)."""
+    import torch.distributed as dist
+
+    return str(dist.get_rank()) if dist.is_available() and dist.is_initialized() else "?"
 
 
 __all__ = ["GroupProbe", "ProbeFailed", "ProbeReport", "TorchLinkProbe"]
