@@ -8,7 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nicswitch_agent.coordination import KV, InProcessStore
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.kv import done_key
 from nicswitch_agent.errors import InvalidOrder
 from nicswitch_agent.orders import SwitchOrder
 
@@ -51,3 +53,40 @@ def test_corrupt_rank_bytes_are_refused() -> None:
     bad["ranks"] = "AAA"  # not base64 of whole uint32s
     with pytest.raises(ValueError):
         p.decode_order(json.dumps(bad))
+
+
+class CountingStore(InProcessStore):
+    """An in-process Store that records each request (name, keys) as a client would send it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[tuple[str, tuple[str, ...]]] = []
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.requests.append(("set", (key,)))
+        super().set(key, value)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.requests.append(("multi_set", tuple(keys)))
+        super().multi_set(keys, values)
+
+    def add(self, key: str, value: int) -> int:
+        self.requests.append(("add", (key,)))
+        return super().add(key, value)
+
+
+@pytest.mark.parametrize(("expected", "ok"), [(2, True), (5, False)])
+def test_the_deciding_answer_is_two_requests_its_result_before_its_done_key(expected: int, ok: bool) -> None:
+    """The answer that completes the count (or a failure, which decides at once) is on the order's
+    critical path: its result and the done key go in one request, the result first."""
+    store = CountingStore()
+    kv = KV(store, "t")
+    p.publish_result(kv, 1, "1.1.switch", p.MemberResult(0, True, "ok"), expected)  # not deciding
+    store.requests.clear()
+    index = p.publish_result(kv, 1, "1.1.switch", p.MemberResult(1, ok, "ok" if ok else "no"), expected)
+    counter = p.result_counter_key(1, "1.1.switch")
+    assert index == 2
+    assert store.requests == [("add", (f"t/{counter}",)),
+                              ("multi_set", (f"t/{p.result_key(1, '1.1.switch', 2)}", f"t/{done_key(counter)}"))]
+    results = list(p.arriving_results(kv, 1, "1.1.switch", expected, float("inf")))
+    assert [r.rank for r in results] == [0, 1]
