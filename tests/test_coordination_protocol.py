@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nicswitch_agent.coordination import KV, InProcessStore
+from nicswitch_agent.coordination import KV, Coordinator, InProcessStore
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import done_key
 from nicswitch_agent.errors import InvalidOrder
@@ -90,3 +90,14 @@ def test_the_deciding_answer_is_two_requests_its_result_before_its_done_key(expe
                               ("multi_set", (f"t/{p.result_key(1, '1.1.switch', 2)}", f"t/{done_key(counter)}"))]
     results = list(p.arriving_results(kv, 1, "1.1.switch", expected, float("inf")))
     assert [r.rank for r in results] == [0, 1]
+
+
+def test_an_event_is_one_request_every_queue_key_then_the_head() -> None:
+    """Every event the leader (or a relay, the same way) publishes is on its phase's critical path."""
+    store = CountingStore()
+    leader = Coordinator(KV(store, "t"), 3)
+    store.requests.clear()
+    leader.release(stop_reason="ClusterD chose exit")
+    queue = tuple(f"t/{p.queue_key(rank, 1)}" for rank in range(3))
+    assert store.requests == [("multi_set", (*queue, f"t/{p.QUEUE_HEAD}"))]
+    assert KV(store, "t").get(p.QUEUE_HEAD) == "1"

@@ -116,8 +116,9 @@ class Coordinator:
     def _publish(self, message: dict[str, object]) -> None:
         self._n += 1
         text = self._event(message)
-        self.kv.set_many([p.queue_key(rank, self._n) for rank in range(self.world_size)], [text] * self.world_size)
-        self.kv.set(p.QUEUE_HEAD, str(self._n))
+        # Every answerer's queue key, then the head, in one request (multi_set sets them in order).
+        self.kv.set_many([*(p.queue_key(rank, self._n) for rank in range(self.world_size)), p.QUEUE_HEAD],
+                         [text] * self.world_size + [str(self._n)])
 
     def _event(self, message: dict[str, object]) -> str:
         """An event as it is written: with "at", this leader's wall clock as it publishes (members

@@ -219,8 +219,8 @@ class NodeRelay:
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
-        self.local.set_many([p.queue_key(slot, self._local_n) for slot in range(self.size)], [text] * self.size)
-        self.local.set(p.QUEUE_HEAD, str(self._local_n))
+        self.local.set_many([*(p.queue_key(slot, self._local_n) for slot in range(self.size)), p.QUEUE_HEAD],
+                            [text] * self.size + [str(self._local_n)])  # one request, the head last
 
     def _answer_pause(self, epoch: int, timeout_s: float, above: int | None) -> None:
         keys = [p.c_key(epoch, slot) for slot in range(self.size)]
