@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import support
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nicswitch_agent.coordination import KV, Coordinator, InProcessStore
+from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import done_key
+from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.errors import InvalidOrder
 from nicswitch_agent.orders import SwitchOrder
 
@@ -101,3 +103,25 @@ def test_an_event_is_one_request_every_queue_key_then_the_head() -> None:
     queue = tuple(f"t/{p.queue_key(rank, 1)}" for rank in range(3))
     assert store.requests == [("multi_set", (*queue, f"t/{p.QUEUE_HEAD}"))]
     assert KV(store, "t").get(p.QUEUE_HEAD) == "1"
+
+
+def test_a_member_answers_an_event_before_it_deletes_it() -> None:
+    """The delete of a read queue key is a round trip: after the answer, off the phase's critical path."""
+
+    class Recording(CountingStore):
+        def delete_key(self, key: str) -> bool:
+            self.requests.append(("delete_key", (key,)))
+            return super().delete_key(key)
+
+    store = Recording()
+    kv = KV(store, "t")
+    member = Member(kv, 0, ParkingLot(), MemberHooks(switch_hook=None, checkpoint_hook=None, guard_timeout_s=5,
+                                                     switch_timeout_s=5, dry_run=False), lambda: 7)
+    member.start()
+    try:
+        kv.set(p.queue_key(0, 1), p.encode({"t": p.PAUSE, "e": 1, "timeout": 30, "n": 1}))
+        assert support.wait_until(lambda: ("delete_key", (f"t/{p.queue_key(0, 1)}",)) in store.requests, 10)
+    finally:
+        member.stop()
+    names = [request for request in store.requests if request[0] in ("add", "delete_key")]
+    assert names[:2] == [("add", (f"t/{p.c_counter_key(1)}",)), ("delete_key", (f"t/{p.queue_key(0, 1)}",))]

@@ -188,26 +188,33 @@ class Member:
                                      self._max_parked_s)
                         self.lot.release()
                     continue
-                kv.delete([key])
             except RuntimeError as exc:  # DistNetworkError and friends: the Store is gone
                 self._coordination_lost(f"{type(exc).__name__}: {exc}")
                 return
             self._next += 1
             try:
-                message = p.decode(text)
-            except ValueError as exc:
-                logger.error("rank %d: ignoring a malformed coordination message: %s", self.rank, exc)
-                continue
-            if message["t"] == p.WAKE:
-                continue
-            try:
-                self._handle(message)
+                self._take(text)
+                kv.delete([key])  # once answered: the delete is off the phase's critical path
             except RuntimeError as exc:
                 self._coordination_lost(f"{type(exc).__name__}: {exc}")
                 return
-            except Exception:
-                logger.exception("rank %d: handling %s failed", self.rank, message.get("t"))
-            self.events_handled += 1
+
+    def _take(self, text: str) -> None:
+        """Handle one event read from the queue (a wake or a malformed one: nothing to do)."""
+        try:
+            message = p.decode(text)
+        except ValueError as exc:
+            logger.error("rank %d: ignoring a malformed coordination message: %s", self.rank, exc)
+            return
+        if message["t"] == p.WAKE:
+            return
+        try:
+            self._handle(message)
+        except RuntimeError:
+            raise
+        except Exception:
+            logger.exception("rank %d: handling %s failed", self.rank, message.get("t"))
+        self.events_handled += 1
 
     def _coordination_lost(self, why: str) -> None:
         self.lost = why

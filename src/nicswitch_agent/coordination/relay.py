@@ -142,19 +142,18 @@ class NodeRelay:
                     self.job.delete([key])
                     logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
                     continue
-                # Training must stop: the key (what the leader waits on before its process may end,
-                # and the Store with it) goes only once the slots have taken the stop from us.
-                last_word = message["t"] == p.RELEASE and message.get("stop") is not None
-                if not last_word:
-                    self.job.delete([key])
                 if message["t"] == p.WAKE:
+                    self.job.delete([key])
                     continue
                 self._relay(message, text)
                 self.events_relayed += 1
-                if last_word:
+                # The key goes once the event is relayed and answered (off the phase's critical
+                # path). Training must stop: the key (what the leader waits on before its process
+                # may end, and the Store with it) goes only once the slots have taken the stop.
+                if message["t"] == p.RELEASE and message.get("stop") is not None:
                     taken = [p.queue_key(slot, self._local_n) for slot in range(self.size)]
                     self.local.poll_gone(taken, time.monotonic() + self._stop_timeout_s, self._stop)
-                    self.job.delete([key])
+                self.job.delete([key])
         except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
             self.lost = f"{type(exc).__name__}: {exc}"
             if not self._stop.is_set():
