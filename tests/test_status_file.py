@@ -366,3 +366,21 @@ def test_training_parked_far_past_any_switch_budget_is_stuck(tmp_path: Path) -> 
     clock[0] = 2802.0
     assert writer.write_now()
     assert read_status(path, now=2803.0).exit_code is ExitCode.OK
+
+
+@pytest.mark.parametrize(("last", "line"), [
+    ({"seq": 2, "result": True, "reason": "switched on every rank", "reply": "delivered", "reply_attempts": 1},
+     "last switch #2: replied true (switched on every rank), reply delivered after 1 attempt(s)"),
+    ({"seq": 3, "result": True, "reason": "switched on every rank", "reply": "dropped", "reply_attempts": 0,
+      "error": "ClusterD reset the job since the list arrived; a reply now would answer its next switch"},
+     "last switch #3: ok (switched on every rank), reply true NOT delivered (dropped: ClusterD reset the job since "
+     "the list arrived; a reply now would answer its next switch)"),
+    ({"seq": 4, "result": False, "reason": "rank 1: switch hook returned False", "reply": "uncertain",
+      "reply_attempts": 2, "error": "DEADLINE_EXCEEDED"},
+     "last switch #4: failed (rank 1: switch hook returned False), reply false NOT delivered (uncertain after 2 "
+     "attempt(s): DEADLINE_EXCEEDED)"),
+])
+def test_last_switch_says_whether_its_reply_reached_clusterd(tmp_path: Path, last: dict[str, Any], line: str) -> None:
+    path = tmp_path / "s.json"
+    assert StatusFileWriter(path, lambda: {"state": "running", "last_switch": last}, clock=lambda: 1000.0).write_now()
+    assert f"\n{line}\n" in format_summary(read_status(path, now=1001.0))

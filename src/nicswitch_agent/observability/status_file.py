@@ -503,8 +503,15 @@ def _last_switch(last: Any, written_at: float | None) -> str:
     if not isinstance(last, dict):
         return "none yet"
     result = "true" if last.get("result") else "false"
-    parts = [f"#{last.get('seq')}: replied {result} ({last.get('reason') or 'no reason'})",
-             f"reply {last.get('reply')} after {last.get('reply_attempts')} attempt(s)"]
+    reason = last.get("reason") or "no reason"
+    if last.get("reply") == "delivered":
+        parts = [f"#{last.get('seq')}: replied {result} ({reason})",
+                 f"reply delivered after {last.get('reply_attempts')} attempt(s)"]
+    else:  # the switch ran (or was refused), but ClusterD did not get its answer: say so, and why
+        tries = f" after {last.get('reply_attempts')} attempt(s)" if last.get("reply_attempts") else ""
+        why = f": {last.get('error')}" if last.get("error") else ""
+        parts = [f"#{last.get('seq')}: {'ok' if last.get('result') else 'failed'} ({reason})",
+                 f"reply {result} NOT delivered ({last.get('reply')}{tries}{why})"]
     total = _number(last.get("total_s"))
     if total is not None:
         parts.append(f"{_duration(total)} from list to reply")
