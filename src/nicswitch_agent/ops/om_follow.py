@@ -183,7 +183,10 @@ class ResultStream:
                         return outcome(OutcomeKind.UNREACHABLE, rpc_code=code,
                                        detail=f"ClusterD unreachable for {now - lost_at[0]:.1f} s "
                                               f"(limit {max_unreachable_s:g} s): {last_problem}")
-                    raise RetryAfter(next(delays)) from exc
+                    delay = next(delays)
+                    if max_unreachable_s is not None:  # the last try falls on the limit, not up to 1 s past it
+                        delay = min(delay, max(0.0, lost_at[0] + max_unreachable_s - now))
+                    raise RetryAfter(delay) from exc
                 plain = explain_connect_failure(exc, settings_of(self._channel))
                 return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
             reached = True
