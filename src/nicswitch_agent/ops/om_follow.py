@@ -121,8 +121,7 @@ class ResultStream:
             """ClusterD answered this attempt: end an outage, telling the caller once."""
             nonlocal lost_at
             if lost_at is not None:
-                note(f"ClusterD answers again, after {time.monotonic() - lost_at[0]:.1f} s unreachable; "
-                     "still waiting for the result")
+                note(f"ClusterD answers again, after {time.monotonic() - lost_at[0]:.1f} s unreachable")
                 lost_at = None
 
         def outcome(kind: OutcomeKind, **kw: Any) -> Outcome:
