@@ -234,7 +234,7 @@ class StatusFileWriter:
             now = self._clock()
             # status() says whether training is parked, not since when; the PARKED event wakes us.
             parked = bool(status.get("parked"))
-            self._parked_since = (self._parked_since or now) if parked else None
+            self._parked_since = (now if self._parked_since is None else self._parked_since) if parked else None
             document = {
                 "format": FORMAT,
                 "written_at": now,
