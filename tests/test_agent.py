@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -14,6 +15,7 @@ from support import Events
 from nicswitch_agent import AgentStateError, ConfigError, SwitchAgent, SwitchOrder
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.observability import events as ev
+from nicswitch_agent.observability.status_file import StatusFileWriter, format_summary, read_status
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -452,7 +454,7 @@ def test_lists_beyond_max_pending_lists_are_answered_false_in_turn_and_not_kept(
     (Fail(grpc.StatusCode.UNAVAILABLE, "Socket closed"), True),
 ], ids=["clusterd-restarted", "network-blip"])
 def test_pause_mode_external_replies_unless_clusterd_forgot_the_job_meanwhile(
-        clusterd: ScriptedClusterD, make_agent: Any, failure: Fail, replied: bool) -> None:
+        clusterd: ScriptedClusterD, make_agent: Any, failure: Fail, replied: bool, tmp_path: Path) -> None:
     stream_failed = threading.Event()
     clusterd.script(Send(rank_list(["0"], [True])), End())
     clusterd.script(failure)  # the stream reopened after the list fails while the hook runs
@@ -469,3 +471,13 @@ def test_pause_mode_external_replies_unless_clusterd_forgot_the_job_meanwhile(
         (event,) = seen.wait(ev.REPLY_FAILED)
         assert event.detail["outcome"] == "dropped" and "does not know the job" in event.detail["error"]
         assert clusterd.replies == []
+        # `status` said "last switch none yet" next to "switches 1 ok; replies 1 failed": that switch, and why
+        # its reply was not sent.
+        last = agent.status()["last_switch"]
+        assert last["seq"] == 1 and last["result"] is True and last["reply"] == "dropped", last
+        assert StatusFileWriter(tmp_path / "status.json", agent.status).write_now()
+        (line,) = [ln for ln in format_summary(read_status(tmp_path / "status.json")).splitlines()
+                   if ln.startswith("last switch")]
+        assert line.startswith("last switch #1: ok (") and "reply true NOT delivered (dropped: ClusterD has " \
+            "restarted since the list arrived (it answered that it does not know the job); a reply now would " \
+            "answer its next switch)" in line, line

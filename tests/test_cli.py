@@ -105,3 +105,25 @@ def test_no_command_is_a_usage_error() -> None:
     result = run()
     assert result.returncode == 2
     assert "COMMAND" in result.stderr
+
+
+@pytest.mark.parametrize("argv", [("status", "--file", "{file}"), ("status", "--file", "{file}", "--json"),
+                                  ("version",)])
+def test_a_closed_pipe_ends_the_command_quietly(argv: tuple[str, ...], tmp_path: Path) -> None:
+    """``nicswitch-agent status | head -4`` ended in a BrokenPipeError traceback. The reader here is
+    gone before the command writes (the pipe's read end is closed first), so every write fails."""
+    from nicswitch_agent.observability.status_file import StatusFileWriter
+
+    path = tmp_path / "status.json"
+    status = {"state": "running", "role": "member", "rank": 3, "world_size": 4, "last_step": 7}
+    assert StatusFileWriter(path, lambda: status, interval_s=10.0, clock=lambda: 9e12).write_now()  # fresh
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "nicswitch_agent",
+                                 *(arg.format(file=path) for arg in argv)],
+                                stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=45, check=False)
+    finally:
+        os.close(write_end)
+    assert result.returncode == 141, result.stderr  # 128 + SIGPIPE, as a shell tool that met a closed pipe
+    assert result.stderr == ""

@@ -311,6 +311,56 @@ def test_switch_no_wait_suggests_a_watch_that_works_when_pasted(sim: Simulator) 
     assert job.switched == [(True,)]
 
 
+def test_switch_says_at_once_when_clusterd_dies_while_it_waits_and_gives_up_with_6() -> None:
+    """The tester's case: ``kill -9`` of ClusterD (a simulator process) while ``switch`` waits for the
+    result printed nothing for 16 min, then exit 7 (timed out). Now: one line at once, then exit 6
+    after ``--max-unreachable``, saying the switch may still run and how to check."""
+    sim = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "sim", "--port", "0", "--job", JOB,
+                            "--nodes", "node-0:0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=child_env(), cwd=ROOT)
+    entered, gate = threading.Event(), threading.Event()
+
+    def hook(order: SwitchOrder) -> bool:
+        entered.set()
+        return gate.wait(60)  # the switch runs inside ClusterD until the test lets it end
+
+    agent: SwitchAgent | None = None
+    switch: subprocess.Popen[str] | None = None
+    try:
+        line = Lines(sim.stdout).wait_for("listening on", 60)  # type: ignore[arg-type]
+        assert line is not None, "the simulator did not start"
+        address = line.rsplit(" ", 1)[1]
+        agent = SwitchAgent(server=address, job_id=JOB, switch_hook=hook, pause="agent").start()
+        with support.Trainer(agent):
+            assert support.wait_until(lambda: agent is not None and agent.status()["connected"], 60)
+            switch = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "switch", "--server", address,
+                                       "--job", JOB, "--node", "node-0", "--dev", "0", "--op", "standby",
+                                       "--max-unreachable", "2"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=child_env(),
+                                      cwd=ROOT)
+            out, err = Lines(switch.stdout), Lines(switch.stderr)  # type: ignore[arg-type]
+            assert out.wait_for("waiting for the result", 60), out.lines + err.rest(1)
+            assert entered.wait(60), "the switch did not reach the job"
+            sim.kill()  # SIGKILL: no goodbye on any stream
+            sim.wait(10)
+            lost = err.wait_for("ClusterD unreachable since ", 30)
+            assert lost is not None and lost.endswith("still waiting for the result, Ctrl-C to stop"), err.lines
+            assert switch.wait(60) == 6, out.rest() + err.rest()
+            rest = err.rest()
+            assert any(line.startswith("gave up after ") for line in rest), rest
+            assert any("the switch may still be running on ClusterD's side" in line for line in rest), rest
+            assert sum("ClusterD unreachable since" in line for line in rest) == 1, rest  # once, not per retry
+            gate.set()
+    finally:
+        gate.set()
+        for process in (switch, sim):
+            if process is not None and process.poll() is None:
+                process.kill()
+                process.wait(10)
+        if agent is not None:
+            agent.stop("test done")
+
+
 def test_follow_up_commands_carry_server_job_and_tls_flags() -> None:
     from nicswitch_agent.ops.om_cli import watch_command
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from soak import JOB, SubprocessBackend
-from support import Trainer, free_port, wait_until
+from support import Trainer, free_port, operator_switch, wait_until
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -139,6 +139,32 @@ def test_a_switch_leaves_the_verdict_ok(agents: list[SwitchAgent], tmp_path: Pat
         assert wait_until(lambda: agent.status()["stream"]["opens"] >= 2 and agent.status()["connected"], 10)
         code, text = status_command(status_file)
         assert code == ExitCode.OK, text
+
+
+def test_a_hook_stuck_past_its_timeout_is_not_ok(agents: list[SwitchAgent], tmp_path: Path) -> None:
+    """The tester's case: a rank whose switch hook runs on past its timeout answers every order false,
+    and its status said "verdict OK" (exit 0). Now: NOT OK, exit 6 (stuck)."""
+    status_file = tmp_path / "status.json"
+    release = threading.Event()
+    settings = SimSettings(report_timeout_s=20.0, keepalive_interval_s=0.5, fault_flush_s=0.01,
+                           force_release_s=0.01, schedule_wait_s=0.01, restart_wait_s=0.01, shuffle_nodes=False)
+    with Simulator(jobs=[SimJob(job_id=JOB, nodes={"node-0": ["0"]})], settings=settings, standin=True) as sim:
+        agent = SwitchAgent(server=sim.address, job_id=JOB, pause="external", switch_timeout_s=0.2,
+                            switch_hook=lambda order: release.wait(30), status_file=str(status_file),
+                            status_interval_s=0.2)
+        agents.append(agent.start())
+        try:
+            assert wait_until(lambda: agent.status()["connected"], 10), agent.status()
+            code, text = status_command(status_file)
+            assert code == ExitCode.OK, text  # the control
+            assert operator_switch(sim.address, JOB, ["0"], [True]).startswith("switch nic failed")
+            assert wait_until(lambda: agent.status()["stuck_hook"] and "stuck_hook\": \"" in status_file.read_text(),
+                              20), agent.status()
+            code, text = status_command(status_file)
+            assert code == ExitCode.STUCK == 6, text
+            assert "stuck hook  " in text and "verdict     NOT OK: " in text and "past its timeout" in text, text
+        finally:
+            release.set()
 
 
 # -- pause mode agent, nothing at the port ---------------------------------------------------------

@@ -41,6 +41,7 @@ from nicswitch_agent.ops.om_cli import (
     ExitCode,
     add_switch_arguments,
     add_watch_arguments,
+    exit_code_for,
     format_seconds,
     nic_groups_from_flags,
     normalize_server,
@@ -792,3 +793,42 @@ def test_e2e_busy_and_invalid_against_simulator(simulator: Any, capsys: pytest.C
     assert run_switch(bad, env={}) == ExitCode.INVALID  # parameters are checked before "busy"
     err = capsys.readouterr().err
     assert BUSY_INFO in err and "device:7 not exist in node:node-0" in err
+
+
+# --------------------------------------------------------------------------------------------
+# ClusterD lost while the result is awaited: one line each way, then a bounded wait
+# --------------------------------------------------------------------------------------------
+
+
+def test_follow_says_once_when_clusterd_is_lost_and_once_when_it_is_back(serve: Serve) -> None:
+    lost = ("abort", grpc.StatusCode.UNAVAILABLE, "Connection refused")
+    script = StreamScript(lost, lost, lost, ("msg", SWITCH_FINISH))
+    notes: list[str] = []
+    with OmClient(serve(SubscribeSwitchNicSignal=script)) as client:
+        outcome = client.follow(JOB, 30, server_seen=True, max_unreachable_s=30, on_note=notes.append)
+    assert outcome.kind is OutcomeKind.FINISHED and script.calls == 4
+    assert len(notes) == 2, notes  # not one per retry
+    assert re.fullmatch(r"ClusterD unreachable since \d\d:\d\d:\d\d: UNAVAILABLE: Connection refused; still "
+                        r"waiting for the result, Ctrl-C to stop", notes[0]), notes[0]
+    assert re.fullmatch(r"ClusterD answers again, after \d+\.\d s unreachable", notes[1]), notes[1]
+
+
+def test_follow_gives_up_on_a_clusterd_unreachable_for_max_unreachable(serve: Serve) -> None:
+    script = StreamScript(("abort", grpc.StatusCode.UNAVAILABLE, "Connection refused"))
+    with OmClient(serve(SubscribeSwitchNicSignal=script)) as client:
+        outcome = client.follow(JOB, 60, server_seen=True, max_unreachable_s=0.3)
+    assert outcome.kind is OutcomeKind.UNREACHABLE and outcome.rpc_code == "UNAVAILABLE"
+    assert "ClusterD unreachable for " in outcome.detail and "(limit 0.3 s): UNAVAILABLE: Connection refused" in \
+        outcome.detail
+    assert exit_code_for(outcome) is ExitCode.RPC_ERROR
+
+
+def test_cli_switch_clusterd_lost_while_waiting_exits_6(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:
+    script = StreamScript(("abort", grpc.StatusCode.UNAVAILABLE, "Connection refused"))
+    target = serve(SwitchNicTrack=TrackScript(), SubscribeSwitchNicSignal=script)
+    args = switch_args("--server", target, "--job", JOB, *GROUP, "--max-unreachable", "0.3")
+    assert run_switch(args, env={}) == ExitCode.RPC_ERROR
+    err = capsys.readouterr().err
+    assert err.count("ClusterD unreachable since ") == 1, err
+    assert "gave up after " in err and "the switch may still be running on ClusterD's side" in err
+    assert f"nicswitch-agent watch --server {target} --job {JOB} --count 1" in err

@@ -345,3 +345,42 @@ def test_status_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     write_fixed(tmp_path / "s.json", "running", written_at=9e12)
     assert cli.main(["status", "--file", str(tmp_path / "s.json"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["status"]["state"] == "running"
+
+
+def test_training_parked_far_past_any_switch_budget_is_stuck(tmp_path: Path) -> None:
+    path = tmp_path / "s.json"
+    status: dict[str, Any] = {"state": "running", "role": "member", "parked": True, "parked_step": 41}
+    clock = [1000.0]
+    writer = StatusFileWriter(path, lambda: status, interval_s=10.0, clock=lambda: clock[0])
+    assert writer.write_now()  # parked seen at 1000
+    clock[0] = 2801.0  # rewritten every interval: the file is fresh, training still parked
+    assert writer.write_now()
+    report = read_status(path, now=2802.0)
+    assert report.exit_code is ExitCode.STUCK
+    assert report.problem.startswith("training parked at step 41 for 30 min 2 s, more than 30 min"), report.problem
+    assert "training    PARKED at step 41 for 30 min 1 s\n" in format_summary(report)
+    assert read_status(path, now=2802.0, max_parked_s=3600.0).exit_code is ExitCode.OK
+    status["parked"] = False  # resumed: the next park is timed from its own start
+    assert writer.write_now()
+    status["parked"] = True
+    clock[0] = 2802.0
+    assert writer.write_now()
+    assert read_status(path, now=2803.0).exit_code is ExitCode.OK
+
+
+@pytest.mark.parametrize(("last", "line"), [
+    ({"seq": 2, "result": True, "reason": "switched on every rank", "reply": "delivered", "reply_attempts": 1},
+     "last switch #2: replied true (switched on every rank), reply delivered after 1 attempt(s)"),
+    ({"seq": 3, "result": True, "reason": "switched on every rank", "reply": "dropped", "reply_attempts": 0,
+      "error": "ClusterD reset the job since the list arrived; a reply now would answer its next switch"},
+     "last switch #3: ok (switched on every rank), reply true NOT delivered (dropped: ClusterD reset the job since "
+     "the list arrived; a reply now would answer its next switch)"),
+    ({"seq": 4, "result": False, "reason": "rank 1: switch hook returned False", "reply": "uncertain",
+      "reply_attempts": 2, "error": "DEADLINE_EXCEEDED"},
+     "last switch #4: failed (rank 1: switch hook returned False), reply false NOT delivered (uncertain after 2 "
+     "attempt(s): DEADLINE_EXCEEDED)"),
+])
+def test_last_switch_says_whether_its_reply_reached_clusterd(tmp_path: Path, last: dict[str, Any], line: str) -> None:
+    path = tmp_path / "s.json"
+    assert StatusFileWriter(path, lambda: {"state": "running", "last_switch": last}, clock=lambda: 1000.0).write_now()
+    assert f"\n{line}\n" in format_summary(read_status(path, now=1001.0))

@@ -211,25 +211,33 @@ class Executor:
         if forgotten:
             # ClusterD waits for no reply any more, and would keep this one and take it as the
             # result of its next switch.
-            self.count("replies_failed")
             why = f"{forgotten}; a reply now would answer its next switch"
+            with self._lock:
+                self._counters.replies_failed += 1
+                self._remember(owed, result, reason, "dropped", 0, why)
             logger.warning("switch #%d: reply %s not sent: %s", owed.seq, str(result).lower(), why)
             self._emit(ev.REPLY_FAILED, owed.seq, {"result": result, "reason": reason, "outcome": "dropped",
                                                    "attempts": 0, "duration_s": 0.0, "code": None, "sent_at": None,
                                                    "error": why})
             return None
         report = self._send(owed.job_id, result, total_timeout_s)
-        elapsed = None if owed.order is None else time.monotonic() - owed.order.received_at
+        from nicswitch_agent.clusterd.reply import ReplyOutcome
+
+        if report.delivered:
+            why = ""
+        elif report.outcome is ReplyOutcome.REJECTED:
+            why = f"ClusterD answered code {report.code}: {report.info}"
+        elif report.outcome is ReplyOutcome.UNCERTAIN:
+            why = f"{report.error}; it may have arrived, so it is not resent (a duplicate would be "\
+                  "taken as the next switch's result)"
+        else:
+            why = f"{report.error}; ClusterD never received it"
         with self._lock:
             if report.delivered:
                 self._counters.replies_delivered += 1
             else:
                 self._counters.replies_failed += 1
-            self._last_switch = {
-                "seq": owed.seq, "ranks": len(owed.order) if owed.order else 0, "result": result,
-                "reason": reason, "reply": report.outcome.value, "reply_attempts": report.attempts,
-                "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
-            }
+            self._remember(owed, result, reason, report.outcome.value, report.attempts, why or None)
         detail = {"result": result, "reason": reason, "outcome": report.outcome.value,
                   "attempts": report.attempts, "duration_s": report.duration_s, "code": report.code,
                   "sent_at": report.sent_at}
@@ -238,18 +246,19 @@ class Executor:
                         report.duration_s * 1000)
             self._emit(ev.REPLY_SENT, owed.seq, detail)
         else:
-            from nicswitch_agent.clusterd.reply import ReplyOutcome
-
-            if report.outcome is ReplyOutcome.REJECTED:
-                why = f"ClusterD answered code {report.code}: {report.info}"
-            elif report.outcome is ReplyOutcome.UNCERTAIN:
-                why = f"{report.error}; it may have arrived, so it is not resent (a duplicate would be "\
-                      "taken as the next switch's result)"
-            else:
-                why = f"{report.error}; ClusterD never received it"
             logger.error("switch #%d: reply %s not delivered: %s", owed.seq, str(result).lower(), why)
             self._emit(ev.REPLY_FAILED, owed.seq, {**detail, "error": why})
         return report
+
+    def _remember(self, owed: OwedReply, result: bool, reason: str, reply: str, attempts: int,
+                  error: str | None) -> None:
+        """The last switch for status(), its reply delivered or not (``error``: why not); under ``_lock``."""
+        elapsed = None if owed.order is None else time.monotonic() - owed.order.received_at
+        self._last_switch = {
+            "seq": owed.seq, "ranks": len(owed.order) if owed.order else 0, "result": result,
+            "reason": reason, "reply": reply, "reply_attempts": attempts, "error": error,
+            "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
+        }
 
     def settle(self, reason: str) -> None:
         """On stop: answer false for the list being executed and for every queued one, and wait

@@ -26,6 +26,9 @@ Exit codes of ``nicswitch-agent status``:
 5    a running leader that does not take part: its notify stream has not been established for
      longer than ``--max-disconnected``, or (pause mode ``agent``) another process-manage
      client fights it for the job's stream
+6    a running agent that cannot switch: a hook still runs past its timeout (every order
+     reaching the rank is answered false until it returns), or training has been parked for
+     longer than ``--max-parked`` (30 min: far past any switch's budget)
 ===  ========================================================================================
 
 A leader is briefly not connected after every switch (ClusterD ends the stream; it is reopened
@@ -61,6 +64,9 @@ DEFAULT_INTERVAL_S = 10.0
 RUNNING_STATES = frozenset({"starting", "running", "switching"})
 ENDED_STATES = frozenset({"stopped", "failed"})  # the agent wrote its last file: its age tells nothing
 DEFAULT_MAX_DISCONNECTED_S = 3.0
+#: Parked longer than this is no switch any more: ClusterD waits 15 min per phase, and the agent's
+#: own budgets for one switch (pause, guard, switch, verify, reply) add up to 13.5 min by default.
+DEFAULT_MAX_PARKED_S = 1800.0
 PER_PROCESS_FIELDS = ("{rank}", "{pid}")
 
 
@@ -73,6 +79,7 @@ class ExitCode(enum.IntEnum):
     STALE = 3
     NO_FILE = 4
     NOT_CONNECTED = 5
+    STUCK = 6
 
 
 def expand_path(template: str, *, rank: int, job_id: str, role: str | None = "leader") -> str | None:
@@ -149,6 +156,7 @@ class StatusFileWriter:
         self._last: dict[str, Any] | None = None
         self._last_error = ""
         self._host = socket.gethostname()
+        self._parked_since: float | None = None  # when a write first saw training parked (our clock)
 
     # -- listener ------------------------------------------------------------------------------
 
@@ -223,9 +231,14 @@ class StatusFileWriter:
             except Exception as exc:  # the agent's status() must not kill the writer
                 self._log_error(f"agent status failed: {exc!r}")
                 return False
+            now = self._clock()
+            # status() says whether training is parked, not since when; the PARKED event wakes us.
+            parked = bool(status.get("parked"))
+            self._parked_since = (now if self._parked_since is None else self._parked_since) if parked else None
             document = {
                 "format": FORMAT,
-                "written_at": self._clock(),
+                "written_at": now,
+                "parked_since": self._parked_since,
                 "pid": os.getpid(),
                 "host": self._host,
                 "interval_s": self.interval_s,
@@ -321,7 +334,8 @@ def default_max_age(interval_s: float) -> float:
 
 def read_status(path: str | os.PathLike[str], *, now: float | None = None,
                 max_age_s: float | None = None,
-                max_disconnected_s: float = DEFAULT_MAX_DISCONNECTED_S) -> StatusReport:
+                max_disconnected_s: float = DEFAULT_MAX_DISCONNECTED_S,
+                max_parked_s: float = DEFAULT_MAX_PARKED_S) -> StatusReport:
     """Read and judge a status file.
 
     Args:
@@ -330,6 +344,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
         max_age_s: Stale threshold; default :func:`default_max_age` of the interval in the file.
         max_disconnected_s: A running leader whose notify stream has not been established for
             longer than this (counted up to now, not to the write) is judged NOT_CONNECTED.
+        max_parked_s: A running agent whose training has been parked longer than this (counted up
+            to now) is judged STUCK, as is one with a hook stuck past its timeout.
     """
     name = os.fspath(path)
     try:
@@ -352,7 +368,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
     written_at = _number(document.get("written_at"))
     interval = _number(document.get("interval_s")) or DEFAULT_INTERVAL_S
     limit = default_max_age(interval) if max_age_s is None else max_age_s
-    age = None if written_at is None else (time.time() if now is None else now) - written_at
+    now = time.time() if now is None else now
+    age = None if written_at is None else now - written_at
     state = str(document["status"].get("state"))
     if state in ENDED_STATES:
         # A stopped or failed agent writes its file one last time and never again: that old write is
@@ -369,6 +386,9 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
     problem = _not_taking_part(document["status"], age, max_disconnected_s)
     if problem:
         return StatusReport(name, ExitCode.NOT_CONNECTED, problem, document, age, limit)
+    problem = _cannot_switch(document, now, max_parked_s)
+    if problem:
+        return StatusReport(name, ExitCode.STUCK, problem, document, age, limit)
     return StatusReport(name, ExitCode.OK, "", document, age, limit)
 
 
@@ -398,6 +418,19 @@ def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: flo
         return ""
     error = status.get("last_error") or "no error seen: the stream waits for a connection or for ClusterD"
     return f"not connected to ClusterD for {_duration(total)} (more than {_duration(max_disconnected_s)}): {error}"
+
+
+def _cannot_switch(document: dict[str, Any], now: float, max_parked_s: float) -> str:
+    """Why a running agent cannot take part in a switch now ("" when it can)."""
+    status = document["status"]
+    if status.get("stuck_hook"):
+        return (f"{status.get('stuck_hook')} is still running past its timeout: every order reaching this rank is "
+                "answered false until it returns (the rank's log names the hook and its timeout)")
+    since = _number(document.get("parked_since"))
+    if status.get("parked") and since is not None and now - since > max_parked_s:
+        return (f"training parked at step {status.get('parked_step')} for {_duration(now - since)}, more than "
+                f"{_duration(max_parked_s)}: far past any switch's budget (see the leader's log)")
+    return ""
 
 
 def format_summary(report: StatusReport) -> str:
@@ -437,7 +470,10 @@ def format_summary(report: StatusReport) -> str:
         if isinstance(conflict, dict):
             lines.append(f"conflict    {conflict.get('action')}: {conflict.get('detail')}")
     if s.get("parked"):
-        lines.append(f"training    PARKED at step {s.get('parked_step')}")
+        since = _number(doc.get("parked_since"))
+        written = _number(doc.get("written_at"))
+        held = "" if since is None or written is None else f" for {_duration(max(0.0, written - since))}"
+        lines.append(f"training    PARKED at step {s.get('parked_step')}{held}")
     elif s.get("last_step") is not None:
         lines.append(f"training    last step {s.get('last_step')}")
     lines.append(f"last switch {_last_switch(s.get('last_switch'), _number(doc.get('written_at')))}")
@@ -467,8 +503,15 @@ def _last_switch(last: Any, written_at: float | None) -> str:
     if not isinstance(last, dict):
         return "none yet"
     result = "true" if last.get("result") else "false"
-    parts = [f"#{last.get('seq')}: replied {result} ({last.get('reason') or 'no reason'})",
-             f"reply {last.get('reply')} after {last.get('reply_attempts')} attempt(s)"]
+    reason = last.get("reason") or "no reason"
+    if last.get("reply") == "delivered":
+        parts = [f"#{last.get('seq')}: replied {result} ({reason})",
+                 f"reply delivered after {last.get('reply_attempts')} attempt(s)"]
+    else:  # the switch ran (or was refused), but ClusterD did not get its answer: say so, and why
+        tries = f" after {last.get('reply_attempts')} attempt(s)" if last.get("reply_attempts") else ""
+        why = f": {last.get('error')}" if last.get("error") else ""
+        parts = [f"#{last.get('seq')}: {'ok' if last.get('result') else 'failed'} ({reason})",
+                 f"reply {result} NOT delivered ({last.get('reply')}{tries}{why})"]
     total = _number(last.get("total_s"))
     if total is not None:
         parts.append(f"{_duration(total)} from list to reply")
@@ -577,10 +620,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
                         help="call a running leader not connected past this many seconds (default: "
                              f"{DEFAULT_MAX_DISCONNECTED_S:g}; it is briefly not connected after every switch)")
+    parser.add_argument("--max-parked", type=_positive_seconds, default=DEFAULT_MAX_PARKED_S, metavar="S",
+                        help="call an agent stuck when its training has been parked this long, seconds (default: "
+                             f"{DEFAULT_MAX_PARKED_S:g}, far past any switch's budget)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     if parser.epilog is None:
         parser.epilog = ("exit codes: 0 running, 1 not running, 2 usage, 3 stale file, 4 no readable file, "
-                         "5 a leader not connected to ClusterD")
+                         "5 a leader not connected to ClusterD, 6 stuck (a hook past its timeout, or training "
+                         "parked past --max-parked)")
 
 
 def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
@@ -610,7 +657,8 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
         matches = sorted(glob.glob(path), key=_mtime, reverse=True)
         path = matches[0] if matches else path.replace("*", "{pid}")
     report = read_status(path, max_age_s=args.max_age,
-                         max_disconnected_s=getattr(args, "max_disconnected", DEFAULT_MAX_DISCONNECTED_S))
+                         max_disconnected_s=getattr(args, "max_disconnected", DEFAULT_MAX_DISCONNECTED_S),
+                         max_parked_s=getattr(args, "max_parked", DEFAULT_MAX_PARKED_S))
     if args.json:
         print(json.dumps(report.to_json(), sort_keys=True, default=str))
     else:
@@ -621,6 +669,7 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "DEFAULT_MAX_DISCONNECTED_S",
+    "DEFAULT_MAX_PARKED_S",
     "STATUS_FILE_ENV",
     "ExitCode",
     "StatusFileWriter",

@@ -12,6 +12,9 @@ Subcommands:
   timeline draw a job's switches from its events files (one HTML page, no network needed)
   version print the version (also ``--version``)
 
+Every command ends with 130 on Ctrl-C and with 141 (128 + SIGPIPE) when the reader of its output
+goes away (``| head``), without a traceback.
+
 ``-v/--verbose`` (DEBUG logging) is accepted before and after the command. The demo (and its
 simulator run) is imported only when it runs.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -168,9 +172,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     # included (hundreds of ms: grpc, the agent), ends the command with 130 and no traceback.
     # (Importing this module costs only the package's first lines: nicswitch_agent/__init__.py.)
     try:
-        return _main(argv)
+        code = _main(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe is then ours to handle, below
+        return code
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        return _reader_gone()
+
+
+def _reader_gone() -> int:
+    """Our reader went away (``nicswitch-agent status | head -4``): stop quietly with 141, as a
+    shell tool killed by SIGPIPE does (128 + 13), instead of a traceback. What is still buffered
+    for stdout goes to /dev/null, or Python's own flush at exit would complain again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing more to flush there
+        pass
+    return 128 + 13
 
 
 def _main(argv: Sequence[str] | None) -> int:

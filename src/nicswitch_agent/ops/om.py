@@ -37,6 +37,7 @@ import grpc
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, TlsSettings, open_channel, settings_of
 from nicswitch_agent.ops.om_follow import (
     DEFAULT_FOLLOW_TIMEOUT_S,
+    DEFAULT_MAX_UNREACHABLE_S,
     DEFAULT_WATCH_POLL_S,
     ResultStream,
     backoff_delays,
@@ -174,6 +175,8 @@ class OmClient:
         *,
         wait_for_start: bool = False,
         server_seen: bool = False,
+        max_unreachable_s: float | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> Outcome:
         """Wait for ClusterD's result for the switch of ``job_id``.
 
@@ -186,9 +189,15 @@ class OmClient:
             wait_for_start: retry "not switching"/"not registered" with backoff until the switch
                 starts (the ``watch`` command). Otherwise they end the follow at once.
             server_seen: the server already answered us (set after ``SwitchNicTrack``): lost
-                connections are then retried instead of reported as unreachable.
+                connections are then retried (paced: 0.1 s doubling to 1 s) instead of reported as
+                unreachable.
+            max_unreachable_s: once ClusterD was reached, give up with ``UNREACHABLE`` when it
+                has not answered for this long (None: retry until ``timeout_s``).
+            on_note: called once when ClusterD becomes unreachable during the wait, and once
+                when it answers again (a line for the operator, not once per retry).
         """
-        return self._stream.follow(job_id, timeout_s, wait_for_start=wait_for_start, server_seen=server_seen)
+        return self._stream.follow(job_id, timeout_s, wait_for_start=wait_for_start, server_seen=server_seen,
+                                   max_unreachable_s=max_unreachable_s, on_note=on_note)
 
     def watch(
         self,
@@ -245,6 +254,7 @@ __all__ = [
     "CODE_INVALID",
     "CODE_OK",
     "DEFAULT_FOLLOW_TIMEOUT_S",
+    "DEFAULT_MAX_UNREACHABLE_S",
     "DEFAULT_RPC_TIMEOUT_S",
     "DEFAULT_WATCH_POLL_S",
     "FAILURE_MESSAGES",

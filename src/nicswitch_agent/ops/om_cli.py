@@ -14,7 +14,7 @@ Exit codes (also in ``--help``):
 3    busy (411): another switch or a fault recovery is running for the job
 4    invalid request (413): ClusterD's reason is printed
 5    ClusterD answered another non-zero code
-6    ClusterD unreachable, or another gRPC error
+6    ClusterD unreachable (also: for ``--max-unreachable`` while waiting), or another gRPC error
 7    timed out waiting for the result
 8    no result: the result stream ended without a message, or ClusterD is not switching the job
 130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD
@@ -45,6 +45,7 @@ from typing import Any
 from nicswitch_agent.config import parse_server, server_from_mindcluster, tls_from_env
 from nicswitch_agent.ops.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
+    DEFAULT_MAX_UNREACHABLE_S,
     DEFAULT_RPC_TIMEOUT_S,
     DEFAULT_WATCH_POLL_S,
     NicOps,
@@ -85,6 +86,7 @@ _OUTCOME_EXIT: dict[OutcomeKind, ExitCode] = {
     OutcomeKind.NOT_REGISTERED: ExitCode.NO_RESULT,
     OutcomeKind.TIMED_OUT: ExitCode.TIMED_OUT,
     OutcomeKind.RPC_ERROR: ExitCode.RPC_ERROR,
+    OutcomeKind.UNREACHABLE: ExitCode.RPC_ERROR,
     OutcomeKind.CANCELLED: ExitCode.INTERRUPTED,
 }
 
@@ -104,7 +106,7 @@ _EXIT_LINES = {
     ExitCode.BUSY: "3    busy (411): another switch or a fault recovery is running for the job",
     ExitCode.INVALID: "4    invalid request (413): ClusterD's reason is printed",
     ExitCode.REJECTED: "5    ClusterD answered another non-zero code",
-    ExitCode.RPC_ERROR: "6    ClusterD unreachable, or another gRPC error",
+    ExitCode.RPC_ERROR: "6    ClusterD unreachable (while waiting: for --max-unreachable), or another gRPC error",
     ExitCode.TIMED_OUT: "7    timed out waiting for the result",
     ExitCode.NO_RESULT: "8    no result: the stream ended without a message, or the job is not switching",
     ExitCode.INTERRUPTED: "130  interrupted (Ctrl-C); an accepted switch goes on inside ClusterD",
@@ -276,6 +278,14 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_RPC_TIMEOUT_S,
         metavar="S",
         help="deadline of the SwitchNicTrack call, seconds (default: %(default)g)",
+    )
+    parser.add_argument(
+        "--max-unreachable",
+        type=positive_float,
+        default=DEFAULT_MAX_UNREACHABLE_S,
+        metavar="S",
+        help="while waiting for the result, give up (exit 6) when ClusterD has not answered for S seconds "
+        "(default: %(default)g); the switch may still run there",
     )
     parser.add_argument("--no-wait", action="store_true", help="exit once ClusterD accepts the request (exit code 0)")
     _adopt_help(parser, SWITCH_EPILOG)
@@ -456,6 +466,12 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
             report.say(f"the switch may still be running: {hint}", error=True)
     elif kind is OutcomeKind.RPC_ERROR:
         report.say(f"gRPC error after {took}: {outcome.detail}", error=True)
+    elif kind is OutcomeKind.UNREACHABLE:
+        report.say(f"gave up after {took}: {outcome.detail}", error=True)
+        report.say("the switch may still be running on ClusterD's side (ClusterD keeps no result). Once ClusterD "
+                   f"is back, `{hint}` prints its result if it still runs (it waits for one: Ctrl-C); the job's leader "
+                   "log ('switch #N: replied true|false ...') or `nicswitch-agent status` on the leader's pod says "
+                   "how it ended", error=True)
     elif kind is OutcomeKind.CANCELLED:
         report.say(f"stopped waiting after {took}", error=True)
     elif kind is OutcomeKind.NOT_REGISTERED:
@@ -526,7 +542,8 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             return report.done(ExitCode.OK, outcome="accepted", elapsed_s=round(accepted.rpc_s, 3))
         report.say(f"waiting for the result (up to {format_seconds(args.timeout)})...")
         try:
-            outcome = client.follow(job_id, args.timeout, server_seen=True)
+            outcome = client.follow(job_id, args.timeout, server_seen=True, max_unreachable_s=args.max_unreachable,
+                                    on_note=lambda text: report.say(text, error=True))
         except KeyboardInterrupt:
             report.say("interrupted; the switch goes on inside ClusterD", error=True)
             return report.done(ExitCode.INTERRUPTED, outcome=OutcomeKind.CANCELLED.value,

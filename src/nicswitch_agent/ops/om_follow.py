@@ -42,6 +42,10 @@ _LOG = logging.getLogger("nicswitch_agent.om")
 #: ClusterD waits 15 min per phase (``reportTimeoutMinutes``); we wait a minute longer so that
 #: ClusterD's own verdict, not our impatience, ends a slow switch.
 DEFAULT_FOLLOW_TIMEOUT_S = 16 * 60.0
+#: How long a follow waits for a ClusterD that answered and then became unreachable (refused
+#: connections, a dead server) before it gives up: the switch may still run there, but we cannot
+#: tell, and a minute is ample for a restart or a network blip.
+DEFAULT_MAX_UNREACHABLE_S = 60.0
 #: How often :meth:`OmClient.watch` asks again while no switch runs. ClusterD accepts the result
 #: stream only while a switch runs, and a switch with a quick job takes a few milliseconds (7-15 ms
 #: against the simulator with an agent answering: a 20 ms poll saw 2 of 10, 5 ms saw 10 of 10). A
@@ -91,10 +95,14 @@ class ResultStream:
         *,
         wait_for_start: bool = False,
         server_seen: bool = False,
+        max_unreachable_s: float | None = None,
+        on_note: Callable[[str], None] | None = None,
     ) -> Outcome:
         """Wait for the result of the switch of ``job_id`` (the contract: :meth:`OmClient.follow`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if max_unreachable_s is not None and max_unreachable_s <= 0:
+            raise ValueError(f"max_unreachable_s must be > 0, got {max_unreachable_s}")
         started = time.monotonic()
         deadline = started + timeout_s
         delays = backoff_delays()
@@ -102,6 +110,19 @@ class ResultStream:
         ended_empty = 0
         attempts = 0
         last_problem = ""
+        # Since when ClusterD, once reached, has not answered (monotonic, wall), while it does not.
+        lost_at: tuple[float, float] | None = None
+
+        def note(text: str) -> None:
+            if on_note is not None:
+                on_note(text)
+
+        def answered() -> None:
+            """ClusterD answered this attempt: end an outage, telling the caller once."""
+            nonlocal lost_at
+            if lost_at is not None:
+                note(f"ClusterD answers again, after {time.monotonic() - lost_at[0]:.1f} s unreachable")
+                lost_at = None
 
         def outcome(kind: OutcomeKind, **kw: Any) -> Outcome:
             return Outcome(kind, job_id, elapsed_s=time.monotonic() - started, attempts=attempts, **kw)
@@ -111,7 +132,7 @@ class ResultStream:
 
         def attempt() -> Outcome:
             """One stream: the outcome, or RetryAfter (the wait before asking again)."""
-            nonlocal reached, ended_empty, attempts, last_problem
+            nonlocal reached, ended_empty, attempts, last_problem, lost_at
             if self._closed.is_set():
                 return cancelled()
             remaining = deadline - time.monotonic()
@@ -130,6 +151,7 @@ class ResultStream:
                     return outcome(OutcomeKind.TIMED_OUT, detail=_timeout_detail(timeout_s, last_problem))
                 if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
                     reached = True
+                    answered()
                     if ended_empty:
                         return outcome(
                             OutcomeKind.NO_RESULT,
@@ -150,10 +172,24 @@ class ResultStream:
                     )
                 if kind is StreamError.TRANSIENT and reached:
                     last_problem = f"{code}: {details}"
-                    raise RetryAfter(next(delays)) from exc
+                    now = time.monotonic()
+                    if lost_at is None:
+                        lost_at = (now, time.time())
+                        since = time.strftime("%H:%M:%S", time.localtime(lost_at[1]))
+                        note(f"ClusterD unreachable since {since}: {last_problem}; still waiting for the result, "
+                             "Ctrl-C to stop")
+                    elif max_unreachable_s is not None and now - lost_at[0] >= max_unreachable_s:
+                        return outcome(OutcomeKind.UNREACHABLE, rpc_code=code,
+                                       detail=f"ClusterD unreachable for {now - lost_at[0]:.1f} s "
+                                              f"(limit {max_unreachable_s:g} s): {last_problem}")
+                    delay = next(delays)
+                    if max_unreachable_s is not None:  # the last try falls on the limit, not up to 1 s past it
+                        delay = min(delay, max(0.0, lost_at[0] + max_unreachable_s - now))
+                    raise RetryAfter(delay) from exc
                 plain = explain_connect_failure(exc, settings_of(self._channel))
                 return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
             reached = True
+            answered()
             if message is None:
                 if self._closed.is_set():
                     raise RetryAfter(0.0)
@@ -322,6 +358,7 @@ def _timeout_detail(timeout_s: float, last_problem: str) -> str:
 
 __all__ = [
     "DEFAULT_FOLLOW_TIMEOUT_S",
+    "DEFAULT_MAX_UNREACHABLE_S",
     "DEFAULT_WATCH_POLL_S",
     "ResultStream",
     "backoff_delays",

@@ -110,6 +110,7 @@ class OutcomeKind(str, enum.Enum):
     NOT_REGISTERED = "not_registered"  # UNKNOWN "... not registed"
     TIMED_OUT = "timed_out"  # our own follow deadline
     RPC_ERROR = "rpc_error"  # unreachable server or another gRPC error
+    UNREACHABLE = "unreachable"  # ClusterD answered, then stayed unreachable past the follow's limit
     CANCELLED = "cancelled"  # OmClient.close() from another thread
 
 
