@@ -125,3 +125,100 @@ def test_a_member_answers_an_event_before_it_deletes_it() -> None:
         member.stop()
     names = [request for request in store.requests if request[0] in ("add", "delete_key")]
     assert names[:2] == [("add", (f"t/{p.c_counter_key(1)}",)), ("delete_key", (f"t/{p.queue_key(0, 1)}",))]
+
+
+class _Rank:
+    """One rank for the outcome tests: a Member on ``store`` and a training thread that steps
+    while a pause is armed (pause mode agent), recording the member's events in order."""
+
+    def __init__(self, store: InProcessStore, switch_ok: bool) -> None:
+        import threading
+
+        self.events: list[str] = []
+        self.last: int | None = None
+        self._go = threading.Event()
+        self.lot = ParkingLot(on_armed=lambda armed: self._go.set() if armed else self._go.clear(),
+                              on_event=lambda kind, _detail: self.events.append(kind))
+        self.member = Member(KV(store, "t"), 0, self.lot, MemberHooks(
+            switch_hook=lambda order: switch_ok, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
+            dry_run=False), lambda: self.last, on_event=lambda kind, _detail: self.events.append(kind))
+        self._thread = threading.Thread(target=self._train, daemon=True)
+        self._thread.start()
+        self.member.start()
+
+    def _train(self) -> None:
+        step = 0
+        while True:
+            step += 1
+            self.last = step
+            self.lot.at_step_boundary(step)
+            self._go.wait()
+
+
+def _queued(store: InProcessStore) -> list[dict[str, object]]:
+    """The events in rank 0's queue that no member took (the leader's queue keys, in order)."""
+    keys = [k for k in list(store.keys()) if k.startswith("t/q/0/")]
+    return [p.decode(store.get(k).decode()) for k in sorted(keys, key=lambda k: int(k.rsplit("/", 1)[1]))]
+
+
+def test_a_successful_outcome_rides_on_the_release_that_follows_it() -> None:
+    """One event fewer per switch on every level: the ranks hear a success with the release (pause
+    mode agent: after ClusterD's word), before they resume; no outcome event of its own."""
+    store = InProcessStore()
+    rank = _Rank(store, switch_ok=True)
+    leader = Coordinator(KV(store, "t"), 1)
+    try:
+        assert leader.pause(30).ok
+        order = SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,))
+        assert leader.run(order, kind=p.KIND_SWITCH, budget_s=10).ok
+        assert support.wait_until(lambda: "member_result" in rank.events, 10)
+        assert "switch_outcome" not in rank.events  # not yet: it waits for the release
+        leader.release()
+        assert support.wait_until(lambda: "resumed" in rank.events, 10)
+        assert rank.events.index("switch_outcome") < rank.events.index("resumed")
+    finally:
+        rank.member.stop()
+
+
+def test_a_failed_outcome_is_told_at_once_on_its_own() -> None:
+    """After a failure the leader may wait for ClusterD's choice of strategy: the ranks hear it now."""
+    store = InProcessStore()
+    rank = _Rank(store, switch_ok=False)
+    leader = Coordinator(KV(store, "t"), 1)
+    try:
+        assert leader.pause(30).ok
+        order = SwitchOrder(seq=4, job_id="j", ranks=(0,), ops=(True,))
+        assert not leader.run(order, kind=p.KIND_SWITCH, budget_s=10).ok
+        assert support.wait_until(lambda: "switch_outcome" in rank.events, 10)  # before any release
+        assert "resumed" not in rank.events
+        leader.release()
+        assert support.wait_until(lambda: "resumed" in rank.events, 10)
+        assert rank.events.count("switch_outcome") == 1
+    finally:
+        rank.member.stop()
+
+
+def test_in_a_session_the_outcome_goes_with_its_release_and_a_failure_before_it() -> None:
+    """Pause mode external: every order is a session of its own, released at once."""
+    for ok, expected in ((True, [[p.ORDER], [p.RELEASE, p.OUTCOME]]),
+                         (False, [[p.ORDER], [p.OUTCOME], [p.RELEASE]])):
+        store = InProcessStore()
+        leader = Coordinator(KV(store, "t"), 1)
+
+        kv = KV(store, "t")
+
+        def answer(ok: bool = ok, kv: KV = kv) -> None:
+            event = p.decode(kv.get(p.queue_key(0, 1)))
+            p.publish_result(kv, int(event["e"]), str(event["key"]), p.MemberResult(0, ok, "scripted"), 1)
+
+        import threading
+
+        answering = threading.Thread(target=answer)
+        answering.start()
+        outcome = leader.run(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,)), kind=p.KIND_SWITCH,
+                             budget_s=5)
+        answering.join(10)
+        assert outcome.ok is ok
+        seen = [[e["t"], *([e[p.CARRIED_OUTCOME]["t"]] if p.CARRIED_OUTCOME in e else [])]  # type: ignore[index]
+                for e in _queued(store)]
+        assert seen == expected

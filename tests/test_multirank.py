@@ -280,8 +280,8 @@ def test_with_fan_out_the_jobs_store_sees_nodes_or_groups_not_ranks(sim: Simulat
             else:
                 assert [f.group_relay is not None for f in fan_outs] == [True, False, True, False]
                 assert [f.node_relay.node for f in fan_outs] == [0, 1, 0, 1]  # its index in its group
-                # order, outcome, release
-                assert all(f.group_relay.events_relayed >= 3 for f in fan_outs if f.group_relay)
+                # order and release (a success's outcome rides on the release)
+                assert all(f.group_relay.events_relayed >= 2 for f in fan_outs if f.group_relay)
     finally:
         job.close()
 

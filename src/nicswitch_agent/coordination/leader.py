@@ -81,6 +81,9 @@ class Coordinator:
         # Switch orders ask the ranks to wait on a go key for the verify round (see the module docstring).
         self.verify_expected = verify_expected
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
+        # A successful order's outcome, sent with the next event (normally the release right after
+        # it): one event fewer per switch on every level. A failure's is published at once.
+        self._outcome: dict[str, object] | None = None
         self._stop = stop or threading.Event()
         # A connection of its own, opened now (while the Store is surely up): wake() sets the key a
         # wait blocks on through it, and every cleanup clones it.
@@ -115,18 +118,21 @@ class Coordinator:
 
     def _publish(self, message: dict[str, object]) -> None:
         self._n += 1
-        text = self._event(message)
+        text = self._event(message, self._outcome)
+        self._outcome = None
         # Every answerer's queue key, then the head, in one request (multi_set sets them in order).
         self.kv.set_many([*(p.queue_key(rank, self._n) for rank in range(self.world_size)), p.QUEUE_HEAD],
                          [text] * self.world_size + [str(self._n)])
 
-    def _event(self, message: dict[str, object]) -> str:
+    def _event(self, message: dict[str, object], outcome: dict[str, object] | None = None) -> str:
         """An event as it is written: with "at", this leader's wall clock as it publishes (members
         put it in their events so that a timeline can line up ranks whose hosts' clocks differ:
-        observability/timeline), and "n", how many answer on this Store (the answer that completes
-        a phase wakes the waiter)."""
+        observability/timeline), "n", how many answer on this Store (the answer that completes
+        a phase wakes the waiter), and a pending outcome (``"oc"``: members take it first)."""
         if message["t"] in (p.PAUSE, p.TARGET, p.ORDER):
             message = {**message, "n": self.world_size}
+        if outcome is not None:
+            message = {**message, p.CARRIED_OUTCOME: outcome}
         return p.encode({**message, "at": time.time()})
 
     def _new_epoch(self) -> int:
@@ -299,12 +305,27 @@ class Coordinator:
             self._garbage.append(p.order_key(name))
 
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
-        """Let every member know the decision (members that are not the leader learn it only so)."""
+        """Let every member know the decision (members that are not the leader learn it only so).
+
+        A success rides on the next event (the release that follows it, at once in pause mode
+        external, after ClusterD's word in pause mode agent); a failure is published now: what
+        follows it may be a wait for ClusterD's choice of strategy."""
+        message: dict[str, object] = {"t": p.OUTCOME, "e": epoch, "key": name, "kind": kind, "seq": seq,
+                                      "ok": outcome.ok, "reason": outcome.reason[:512], "at": time.time()}
+        self._flush_outcome()
+        self._outcome = message
+        if not outcome.ok:
+            self._flush_outcome()
+
+    def _flush_outcome(self) -> None:
+        """Publish a pending outcome on its own (nothing else is about to carry it)."""
+        outcome, self._outcome = self._outcome, None
+        if outcome is None:
+            return
         try:
-            self._publish({"t": p.OUTCOME, "e": epoch, "key": name, "kind": kind, "seq": seq, "ok": outcome.ok,
-                           "reason": outcome.reason[:512]})
+            self._publish(outcome)
         except RuntimeError:  # the Store is gone: the members cannot hear it anyway
-            logger.debug("could not publish the outcome of %s", name, exc_info=True)
+            logger.debug("could not publish the outcome of %s", outcome.get("key"), exc_info=True)
 
     def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
         """Read the results as they arrive; the first failure decides at once."""
@@ -334,6 +355,7 @@ class Coordinator:
         """Let every rank go on (or stop, with ``stop_reason``)."""
         with self._lock:
             if not self._paused and stop_reason is None:
+                self._flush_outcome()
                 return
             self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
             self._paused = False

@@ -209,6 +209,9 @@ class Member:
         if message["t"] == p.WAKE:
             return
         try:
+            carried = message.get(p.CARRIED_OUTCOME)
+            if isinstance(carried, dict):  # a decision that rode on this event: it came first
+                self._handle(carried)
             self._handle(message)
         except RuntimeError:
             raise

@@ -18,7 +18,9 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
                                    succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                    (a switch order with "v": 1 says a verify round may follow: see go/)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
-                                "reason": text}   (the leader's decision on order K)
+                                "reason": text}   (the leader's decision on order K; a success
+                                   rides on the next event instead, as its "oc": members handle
+                                   it first. One event fewer per switch on every level)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
     o/<K>                      the order itself (written once, read by every member)
     e/<E>/go/<K>/<r>           after a switch order K with "v": 1, what follows it for r: the verify
@@ -82,6 +84,7 @@ if TYPE_CHECKING:
     from nicswitch_agent.coordination.kv import KV, Wake
 
 PAUSE, TARGET, ORDER, OUTCOME, RELEASE, WAKE = "pause", "target", "order", "outcome", "release", "wake"
+CARRIED_OUTCOME = "oc"  # an outcome event carried by the next event (leader.py _tell_outcome)
 KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 # The second round of a switch, once the switch hook succeeded on every rank: an order event of its
 # own (its own result keys), so relays forward and aggregate it as they do any order.

@@ -119,7 +119,10 @@ class LinkMap:
                 if isinstance(rank, int) and link in (PRIMARY, STANDBY):
                     self._learn(rank, link == STANDBY, ok)
                 if detail.get("kind") == "switch":
-                    self._switched(event.seq, ok, event.wall)
+                    # When the leader decided (its clock): a success's outcome reaches the ranks
+                    # with the release that follows it (coordination/leader.py).
+                    decided = detail.get("sent_at")
+                    self._switched(event.seq, ok, float(decided) if isinstance(decided, (int, float)) else event.wall)
 
     def _learn_all(self, ranks: tuple[int, ...], ops: tuple[bool, ...], ok: bool) -> None:
         """:meth:`_learn` for a whole order, in set operations (the leader's critical path: an order
