@@ -352,6 +352,23 @@ class CountingStore:
         self.sent["multi_set"] += sum(map(len, keys)) + sum(map(len, values))
         self._store.multi_set(keys, values)
 
+    def queue_push(self, key: str, value: str) -> None:
+        self.calls["queue_push"] += 1
+        self.sent["queue_push"] += len(key) + len(value)
+        self._store.queue_push(key, value)
+
+    def queue_pop(self, key: str, block: bool = True) -> bytes:
+        self.calls["queue_pop"] += 1
+        self.sent["queue_pop"] += len(key)
+        value: bytes = self._store.queue_pop(key, block)
+        self.received["queue_pop"] += len(value)
+        return value
+
+    def queue_len(self, key: str) -> int:
+        self.calls["queue_len"] += 1
+        self.sent["queue_len"] += len(key)
+        return int(self._store.queue_len(key))
+
     def multi_get(self, keys: list[str]) -> list[bytes]:
         self.calls["multi_get"] += 1
         self.sent["multi_get"] += sum(map(len, keys))
@@ -591,7 +608,8 @@ class NodeProcess:
                                   wait_for_workers=False)
                 self.local_servers.append(server)
                 # Counted: every request on the node's Store (its members' and its relay's).
-                local_kv[first] = KV(CountingStore(server, self.node_registry), key_prefix(JOB, "0"))
+                local_kv[first] = KV(CountingStore(server, self.node_registry), key_prefix(JOB, "0"),
+                                     **_queues(KV, True))
                 node = first // self.per_node
                 # As RankFanOut: with groups the node relay answers on its group's Store, at its index there.
                 up, index = (upstream[node // self.per_group], node % self.per_group) if self.per_group \
@@ -653,7 +671,8 @@ class NodeProcess:
                 self.local_servers.append(server)
                 self.group_tids[g] = store_threads() - before
             self.group_registries[g] = Registry()
-            upstream[g] = KV(CountingStore(group.store, self.group_registries[g]), group.prefix)
+            upstream[g] = KV(CountingStore(group.store, self.group_registries[g]), group.prefix,
+                             **_queues(KV, getattr(group, "queues", False)))
             if g in hosted:
                 relay = NodeRelay(kv.clone(), kv, upstream[g].clone(), g, [n * per_node for n in members],
                                   stop_timeout_s=1.0, label="group", **_local_wake(NodeRelay, upstream[g]),
@@ -722,6 +741,14 @@ class NodeProcess:
                 "group_cpu_ns": {str(g): threads_cpu_ns(tids) for g, tids in self.group_tids.items()},
                 "node_stores_cpu_ns": threads_cpu_ns(store_threads() - group_tids),
                 "cpu_by_role_ns": self.cpu_by_role()}
+
+
+def _queues(kv_class: Any, queues: bool) -> dict[str, Any]:
+    """``queues=...`` where KV takes it (the node and group Stores have queues, as topology.py
+    builds them); nothing for a KV of an earlier version (a before/after run of the code before it)."""
+    import inspect
+
+    return {"queues": queues} if "queues" in inspect.signature(kv_class).parameters else {}
 
 
 def _local_wake(relay_class: Any, kv: Any) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import support
 
-from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, queues
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.relay import NodeRelay
 from nicswitch_agent.orders import SwitchOrder
@@ -49,9 +49,9 @@ class Node:
     def next_event(self, slot: int, timeout: float = 10.0) -> dict[str, Any]:
         """What the relay published to local rank ``slot`` next (as a member reads it)."""
         self.read[slot] += 1
-        key = p.queue_key(slot, self.read[slot])
-        assert self.local.wait([key], timeout), f"no event {self.read[slot]} for slot {slot}"
-        return p.decode(self.local.get(key))
+        text = queues.read(self.local, slot, self.read[slot], timeout)
+        assert text is not None, f"no event {self.read[slot]} for slot {slot}"
+        return p.decode(text)
 
     def completed(self, slot: int, epoch: int, step: int) -> None:
         self.local.set(p.c_key(epoch, slot), str(step))
@@ -206,14 +206,14 @@ def test_the_leaders_drain_returns_only_once_every_rank_behind_every_relay_took_
                 continue  # rank 3 has not read it yet
             event = node.next_event(slot)
             assert event["t"] == p.RELEASE and event["stop"] == "ClusterD is killing the job"
-            node.local.delete([p.queue_key(slot, node.read[slot])])  # as a member does once it read it
+            queues.done(node.local, slot, node.read[slot])  # as a member does once it read it
             taken.append(node.ranks[slot])
     assert taken == [0, 1, 2]
     with pytest.raises(TimeoutError):
         draining.result(0.3)  # node 1's relay still waits for rank 3, so the leader's key is still there
     node = nodes[1]
     node.next_event(1)
-    node.local.delete([p.queue_key(1, node.read[1])])
+    queues.done(node.local, 1, node.read[1])
     draining.result(10)
 
 

@@ -173,16 +173,17 @@ class StoreClient:
     """
 
     def __init__(self, host: str, port: int, timeout_s: float, world_size: int, *, torch_store: bool = False,
-                 connect: bool = False) -> None:
+                 connect: bool = False, libuv: bool = False) -> None:
         self.host, self.port, self.timeout_s, self.world_size = host, port, timeout_s, world_size
         self._torch_store = torch_store
+        self._libuv = libuv  # ask for torch's libuv client (queues: a legacy client refuses them)
         self._store: Any = None
         if connect:
             self._connected()
 
     def clone(self) -> StoreClient:
         return StoreClient(self.host, self.port, self.timeout_s, self.world_size, torch_store=self._torch_store,
-                           connect=True)
+                           connect=True, libuv=self._libuv)
 
     def _connected(self) -> Any:
         if self._store is None:
@@ -194,7 +195,9 @@ class StoreClient:
 
             def dial() -> None:
                 try:
-                    dialled.append(TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False))
+                    options = {"use_libuv": True} if self._libuv else {}
+                    dialled.append(TCPStore(self.host, self.port, None, False, timeout, wait_for_workers=False,
+                                            **options))
                 except BaseException as exc:  # handed to the caller below
                     failed.append(exc)
 

@@ -22,6 +22,7 @@ without torch), so the same coordination code serves one rank and many.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import threading
@@ -54,6 +55,7 @@ class InProcessStore:
 
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
+        self._queues: dict[str, collections.deque[bytes]] = {}
         self._cond = threading.Condition()
 
     def set(self, key: str, value: str | bytes) -> None:
@@ -99,6 +101,24 @@ class InProcessStore:
         with self._cond:
             return self._data.pop(key, None) is not None
 
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        with self._cond:
+            self._queues.setdefault(key, collections.deque()).append(
+                value.encode() if isinstance(value, str) else bytes(value))
+            self._cond.notify_all()
+
+    def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
+        """The oldest value of queue ``key``, taken out; None if none came within ``timeout_s``
+        (torch's ``queue_pop`` waits for its connection's timeout: this Store is every thread's)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: bool(self._queues.get(key)), timeout_s):
+                return None
+            return self._queues[key].popleft()
+
+    def queue_len(self, key: str) -> int:
+        with self._cond:
+            return len(self._queues.get(key, ()))
+
     def clone(self) -> InProcessStore:
         return self
 
@@ -122,14 +142,19 @@ class KV:
     :meth:`get_many` fall back to one call per key).
     """
 
-    def __init__(self, store: StoreLike, prefix: str) -> None:
+    def __init__(self, store: StoreLike, prefix: str, *, queues: bool = False) -> None:
         self.store = store
         self.prefix = prefix.rstrip("/") + "/"
         self._multi = hasattr(store, "multi_set") and hasattr(store, "multi_get")
+        # The Store has queues (``queue_push``, a blocking ``queue_pop``, ``queue_len``) and every
+        # writer and reader of it knows so: the node and group Stores the agent hosts itself
+        # (topology.py). Not probed: the job's Store may be one whose clients differ (the legacy
+        # TCPStore backend and FileStore raise NotImplementedError), and both sides must agree.
+        self.queues = queues
 
     def clone(self) -> KV:
         """A KV over a new connection (same prefix): one per thread."""
-        return KV(self.store.clone(), self.prefix)
+        return KV(self.store.clone(), self.prefix, queues=self.queues)
 
     def _k(self, key: str) -> str:
         return self.prefix + key
@@ -176,6 +201,28 @@ class KV:
     def delete(self, keys: Iterable[str]) -> None:
         for key in keys:
             self.store.delete_key(self._k(key))
+
+    def push(self, key: str, value: str) -> None:
+        """Append to queue ``key`` (no reply: like ``set``, it does not wait for the Store)."""
+        self.store.queue_push(self._k(key), value)  # type: ignore[attr-defined]
+
+    def pop(self, key: str, timeout_s: float) -> str | None:
+        """The oldest value of queue ``key``, taken out of it in the same request; None if
+        ``timeout_s`` passes first (as :meth:`get_when_set`, the connection's timeout is set for it)."""
+        if isinstance(self.store, InProcessStore):  # every thread's: no timeout of a connection
+            value = self.store.queue_pop_within(self._k(key), timeout_s)
+            return None if value is None else value.decode()
+        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        try:
+            return bytes(self.store.queue_pop(self._k(key))).decode()  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            if not timed_out(exc):
+                raise
+            return None  # a value pushed right at the boundary stays in the queue for the next pop
+
+    def queued(self, key: str) -> int:
+        """How many values queue ``key`` holds."""
+        return int(self.store.queue_len(self._k(key)))  # type: ignore[attr-defined]
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
         """Block until every key exists (True) or ``timeout_s`` passes (False). For waits that

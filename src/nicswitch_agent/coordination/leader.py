@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination import queues
 from nicswitch_agent.coordination.kv import KV, Wake, done_key
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.orders import SwitchOrder
@@ -120,9 +121,7 @@ class Coordinator:
         self._n += 1
         text = self._event(message, self._outcome)
         self._outcome = None
-        # Every answerer's queue key, then the head, in one request (multi_set sets them in order).
-        self.kv.set_many([*(p.queue_key(rank, self._n) for rank in range(self.world_size)), p.QUEUE_HEAD],
-                         [text] * self.world_size + [str(self._n)])
+        queues.publish(self.kv, self.world_size, self._n, text)  # every answerer's queue, then the head
 
     def _event(self, message: dict[str, object], outcome: dict[str, object] | None = None) -> str:
         """An event as it is written: with "at", this leader's wall clock as it publishes (members
@@ -370,8 +369,7 @@ class Coordinator:
             if not n:
                 return
             try:
-                keys = [p.queue_key(index, n) for index in range(self.world_size)]
-                untaken = len(self.kv.poll_gone(keys, time.monotonic() + self.drain_s))
+                untaken = len(queues.untaken(self.kv, range(self.world_size), n, time.monotonic() + self.drain_s))
             except RuntimeError:  # the Store is gone: nobody can read anything from it any more
                 logger.debug("could not wait for the release to be taken", exc_info=True)
                 return

@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination import queues
 from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, HookStatus, InlineRunner, execute_order
 from nicswitch_agent.coordination.kv import KV
 from nicswitch_agent.coordination.parking import ParkingLot
@@ -143,7 +144,7 @@ class Member:
             logger.debug("could not answer the order in flight", exc_info=True)
         try:  # wake our own idle wait: nobody else reads this member's queue
             if self._wake_kv is not None and not self.lost:
-                self._wake_kv.set(p.queue_key(self.slot, self._next), p.encode({"t": p.WAKE}))
+                queues.wake(self._wake_kv, self.slot, self._next, keep_event=False)
         except Exception:
             logger.debug("could not wake the member thread", exc_info=True)
         thread = self._thread
@@ -172,16 +173,15 @@ class Member:
     def _run(self) -> None:
         kv = self.kv
         try:
-            if kv.check([p.QUEUE_HEAD]):  # joining a leader that already published: start after it
-                self._next = int(kv.get(p.QUEUE_HEAD)) + 1
+            self._next = queues.start(kv, self.slot)  # joining a leader that already published: after it
         except RuntimeError as exc:
             self._coordination_lost(f"{type(exc).__name__}: {exc}")
             return
         while not self._stop.is_set():
-            key = p.queue_key(self.slot, self._next)
+            n = self._next
             try:
                 timeout = self._max_parked_s if self.lot.parked else IDLE_WAIT_S
-                text = kv.get_when_set(key, timeout)
+                text = queues.read(kv, self.slot, n, timeout)
                 if text is None:
                     if self.lot.parked:
                         logger.error("parked for %.0f s without a word from the leader; letting training go on",
@@ -194,7 +194,7 @@ class Member:
             self._next += 1
             try:
                 self._take(text)
-                kv.delete([key])  # once answered: the delete is off the phase's critical path
+                queues.done(kv, self.slot, n)  # once answered: a key's delete is off the phase's critical path
             except RuntimeError as exc:
                 self._coordination_lost(f"{type(exc).__name__}: {exc}")
                 return
@@ -328,7 +328,7 @@ class Member:
         inline = message.get("o")
         if order is None and inline is not None:
             order = p.decode_order(str(inline))
-        if (decided_check and self.kv.check([p.queue_key(self.slot, self._next)])) or (
+        if (decided_check and queues.waiting(self.kv, self.slot, self._next)) or (
                 order is None and not self.kv.check([p.order_key(order_name)])):
             logger.warning("rank %d: skipping order %s: the leader has decided it without this rank (another "
                            "rank failed first, or this one was still busy with an earlier order)", self.rank, name)

@@ -36,6 +36,7 @@ import time
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination import queues
 from nicswitch_agent.coordination.kv import KV, Wake, done_key
 
 logger = logging.getLogger("nicswitch_agent.coordination")
@@ -113,11 +114,10 @@ class NodeRelay:
             go = self._go  # set before the relay looks at _stop: one of the two sees the other
             if go is not None and not self.lost:
                 self._wake_kv.set(go, p.encode({"t": p.WAKE}))
-            key = p.queue_key(self.node, self._next)
             # An event already there (a release published just before this stop) wakes it anyway,
             # and is relayed first: a wake written over it would lose it for the node's ranks.
-            if not self.lost and not self._wake_kv.check([key]):
-                self._wake_kv.set(key, p.encode({"t": p.WAKE}))
+            if not self.lost:
+                queues.wake(self._wake_kv, self.node, self._next, keep_event=True)
         except Exception:
             logger.debug("could not wake the relay thread", exc_info=True)
         thread = self._thread
@@ -128,32 +128,32 @@ class NodeRelay:
 
     def _run(self) -> None:
         try:
-            if self.job.check([p.QUEUE_HEAD]):  # joining a leader that already published: start after it
-                self._next = int(self.job.get(p.QUEUE_HEAD)) + 1
+            self._next = queues.start(self.job, self.node)  # joining a leader that already published
             while not self._stop.is_set():
-                key = p.queue_key(self.node, self._next)
-                text = self.job.get_when_set(key, IDLE_WAIT_S)
+                n = self._next
+                text = queues.read(self.job, self.node, n, IDLE_WAIT_S)
                 if text is None:
                     continue
                 self._next += 1
                 try:
                     message = p.decode(text)
                 except ValueError as exc:
-                    self.job.delete([key])
+                    queues.done(self.job, self.node, n)
                     logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
                     continue
                 if message["t"] == p.WAKE:
-                    self.job.delete([key])
+                    queues.done(self.job, self.node, n)
                     continue
                 self._relay(message, text)
                 self.events_relayed += 1
                 # The key goes once the event is relayed and answered (off the phase's critical
                 # path). Training must stop: the key (what the leader waits on before its process
                 # may end, and the Store with it) goes only once the slots have taken the stop.
+                # (On a queue the event left it when it was read: the leader above waits for that.)
                 if message["t"] == p.RELEASE and message.get("stop") is not None:
-                    taken = [p.queue_key(slot, self._local_n) for slot in range(self.size)]
-                    self.local.poll_gone(taken, time.monotonic() + self._stop_timeout_s, self._stop)
-                self.job.delete([key])
+                    queues.untaken(self.local, range(self.size), self._local_n,
+                                   time.monotonic() + self._stop_timeout_s, self._stop)
+                queues.done(self.job, self.node, n)
         except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
             self.lost = f"{type(exc).__name__}: {exc}"
             if not self._stop.is_set():
@@ -218,8 +218,7 @@ class NodeRelay:
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
-        self.local.set_many([*(p.queue_key(slot, self._local_n) for slot in range(self.size)), p.QUEUE_HEAD],
-                            [text] * self.size + [str(self._local_n)])  # one request, the head last
+        queues.publish(self.local, self.size, self._local_n, text)
 
     def _answer_pause(self, epoch: int, timeout_s: float, above: int | None) -> None:
         keys = [p.c_key(epoch, slot) for slot in range(self.size)]

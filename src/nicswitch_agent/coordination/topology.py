@@ -238,8 +238,10 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
                       timeout_s: float, clients: int, absent: str) -> tuple[KV, Any]:
     """Host a Store and publish its address at ``key`` on the job's Store, or wait for that
     address (bounded) and connect to it. In process (ranks as threads) one store per ``index``."""
+    # The Stores hosted here have queues (queues.py) unless they are MindSpore's: every rank of
+    # the node (or group) reaches it through this function, so writer and readers agree.
     if isinstance(kv.store, InProcessStore):
-        return KV(_in_process_store(kv.store, kv.prefix, index), kv.prefix), None
+        return KV(_in_process_store(kv.store, kv.prefix, index), kv.prefix, queues=True), None
     mindspore = isinstance(kv.store, ms_store.MindSporeStore)
     poll_s = kv.store.poll_max_s if isinstance(kv.store, ms_store.MindSporeStore) else ms_store.POLL_MAX_S
     if hosts and mindspore:
@@ -250,9 +252,9 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
-        server: Any = TCPStore(listen, 0, None, True, timeout, wait_for_workers=False)
+        server: Any = TCPStore(listen, 0, None, True, timeout, wait_for_workers=False, use_libuv=True)
         kv.set(key, f"{advertise()}:{server.port}")
-        return KV(server, kv.prefix), server
+        return KV(server, kv.prefix, queues=True), server
     if kv.poll_all([key], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
         raise ConfigError(f"{absent} within node_store_timeout_s={timeout_s:g} s")
     host, _, port = kv.get(key).rpartition(":")
@@ -261,8 +263,8 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
                                           poll_max_s=poll_s), kv.prefix), None
     # Connected now, within the bound: a relay's stop() may wake it through this connection, which
     # must not be the first to dial a host that may be gone by then.
-    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True),
-              kv.prefix), None
+    return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True,
+                                    libuv=True), kv.prefix, queues=True), None
 
 
 def advertised_host(store: Any) -> str:
