@@ -3,7 +3,8 @@
 All keys live under ``nicswitch/<job>/<restart count>/`` (torchrun keeps its store's keys
 across restarts, so a new incarnation must not read the old one's keys).
 
-Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read);
+Leader -> each member ``r``, a numbered queue (one key per event, deleted by the member once read;
+on the node and group Stores the agent hosts, the Store queue ``q/<r>`` instead: queues.py);
 every event also carries ``"at"``, the leader's wall clock when it published it (members copy it
 into their events as ``sent_at``, for aligning clocks across hosts)::
 

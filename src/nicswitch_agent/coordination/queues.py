@@ -45,15 +45,13 @@ def publish(kv: KV, readers: int, n: int, text: str) -> None:
 
 
 def start(kv: KV, reader: int) -> int:
-    """Where a reader starting now begins: after the last event published (the head), whose
-    events, if any are still queued, it drops. Returns the number of the next event."""
-    if not kv.check([p.QUEUE_HEAD]):
-        return 1
-    head = int(kv.get(p.QUEUE_HEAD))
+    """Where a reader starting now begins: after the events published before it (on keys, after
+    the head; a queue drops what it holds, counted first, so an event pushed meanwhile stays).
+    Returns the number of the next event."""
     if kv.queues:
         for _ in range(kv.queued(queue_name(reader))):
-            kv.pop(queue_name(reader), 0.0)
-    return head + 1
+            kv.pop(queue_name(reader), 1.0)  # there: counted just now, and only this reader pops
+    return int(kv.get(p.QUEUE_HEAD)) + 1 if kv.check([p.QUEUE_HEAD]) else 1
 
 
 def read(kv: KV, reader: int, n: int, timeout_s: float) -> str | None:
