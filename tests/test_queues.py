@@ -53,33 +53,47 @@ class RecordingStore(InProcessStore):
         self.requests.append(("queue_pop", key))
         return super().queue_pop_within(key, timeout_s)
 
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        self.requests.append(("queue_push", key))
+        super().queue_push(key, value)
 
-def member(kv: KV, rank: int = 0) -> Member:
+
+def member(kv: KV, rank: int = 0, slot: int | None = None) -> Member:
     """A member in pause mode external (its hooks on its own thread), switch hook True."""
     return Member(kv, rank, ParkingLot(), MemberHooks(switch_hook=lambda order: True, checkpoint_hook=None,
                                                       guard_timeout_s=5, switch_timeout_s=5, dry_run=False),
-                  lambda: 1, stop_timeout_s=5.0)
+                  lambda: 1, stop_timeout_s=5.0, slot=slot)
 
 
 @pytest.mark.parametrize("on_queues", [True, False])
-def test_a_member_reads_every_event_and_on_a_queue_store_deletes_none(on_queues: bool) -> None:
-    store = RecordingStore()
-    rank = member(KV(store, PREFIX, queues=on_queues))
-    rank.start()
+def test_a_member_behind_a_relay_reads_every_event_and_on_a_queue_store_deletes_nothing(on_queues: bool) -> None:
+    """The leader on the job's Store (keys), one node relay, two members on the node's Store: with
+    queues a member's event is one pop and its answer one push (no reply), and nothing is deleted."""
+    job, node = InProcessStore(), RecordingStore()
+    local = KV(node, PREFIX, queues=on_queues)
+    relay = NodeRelay(KV(job, PREFIX), KV(job, PREFIX), local.clone(), 0, [0, 1], stop_timeout_s=5.0,
+                      local_wake=local)
+    ranks = [member(local.clone(), rank, slot=rank) for rank in (0, 1)]
+    relay.start()
+    for rank in ranks:
+        rank.start()
     try:
-        leader = Coordinator(KV(store, PREFIX, queues=on_queues), 1)
+        leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
         for seq in (1, 2):
-            assert leader.run(SwitchOrder(seq=seq, job_id="job-queues", ranks=(0,), ops=(True,)),
+            assert leader.run(SwitchOrder(seq=seq, job_id="job-queues", ranks=(0, 1), ops=(True, False)),
                               kind=KIND_SWITCH, budget_s=5).ok
-        assert support.wait_until(lambda: rank.events_handled == 4, 10)  # an order and a release each
+        assert support.wait_until(lambda: all(rank.events_handled == 4 for rank in ranks), 10)
     finally:
-        rank.stop()
-    assert not rank.running
-    queue_requests = [(name, key) for name, key in store.requests if "/q/0" in key]
-    if on_queues:  # one request per event, the stop's wake included: a pop takes it out
-        assert {name for name, _ in queue_requests} == {"queue_pop"}, queue_requests
-    else:  # a get and, once answered, a delete per event
-        assert [name for name, _ in queue_requests].count("delete_key") >= 4, queue_requests
+        for rank in ranks:
+            rank.stop()
+        relay.stop()
+    assert not any(rank.running for rank in ranks)
+    names = [name for name, _key in node.requests]
+    if on_queues:
+        assert "delete_key" not in names and "get" not in names, node.requests
+        assert names.count("queue_push") >= 2 * 4  # the events to the two members, and their answers
+    else:  # a get and, once answered, a delete per event; the relay deletes the epoch's keys
+        assert names.count("delete_key") >= 2 * 4, node.requests
 
 
 @pytest.mark.parametrize("on_queues", [True, False])
@@ -159,3 +173,61 @@ def test_an_in_process_job_has_in_process_node_stores_with_queues() -> None:
     node.push("q/0", "b")
     assert node.queued("q/0") == 2
     assert [node.pop("q/0", 1.0), node.pop("q/0", 1.0), node.pop("q/0", 0.05)] == ["a", "b", None]
+
+
+@pytest.mark.parametrize("on_queues", [True, False])
+def test_ranks_whose_step_was_never_called_are_named_through_their_relay(on_queues: bool) -> None:
+    """A rank answers the pause before its training loop ever called step(): on keys it sets its
+    nostep key, on a queue it says so in its answer; either way the leader's message names it."""
+    job = InProcessStore()
+    local = KV(InProcessStore(), PREFIX, queues=on_queues)
+    relay = NodeRelay(KV(job, PREFIX), KV(job, PREFIX), local.clone(), 0, [0, 1], stop_timeout_s=5.0,
+                      local_wake=local)
+    relay.start()
+    try:
+        leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
+        pausing = leader.pause  # the target is published, nobody parks: the pause fails naming why
+        import threading
+
+        outcome: list[object] = []
+        thread = threading.Thread(target=lambda: outcome.append(pausing(1.5)))
+        thread.start()
+        for slot in (0, 1):
+            event = p.decode(queues.read(local, slot, 1, 10.0) or "")
+            queues.answer_pause(local, int(event["e"]), slot, None if slot == 1 else 12, 2)
+        thread.join(20)
+    finally:
+        relay.stop()
+    assert outcome and not outcome[0].ok  # type: ignore[attr-defined]
+    assert outcome[0].reason == ("node 0: rank(s) 0, 1 did not park at step 13; step() was never called on "  # type: ignore[attr-defined]
+                                 "rank(s) 1")
+
+
+def test_answers_a_failure_left_unread_are_dropped_when_the_switch_ends() -> None:
+    """A failure decides an order before every rank's result was read; the rest stays in the
+    phase's Store queue (a queue cannot be deleted) until the relay empties it at the release."""
+    job = InProcessStore()
+    node = InProcessStore()
+    local = KV(node, PREFIX, queues=True)
+    relay = NodeRelay(KV(job, PREFIX), KV(job, PREFIX), local.clone(), 0, [0, 1], stop_timeout_s=5.0,
+                      local_wake=local)
+    relay.start()
+    try:
+        leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
+        import threading
+
+        outcome: list[object] = []
+        thread = threading.Thread(target=lambda: outcome.append(
+            leader.run(ORDER, kind=KIND_SWITCH, budget_s=10)))
+        thread.start()
+        event = p.decode(queues.read(local, 0, 1, 10.0) or "")
+        queues.answer_result(local, 1, str(event["key"]), p.MemberResult(0, False, "no"), 2)
+        queues.answer_result(local, 1, str(event["key"]), p.MemberResult(1, True, "ok"), 2)  # behind it
+        thread.join(20)  # decided by rank 0's failure, read first: a session, released at once
+        told = [p.decode(queues.read(local, 0, n, 10.0) or "")["t"] for n in (2, 3)]
+        assert told == [p.OUTCOME, p.RELEASE]  # a failure's outcome on its own, then the release
+        late = queues.answers(1, f"res/{event['key']}")
+        assert support.wait_until(lambda: local.queued(late) == 0, 10)
+    finally:
+        relay.stop()
+    assert outcome and not outcome[0].ok  # type: ignore[attr-defined]

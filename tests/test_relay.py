@@ -32,8 +32,8 @@ ORDER = SwitchOrder(seq=1, job_id="job-relay", ranks=(2, 3), ops=(True, True))
 class Node:
     """One node: its relay, and its ranks' keys on the node's Store, written by the test."""
 
-    def __init__(self, job_store: InProcessStore, node: int, ranks: list[int]) -> None:
-        self.local = KV(InProcessStore(), PREFIX)
+    def __init__(self, job_store: InProcessStore, node: int, ranks: list[int], *, queues: bool = False) -> None:
+        self.local = KV(InProcessStore(), PREFIX, queues=queues)  # the node's Store: keys, or queues (queues.py)
         self.relay = NodeRelay(KV(job_store, PREFIX), KV(job_store, PREFIX), self.local, node, ranks,
                                stop_timeout_s=2.0, local_wake=self.local)
         self.ranks = ranks
@@ -54,23 +54,25 @@ class Node:
         return p.decode(text)
 
     def completed(self, slot: int, epoch: int, step: int) -> None:
-        self.local.set(p.c_key(epoch, slot), str(step))
-        self.local.arrive(p.c_counter_key(epoch), len(self.ranks))  # as a member: the last one sets the done key
+        # As a member: on keys the last one sets the done key; on a Store with queues, a push.
+        queues.answer_pause(self.local, epoch, slot, step, len(self.ranks))
 
     def parked(self, slot: int, epoch: int, step: int) -> None:
-        self.local.set(p.parked_key(epoch, slot), str(step))
-        self.local.arrive(p.parked_counter_key(epoch), len(self.ranks))
+        queues.answer_parked(self.local, epoch, slot, step, len(self.ranks))
 
     def result(self, slot: int, event: dict[str, Any], ok: bool, reason: str = "ok") -> None:
         epoch, name = int(event["e"]), str(event["key"])
-        p.publish_result(self.local, epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
-                                                                 guard_ok=ok), int(event["n"]))
+        queues.answer_result(self.local, epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
+                                                                     guard_ok=ok), int(event["n"]))
 
 
-@pytest.fixture
-def job() -> Iterator[tuple[InProcessStore, Coordinator, list[Node], ThreadPoolExecutor]]:
+@pytest.fixture(params=["keys", "queues"])
+def job(request: pytest.FixtureRequest) -> Iterator[tuple[InProcessStore, Coordinator, list[Node], ThreadPoolExecutor]]:
+    """The leader on the job's Store and two node relays, each node's Store with keys or with
+    queues (as the agent hosts them): every test holds for both."""
     store = InProcessStore()
-    nodes = [Node(store, 0, [0, 1]), Node(store, 1, [2, 3])]
+    on_queues = request.param == "queues"
+    nodes = [Node(store, 0, [0, 1], queues=on_queues), Node(store, 1, [2, 3], queues=on_queues)]
     for node in nodes:
         node.relay.start()
     leader = Coordinator(KV(store, PREFIX), 2, ranks_per_node=2)

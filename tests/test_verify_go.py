@@ -23,7 +23,7 @@ import pytest
 import support
 from test_relay import PREFIX, Node
 
-from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks
+from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, Member, MemberHooks, queues
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.orders import SwitchOrder
@@ -195,7 +195,7 @@ def relayed() -> Iterator[tuple[Coordinator, list[Node], ThreadPoolExecutor]]:
 
 
 def answer(node: Node, slot: int, event: dict[str, Any], ok: bool = True, verify_s: float = 0.0) -> None:
-    p.publish_result(node.local, int(event["e"]), str(event["key"]), p.MemberResult(
+    queues.answer_result(node.local, int(event["e"]), str(event["key"]), p.MemberResult(
         node.ranks[slot], ok, "ok" if ok else "no", attempted=True, verify_s=verify_s), int(event["n"]))
 
 

@@ -331,13 +331,20 @@ class Wake:
         self.kv = kv
         self.stop = stop if stop is not None else threading.Event()
         self.key: str | None = None  # the done key being waited on (set by the waiting thread)
+        self.queue = False  # ``key`` is a Store queue being popped (coordination/queues.py)
 
     def __call__(self) -> None:
         self.stop.set()  # first: a waiter that has not blocked yet sees it and does not block
         key = self.key
         if key is not None and self.kv is not None:
             with contextlib.suppress(Exception):  # the Store is gone: the wait ends with it
-                self.kv.set(key, "woken")
+                if self.queue:
+                    self.kv.push(key, WOKEN)
+                else:
+                    self.kv.set(key, WOKEN)
+
+
+WOKEN = "woken"  # what a Wake writes (a done key's value, or an entry of a queue of answers)
 
 
 def timed_out(exc: RuntimeError) -> bool:

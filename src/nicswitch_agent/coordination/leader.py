@@ -70,6 +70,8 @@ class Coordinator:
             raise ValueError(f"ranks_per_node={ranks_per_node} must be positive")
         if layout is None:
             layout = Layout(world_size * ranks_per_node, ranks_per_node) if ranks_per_node else Layout(world_size)
+        if kv.queues:  # the leader is on the job's Store, which keeps keys (queues.py)
+            raise ValueError("the leader's Store must not be one with queues (only node and group Stores have them)")
         if layout.answerers != world_size:
             raise ValueError(f"world_size={world_size} but the layout has {layout.answerers} {layout.unit}(s)")
         self.kv = kv

@@ -136,7 +136,7 @@ class Member:
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
                 epoch, name, expected = in_flight
-                p.publish_result(self._wake_kv, epoch, name, p.MemberResult(
+                queues.answer_result(self._wake_kv, epoch, name, p.MemberResult(
                     self.rank, False, "the agent on this rank stopped during the order", attempted=True), expected)
             if go is not None and self._wake_kv is not None and not self.lost:
                 self._wake_kv.set(go, p.encode({"t": p.WAKE}))
@@ -238,10 +238,8 @@ class Member:
             local = self.lot.request(aligned=True)  # the flag first ...
             self._local_epoch[epoch] = local
             completed = self._last_step()  # ... then the last completed step
-            if completed is None:  # so that a pause that times out can say step() was never called
-                self.kv.set(p.nostep_key(epoch, self.slot), "1")
-            self.kv.set(p.c_key(epoch, self.slot), str(completed if completed is not None else 0))
-            self.kv.arrive(p.c_counter_key(epoch), _expected(message))  # the key first, then the count
+            # (None: step() was never called, which a pause that times out says)
+            queues.answer_pause(self.kv, epoch, self.slot, completed, _expected(message))
             self._emit("pause_requested", {"epoch": epoch, "completed_step": completed, "sent_at": message.get("at")})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
@@ -249,8 +247,7 @@ class Member:
                 return
             self.lot.set_target(target_epoch, int(message["S"]))
             if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
-                self.kv.set(p.parked_key(epoch, self.slot), str(self.lot.parked_step))
-                self.kv.arrive(p.parked_counter_key(epoch), _expected(message))
+                queues.answer_parked(self.kv, epoch, self.slot, self.lot.parked_step, _expected(message))
         elif kind == p.ORDER:
             started = time.monotonic()
             name = str(message["key"])
@@ -270,7 +267,7 @@ class Member:
                 answered_by_stop = self._in_flight is None or self._in_flight[:2] != (epoch, name)
                 self._in_flight = None
             if not answered_by_stop:
-                p.publish_result(self.kv, epoch, name, result, _expected(message))
+                queues.answer_result(self.kv, epoch, name, result, _expected(message))
                 if result.ok and message.get("v") and message.get("kind") == p.KIND_SWITCH:
                     self._follow_go(epoch, name, message)
         elif kind == p.OUTCOME:

@@ -33,7 +33,9 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
                                not one shared, so that a rank's stop can wake its own wait with a
                                wake of its own without sending the others back to their queues
 
-Member ``r`` -> leader, per pause/session ``E``::
+Member ``r`` -> leader, per pause/session ``E`` (on a Store with queues, the node and group Stores
+the agent hosts, the answers are pushed to ``a/<E>/c``, ``a/<E>/parked`` and ``a/<E>/res/<K>``
+instead: queues.py)::
 
     e/<E>/c/<r>                the last step r completed when it saw the pause (c_r)
     e/<E>/c/n                  how many ranks have written theirs (add() only)

@@ -1,4 +1,4 @@
-"""Each reader's event queue (a member's, or a relay's on the level above): two ways to carry it.
+"""Each reader's event queue, and the answers to an event: two ways to carry them on a Store.
 
 The writer (the leader, or a relay for its slots) publishes event ``n`` to every reader; each
 reader takes its events in order, blocking while it has none. Where the Store has queues
@@ -11,6 +11,15 @@ MindSpore's) they are keys ``q/<r>/<n>``, written in one ``multi_set`` and read 
 Measured (docs/performance.md, 12-05): the member's delete of each event it read was 12-18 % of
 the ranks' coordination CPU with node fan-out at 1,024 ranks.
 
+The answers to a pause, a target or an order go the same two ways. On keys each answerer writes
+its value (``e/<E>/c/<r>``...) and counts itself with ``add``; the answer that completes the
+count (or a failing result, which decides at once) sets the done key the waiter blocks on; the
+waiter then reads every value with one ``multi_get`` and deletes them all when the epoch ends
+(messages.py). On a Store with queues each answerer pushes its answer (slot and value, or its
+result) to the phase's queue ``a/<E>/<phase>`` (no reply: not on the answerer's critical path),
+and the waiter pops them as they arrive, until it has every slot's, a failure, its deadline or
+its stop (a ``woken`` pushed behind them): no counter, no done key, no value keys to delete.
+
 What does not change between the two: ``q/head`` holds the last event's number (a reader that
 starts late begins after it); a reader's stop wakes its own wait by giving it a ``wake`` (on keys
 only where no event is there: a wake must never be written over one; a queue never loses one); a
@@ -19,14 +28,19 @@ reader that finds another event already waiting knows the writer has moved on.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.coordination.kv import KV, WOKEN, Wake, timed_out
+
+logger = logging.getLogger("nicswitch_agent.coordination")
 
 WAKE = p.encode({"t": p.WAKE})
+ANSWER = "a"  # an answer to a pause or target on a queue: {"t": "a", "s": slot, "v": step [, "nostep": 1]}
 
 
 def queue_name(reader: int) -> str:
@@ -103,3 +117,109 @@ def untaken(kv: KV, readers: Sequence[int], n: int, deadline: float,
         else:
             time.sleep(min(interval, remaining))
         interval = min(0.02, interval * 2)
+
+
+# -- answers ---------------------------------------------------------------------------------
+
+
+def answers(epoch: int, phase: str) -> str:
+    """The queue of the answers to a phase of epoch ``epoch``: ``c``, ``parked`` or ``res/<K>``."""
+    return f"a/{epoch}/{phase}"
+
+
+def answer_pause(kv: KV, epoch: int, slot: int, completed: int | None, expected: int | None) -> None:
+    """Slot ``slot`` saw the pause having completed step ``completed`` (None: step() was never
+    called, which the waiter's message names)."""
+    step = completed if completed is not None else 0
+    if kv.queues:
+        kv.push(answers(epoch, "c"), p.encode({"t": ANSWER, "s": slot, "v": step,
+                                               **({"nostep": 1} if completed is None else {})}))
+        return
+    if completed is None:
+        kv.set(p.nostep_key(epoch, slot), "1")
+    kv.set(p.c_key(epoch, slot), str(step))
+    kv.arrive(p.c_counter_key(epoch), expected)  # the key first, then the count
+
+
+def answer_parked(kv: KV, epoch: int, slot: int, step: int | None, expected: int | None) -> None:
+    if kv.queues:
+        kv.push(answers(epoch, "parked"), p.encode({"t": ANSWER, "s": slot, "v": step}))
+        return
+    kv.set(p.parked_key(epoch, slot), str(step))
+    kv.arrive(p.parked_counter_key(epoch), expected)
+
+
+def answer_result(kv: KV, epoch: int, name: str, result: p.MemberResult, expected: int | None) -> None:
+    if kv.queues:
+        kv.push(answers(epoch, f"res/{name}"), result.encode())
+        return
+    p.publish_result(kv, epoch, name, result, expected)
+
+
+def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wake | None) -> dict[int, dict[str, Any]]:
+    """Queues only: the answers to a pause or target phase by slot, once every slot answered, or
+    what came before ``deadline`` (monotonic) or ``wake``."""
+    got: dict[int, dict[str, Any]] = {}
+    for text in _popped(kv, answers(epoch, phase), deadline, wake):
+        try:
+            answer = p.decode(text)
+            got[int(answer["s"])] = answer
+        except (ValueError, KeyError, TypeError):
+            logger.error("ignoring a malformed answer to %s of epoch %d: %r", phase, epoch, text[:200])
+            continue
+        if len(got) >= slots:
+            break
+    return got
+
+
+def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
+                     wake: Wake | None) -> Iterator[p.MemberResult]:
+    """The results of order ``name`` in arrival order (messages.arriving_results on keys): on a
+    queue each as it arrives, until ``expected`` came, or ``deadline`` or ``wake``; the caller
+    stops at the first failure."""
+    if not kv.queues:
+        yield from p.arriving_results(kv, epoch, name, expected, deadline, wake)
+        return
+    seen = 0
+    for text in _popped(kv, answers(epoch, f"res/{name}"), deadline, wake):
+        try:
+            result = p.MemberResult.decode(text)
+        except (ValueError, KeyError, TypeError):
+            logger.error("ignoring a malformed result of order %s: %r", name, text[:200])
+            continue
+        seen += 1
+        yield result
+        if seen >= expected:
+            return
+
+
+def _popped(kv: KV, queue: str, deadline: float, wake: Wake | None) -> Iterator[str]:
+    """Pop ``queue`` until ``deadline`` or ``wake`` (which pushes ``woken`` behind what is queued)."""
+    if wake is not None:
+        wake.key, wake.queue = queue, True
+    try:
+        while wake is None or not wake.stop.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            try:
+                text = kv.pop(queue, remaining)
+            except RuntimeError as exc:
+                if not timed_out(exc):
+                    raise
+                return
+            if text is None or text == WOKEN:
+                return
+            yield text
+    finally:
+        if wake is not None:
+            wake.key, wake.queue = None, False
+
+
+def drop(kv: KV, queue: str) -> None:
+    """Queues only: empty a queue of answers nobody will read (those that came after the phase
+    was decided: a failure decides before every slot answered). A Store queue cannot be deleted;
+    what it holds can only be popped."""
+    for _ in range(kv.queued(queue)):
+        if kv.pop(queue, 1.0) is None:
+            return

@@ -86,6 +86,8 @@ class NodeRelay:
         self._next = 1  # the job queue index this relay waits for
         self._local_n = 0  # events published to the local queues
         self._garbage: list[str] = []  # local keys of the last epoch
+        self._unread: list[str] = []  # local queues of answers maybe not read to the end (queues.py)
+        self._nostep: tuple[int, set[int]] = (0, set())  # (epoch, slots that said step() was never called)
         self._go_garbage: tuple[list[str], list[str]] = ([], [])  # go keys live one epoch longer (leader.py)
         self._go: str | None = None  # the go key above being waited on (stop wakes it)
         self._thread: threading.Thread | None = None
@@ -221,48 +223,66 @@ class NodeRelay:
         queues.publish(self.local, self.size, self._local_n, text)
 
     def _answer_pause(self, epoch: int, timeout_s: float, above: int | None) -> None:
-        keys = [p.c_key(epoch, slot) for slot in range(self.size)]
-        counter = p.c_counter_key(epoch)
-        self._garbage += [*keys, counter, done_key(counter)]
         deadline = time.monotonic() + _before_the_leader(timeout_s)
-        if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
-            missing = self._missing(keys)
-            self._garbage += [p.nostep_key(epoch, slot) for slot in range(self.size)]
-            self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
-            return
-        steps = [int(v) for v in self.local.get_many(keys)]
-        # A rank whose step() was never called says 0 (and sets its nostep key): only then look,
-        # and delete (most pauses have no such key to delete).
-        self._garbage += [p.nostep_key(epoch, slot) for slot, step in enumerate(steps) if step == 0]
-        if max(steps) == 0 and len(self._never_stepped(epoch)) == self.size:  # for the leader's message
-            self.job.set(p.nostep_key(epoch, self.node), "1")
-        self.job.set(p.c_key(epoch, self.node), str(max(steps)))
-        self.job.arrive(p.c_counter_key(epoch), above)  # the key first, then the count
+        if self.local.queues:  # the slots' answers, popped as they come (queues.py)
+            got = queues.gather(self.local, epoch, "c", self.size, deadline, self._wake)
+            self._nostep = (epoch, {slot for slot, answer in got.items() if answer.get("nostep")})
+            if len(got) < self.size:
+                self._unread.append(queues.answers(epoch, "c"))
+                missing = [name for slot, name in enumerate(self._names) if slot not in got]
+                self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
+                return
+            steps = [int(got[slot]["v"]) for slot in range(self.size)]
+        else:
+            keys = [p.c_key(epoch, slot) for slot in range(self.size)]
+            counter = p.c_counter_key(epoch)
+            self._garbage += [*keys, counter, done_key(counter)]
+            if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
+                missing = self._missing(keys)
+                self._garbage += [p.nostep_key(epoch, slot) for slot in range(self.size)]
+                self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
+                return
+            steps = [int(v) for v in self.local.get_many(keys)]
+            # A rank whose step() was never called says 0 (and sets its nostep key): only then look,
+            # and delete (most pauses have no such key to delete).
+            self._garbage += [p.nostep_key(epoch, slot) for slot, step in enumerate(steps) if step == 0]
+        never = max(steps) == 0 and len(self._never_stepped(epoch)) == self.size  # for the leader's message
+        queues.answer_pause(self.job, epoch, self.node, None if never else max(steps), above)
 
     def _answer_parked(self, epoch: int, target: int, timeout_s: float, above: int | None) -> None:
-        keys = [p.parked_key(epoch, slot) for slot in range(self.size)]
-        counter = p.parked_counter_key(epoch)
-        self._garbage += [*keys, counter, done_key(counter)]
         deadline = time.monotonic() + _before_the_leader(timeout_s)
-        if self.local.wait_count(counter, self.size, deadline, self._wake) < self.size:
-            missing = self._missing(keys)
+        if self.local.queues:
+            got = queues.gather(self.local, epoch, "parked", self.size, deadline, self._wake)
+            missing = [name for slot, name in enumerate(self._names) if slot not in got]
+            if missing:
+                self._unread.append(queues.answers(epoch, "parked"))
+        else:
+            keys = [p.parked_key(epoch, slot) for slot in range(self.size)]
+            counter = p.parked_counter_key(epoch)
+            self._garbage += [*keys, counter, done_key(counter)]
+            complete = self.local.wait_count(counter, self.size, deadline, self._wake) >= self.size
+            missing = [] if complete else self._missing(keys)
+        if missing:
             reason = f"{self._slots_are} {_listed(missing)} did not park at step {target}"
             nostep = [self._names[slot] for slot in self._never_stepped(epoch)]
             if nostep:
                 reason += f"; step() was never called on {self._slots_are} {_listed(nostep)}"
             self._why(epoch, reason, missing)
             return
-        self.job.set(p.parked_key(epoch, self.node), str(target))
-        self.job.arrive(p.parked_counter_key(epoch), above)
+        queues.answer_parked(self.job, epoch, self.node, target, above)
 
     def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, above: int | None, *,
                       verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
-        counter = p.result_counter_key(epoch, name)
-        self._garbage += [counter, done_key(counter), *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
+        if self.local.queues:
+            self._unread.append(queues.answers(epoch, f"res/{name}"))  # emptied at the release if need be
+        else:
+            counter = p.result_counter_key(epoch, name)
+            self._garbage += [counter, done_key(counter),
+                              *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
         attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
-        for result in p.arriving_results(self.local, epoch, name, self.size, deadline, self._wake):
+        for result in queues.arriving_results(self.local, epoch, name, self.size, deadline, self._wake):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted
@@ -278,11 +298,13 @@ class NodeRelay:
                 f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
                 f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify), above)
             return
+        if self.local.queues:
+            self._unread.pop()  # every slot's answer was read: nothing left in that queue
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size, verify_s=verify_s), above)
 
     def _answer(self, epoch: int, name: str, result: p.MemberResult, above: int | None) -> None:
-        p.publish_result(self.job, epoch, name, result, above)
+        queues.answer_result(self.job, epoch, name, result, above)
 
     def _why(self, epoch: int, reason: str, missing: list[str]) -> None:
         """Why this relay cannot answer a phase, for the leader's message (failure path only); with
@@ -299,6 +321,9 @@ class NodeRelay:
 
     def _never_stepped(self, epoch: int) -> list[int]:
         """The slots whose step() had never been called when the pause came (all ranks of a node)."""
+        if self.local.queues:  # they said so in their answer to the pause
+            said_epoch, slots = self._nostep
+            return sorted(slots) if said_epoch == epoch else []
         return [slot for slot in range(self.size) if self.local.check([p.nostep_key(epoch, slot)])]
 
     def _missing(self, keys: list[str]) -> list[str]:
@@ -307,11 +332,15 @@ class NodeRelay:
 
     def _clean_up(self) -> None:
         """Delete the epoch's local keys (the switch is over on this node; nobody reads them), and
-        the go keys of the epoch before (a rank may still answer a switch late and read its wake)."""
+        the go keys of the epoch before (a rank may still answer a switch late and read its wake);
+        empty the queues of answers that a failure decided before every slot's was read."""
         current, last = self._go_garbage
         self._go_garbage = ([], current)
         garbage, self._garbage = self._garbage + last, []
         self.local.delete(garbage)
+        unread, self._unread = self._unread, []
+        for queue in unread:
+            queues.drop(self.local, queue)
 
 
 def _for_the_level_below(message: dict[str, Any], text: str, size: int) -> str:
