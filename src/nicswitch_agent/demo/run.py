@@ -341,6 +341,7 @@ def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
 
 # Set by --background for the child it starts; not NICSWITCH_-prefixed, as it is no setting.
 READY_FD_ENV = "_NICSWITCH_DEMO_READY_FD"
+FINISH_GRACE_S = 5.0  # after the last switch: how long to wait for ClusterD to end it (see run_job)
 
 
 def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS, switches: int = 2,
@@ -380,9 +381,13 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     woken = threading.Event()  # the job subscribed, or a signal came: what the wait for the job ends on
     signals: list[int] = []
 
+    resubscribed = threading.Event()  # the notify stream reopened since the last reply
+    grace: list[threading.Timer] = []
+
     def on_event(event: AgentEvent) -> None:
         if event.kind == "subscribed" and event.detail.get("stream") == "notify":
             subscribed.set()
+            resubscribed.set()
             woken.set()
         text = describe_event(event)
         if text is not None and (event.kind in _LEADER_EVENTS or event.kind in ("parked", "resumed")):
@@ -390,10 +395,20 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
             out.flush()
         if event.kind == "reply_sent":
             replies.append(bool(event.detail["result"]))
+            resubscribed.clear()
         elif event.kind == "resumed":
             resumes.append(int(event.detail["step"]))
         if switches and len(replies) >= switches and len(resumes) >= switches:
-            done.set()  # the last switch was replied to and training goes on
+            # The last switch was replied to and training goes on; ClusterD ends it (its last word
+            # to the operator, "switch nic finish") and then the notify stream, which the job
+            # reopens. Ending the job before that can cut the operator's word off; a ClusterD that
+            # does not end the stream is waited for FINISH_GRACE_S at most.
+            if resubscribed.is_set():
+                done.set()
+            elif not grace:
+                grace.append(threading.Timer(FINISH_GRACE_S, done.set))
+                grace[0].daemon = True
+                grace[0].start()
 
     def on_signal(signum: int, frame: Any) -> None:
         signals.append(signum)
@@ -423,6 +438,8 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                 _signal_ready()
                 done.wait(max(0.0, deadline - time.monotonic()))
             finally:
+                for timer in grace:
+                    timer.cancel()
                 job.stop()
     finally:
         for sig, handler in previous.items():
