@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import support
@@ -132,8 +133,6 @@ class _Rank:
     while a pause is armed (pause mode agent), recording the member's events in order."""
 
     def __init__(self, store: InProcessStore, switch_ok: bool) -> None:
-        import threading
-
         self.events: list[str] = []
         self.last: int | None = None
         self._go = threading.Event()
@@ -161,16 +160,23 @@ def _queued(store: InProcessStore) -> list[dict[str, object]]:
     return [p.decode(store.get(k).decode()) for k in sorted(keys, key=lambda k: int(k.rsplit("/", 1)[1]))]
 
 
+def _paused_and_switched(*, switch_ok: bool) -> tuple[_Rank, Coordinator, bool]:
+    """One rank parked by its leader (pause mode agent), then a switch order run: (the rank, the
+    leader, whether the switch succeeded). The caller releases and stops the rank's member."""
+    store = InProcessStore()
+    rank = _Rank(store, switch_ok=switch_ok)
+    leader = Coordinator(KV(store, "t"), 1)
+    assert leader.pause(30).ok
+    order = SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,))
+    return rank, leader, leader.run(order, kind=p.KIND_SWITCH, budget_s=10).ok
+
+
 def test_a_successful_outcome_rides_on_the_release_that_follows_it() -> None:
     """One event fewer per switch on every level: the ranks hear a success with the release (pause
     mode agent: after ClusterD's word), before they resume; no outcome event of its own."""
-    store = InProcessStore()
-    rank = _Rank(store, switch_ok=True)
-    leader = Coordinator(KV(store, "t"), 1)
+    rank, leader, ok = _paused_and_switched(switch_ok=True)
     try:
-        assert leader.pause(30).ok
-        order = SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,))
-        assert leader.run(order, kind=p.KIND_SWITCH, budget_s=10).ok
+        assert ok
         assert support.wait_until(lambda: "member_result" in rank.events, 10)
         assert "switch_outcome" not in rank.events  # not yet: it waits for the release
         leader.release()
@@ -182,13 +188,9 @@ def test_a_successful_outcome_rides_on_the_release_that_follows_it() -> None:
 
 def test_a_failed_outcome_is_told_at_once_on_its_own() -> None:
     """After a failure the leader may wait for ClusterD's choice of strategy: the ranks hear it now."""
-    store = InProcessStore()
-    rank = _Rank(store, switch_ok=False)
-    leader = Coordinator(KV(store, "t"), 1)
+    rank, leader, ok = _paused_and_switched(switch_ok=False)
     try:
-        assert leader.pause(30).ok
-        order = SwitchOrder(seq=4, job_id="j", ranks=(0,), ops=(True,))
-        assert not leader.run(order, kind=p.KIND_SWITCH, budget_s=10).ok
+        assert not ok
         assert support.wait_until(lambda: "switch_outcome" in rank.events, 10)  # before any release
         assert "resumed" not in rank.events
         leader.release()
@@ -210,8 +212,6 @@ def test_in_a_session_the_outcome_goes_with_its_release_and_a_failure_before_it(
         def answer(ok: bool = ok, kv: KV = kv) -> None:
             event = p.decode(kv.get(p.queue_key(0, 1)))
             p.publish_result(kv, int(event["e"]), str(event["key"]), p.MemberResult(0, ok, "scripted"), 1)
-
-        import threading
 
         answering = threading.Thread(target=answer)
         answering.start()

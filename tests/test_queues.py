@@ -9,6 +9,7 @@ published before it, and the hosted Stores (and only they) say they have queues.
 from __future__ import annotations
 
 import datetime
+import threading
 
 import pytest
 import support
@@ -187,8 +188,6 @@ def test_ranks_whose_step_was_never_called_are_named_through_their_relay(on_queu
     try:
         leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
         pausing = leader.pause  # the target is published, nobody parks: the pause fails naming why
-        import threading
-
         outcome: list[object] = []
         thread = threading.Thread(target=lambda: outcome.append(pausing(1.5)))
         thread.start()
@@ -214,8 +213,6 @@ def test_answers_a_failure_left_unread_are_dropped_when_the_switch_ends() -> Non
     relay.start()
     try:
         leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
-        import threading
-
         outcome: list[object] = []
         thread = threading.Thread(target=lambda: outcome.append(
             leader.run(ORDER, kind=KIND_SWITCH, budget_s=10)))

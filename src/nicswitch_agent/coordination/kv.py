@@ -316,6 +316,18 @@ class KV:
                 return pending
             interval = min(max_interval_s, interval * 2)
 
+    def poll_empty(self, queues: Sequence[str], deadline: float, stop: threading.Event | None = None,
+                   interval_s: float = 0.001, max_interval_s: float = 0.02) -> list[str]:
+        """:meth:`poll_gone` for Store queues: until every queue is empty (its reader took what it
+        held); returns the queues still holding something. One ``queue_len`` per queue per poll."""
+        pending = list(queues)
+        interval = interval_s
+        while True:
+            pending = [q for q in pending if self.queued(q) > 0]
+            if not pending or not _pause(deadline, stop, interval):
+                return pending
+            interval = min(max_interval_s, interval * 2)
+
 
 def done_key(counter: str) -> str:
     """The key set when ``counter`` (``.../n``) is complete: ``.../done``."""

@@ -63,8 +63,7 @@ def start(kv: KV, reader: int) -> int:
     the head; a queue drops what it holds, counted first, so an event pushed meanwhile stays).
     Returns the number of the next event."""
     if kv.queues:
-        for _ in range(kv.queued(queue_name(reader))):
-            kv.pop(queue_name(reader), 1.0)  # there: counted just now, and only this reader pops
+        drop(kv, queue_name(reader))
     return int(kv.get(p.QUEUE_HEAD)) + 1 if kv.check([p.QUEUE_HEAD]) else 1
 
 
@@ -103,20 +102,11 @@ def untaken(kv: KV, readers: Sequence[int], n: int, deadline: float,
     """Wait (polling, until ``deadline`` or ``stop``) until every reader took event ``n``, the last
     one published; returns the readers that had not. Taken: on keys, deleted once handled; on
     queues, popped."""
-    if not kv.queues:
-        keys = kv.poll_gone([p.queue_key(reader, n) for reader in readers], deadline, stop)
-        return [int(key.split("/")[1]) for key in keys]
-    pending, interval = list(readers), 0.001
-    while True:
-        pending = [reader for reader in pending if kv.queued(queue_name(reader)) > 0]
-        remaining = deadline - time.monotonic()
-        if not pending or remaining <= 0 or (stop is not None and stop.is_set()):
-            return pending
-        if stop is not None:
-            stop.wait(min(interval, remaining))
-        else:
-            time.sleep(min(interval, remaining))
-        interval = min(0.02, interval * 2)
+    if kv.queues:
+        left = kv.poll_empty([queue_name(reader) for reader in readers], deadline, stop)
+    else:
+        left = kv.poll_gone([p.queue_key(reader, n) for reader in readers], deadline, stop)
+    return [int(key.split("/")[1]) for key in left]
 
 
 # -- answers ---------------------------------------------------------------------------------
@@ -217,9 +207,9 @@ def _popped(kv: KV, queue: str, deadline: float, wake: Wake | None) -> Iterator[
 
 
 def drop(kv: KV, queue: str) -> None:
-    """Queues only: empty a queue of answers nobody will read (those that came after the phase
-    was decided: a failure decides before every slot answered). A Store queue cannot be deleted;
-    what it holds can only be popped."""
+    """Queues only: empty a queue of what nobody will read (events published before its reader
+    started; answers that came after a failure decided the phase). A Store queue cannot be
+    deleted; what it holds can only be popped (counted first: what is pushed meanwhile stays)."""
     for _ in range(kv.queued(queue)):
         if kv.pop(queue, 1.0) is None:
             return

@@ -228,7 +228,7 @@ class NodeRelay:
             got = queues.gather(self.local, epoch, "c", self.size, deadline, self._wake)
             self._nostep = (epoch, {slot for slot, answer in got.items() if answer.get("nostep")})
             if len(got) < self.size:
-                self._unread.append(queues.answers(epoch, "c"))
+                self._left_unread(epoch, "c")
                 missing = [name for slot, name in enumerate(self._names) if slot not in got]
                 self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
                 return
@@ -255,7 +255,7 @@ class NodeRelay:
             got = queues.gather(self.local, epoch, "parked", self.size, deadline, self._wake)
             missing = [name for slot, name in enumerate(self._names) if slot not in got]
             if missing:
-                self._unread.append(queues.answers(epoch, "parked"))
+                self._left_unread(epoch, "parked")
         else:
             keys = [p.parked_key(epoch, slot) for slot in range(self.size)]
             counter = p.parked_counter_key(epoch)
@@ -274,9 +274,7 @@ class NodeRelay:
     def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, above: int | None, *,
                       verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded."""
-        if self.local.queues:
-            self._unread.append(queues.answers(epoch, f"res/{name}"))  # emptied at the release if need be
-        else:
+        if not self.local.queues:
             counter = p.result_counter_key(epoch, name)
             self._garbage += [counter, done_key(counter),
                               *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
@@ -289,19 +287,24 @@ class NodeRelay:
             guards += int(result.guard_ok)
             verify_s = max(verify_s, result.verify_s)
             if not result.ok:
+                self._left_unread(epoch, f"res/{name}")
                 self._answer(epoch, name, result, above)  # as the rank said it: the leader names the rank
                 return
         if seen < self.size:
+            self._left_unread(epoch, f"res/{name}")
             silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
                 f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
                 f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify), above)
             return
-        if self.local.queues:
-            self._unread.pop()  # every slot's answer was read: nothing left in that queue
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size, verify_s=verify_s), above)
+
+    def _left_unread(self, epoch: int, phase: str) -> None:
+        """A phase decided before every slot's answer was read: on queues, empty it at the release."""
+        if self.local.queues:
+            self._unread.append(queues.answers(epoch, phase))
 
     def _answer(self, epoch: int, name: str, result: p.MemberResult, above: int | None) -> None:
         queues.answer_result(self.job, epoch, name, result, above)
