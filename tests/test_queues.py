@@ -50,6 +50,14 @@ class RecordingStore(InProcessStore):
         self.requests.append(("delete_key", key))
         return super().delete_key(key)
 
+    def set(self, key: str, value: str | bytes) -> None:
+        self.requests.append(("set", key))
+        super().set(key, value)
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self.requests.append(("multi_set", ",".join(keys)))
+        super().multi_set(keys, values)
+
     def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
         self.requests.append(("queue_pop", key))
         return super().queue_pop_within(key, timeout_s)
@@ -69,7 +77,8 @@ def member(kv: KV, rank: int = 0, slot: int | None = None) -> Member:
 @pytest.mark.parametrize("on_queues", [True, False])
 def test_a_member_behind_a_relay_reads_every_event_and_on_a_queue_store_deletes_nothing(on_queues: bool) -> None:
     """The leader on the job's Store (keys), one node relay, two members on the node's Store: with
-    queues a member's event is one pop and its answer one push (no reply), and nothing is deleted."""
+    queues a member's event is one pop and its answer one push (no reply); nothing is set (no queue
+    head: a reader starting late empties its queue) and nothing is deleted."""
     job, node = InProcessStore(), RecordingStore()
     local = KV(node, PREFIX, queues=on_queues)
     relay = NodeRelay(KV(job, PREFIX), KV(job, PREFIX), local.clone(), 0, [0, 1], stop_timeout_s=5.0,
@@ -92,6 +101,7 @@ def test_a_member_behind_a_relay_reads_every_event_and_on_a_queue_store_deletes_
     names = [name for name, _key in node.requests]
     if on_queues:
         assert "delete_key" not in names and "get" not in names, node.requests
+        assert "set" not in names and "multi_set" not in names, node.requests  # no head, no counter, no key
         assert names.count("queue_push") >= 2 * 4  # the events to the two members, and their answers
     else:  # a get and, once answered, a delete per event; the relay deletes the epoch's keys
         assert names.count("delete_key") >= 2 * 4, node.requests

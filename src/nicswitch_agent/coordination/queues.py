@@ -20,8 +20,9 @@ result) to the phase's queue ``a/<E>/<phase>`` (no reply: not on the answerer's 
 and the waiter pops them as they arrive, until it has every slot's, a failure, its deadline or
 its stop (a ``woken`` pushed behind them): no counter, no done key, no value keys to delete.
 
-What does not change between the two: ``q/head`` holds the last event's number (a reader that
-starts late begins after it); a reader's stop wakes its own wait by giving it a ``wake`` (on keys
+What does not change between the two: a reader that starts late begins after the events
+published before it (on keys it reads ``q/head``, the last event's number; a queue has no head,
+the reader empties it); a reader's stop wakes its own wait by giving it a ``wake`` (on keys
 only where no event is there: a wake must never be written over one; a queue never loses one); a
 reader that finds another event already waiting knows the writer has moved on.
 """
@@ -48,11 +49,11 @@ def queue_name(reader: int) -> str:
 
 
 def publish(kv: KV, readers: int, n: int, text: str) -> None:
-    """Event ``n`` to readers ``0..readers-1``, then the head (keys: all in one request)."""
+    """Event ``n`` to readers ``0..readers-1``; on keys then the head, all in one request (a queue
+    needs no head: a reader starting late empties its queue instead of counting past the head)."""
     if kv.queues:
         for reader in range(readers):
             kv.push(queue_name(reader), text)
-        kv.set(p.QUEUE_HEAD, str(n))
         return
     kv.set_many([*(p.queue_key(reader, n) for reader in range(readers)), p.QUEUE_HEAD],
                 [text] * readers + [str(n)])  # one request, the head last
@@ -61,9 +62,10 @@ def publish(kv: KV, readers: int, n: int, text: str) -> None:
 def start(kv: KV, reader: int) -> int:
     """Where a reader starting now begins: after the events published before it (on keys, after
     the head; a queue drops what it holds, counted first, so an event pushed meanwhile stays).
-    Returns the number of the next event."""
+    Returns the number of the next event (on a queue 1: numbers are only the keys' names)."""
     if kv.queues:
         drop(kv, queue_name(reader))
+        return 1
     return int(kv.get(p.QUEUE_HEAD)) + 1 if kv.check([p.QUEUE_HEAD]) else 1
 
 
