@@ -226,6 +226,14 @@ def test_a_failed_switch_of_a_mindspore_job_ends_in_exit_not_dump(cluster: Clust
     assert sim.job_view(JOB).violations == []
 
 
+def _msrun_logs(log_dir: Path, own: Path) -> str:
+    """What msrun (or the launcher around it) and each process it started wrote, the end of each,
+    read when a check fails: a process that died at exit says so only at the end of its log."""
+    files = [own, *sorted(log_dir.glob("*.log"))]
+    return "".join(f"\n== {path.name}\n" + path.read_text(errors="replace")[-4000:]
+                   for path in files if path.exists())
+
+
 def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
     """Real msrun (2 workers on CPU): its scheduler process runs the script too, with MS_ROLE=MS_SCHED
     and RANK_ID=0; there the agent starts nothing, while the two workers are rank 0 (the leader,
@@ -242,22 +250,23 @@ def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
                     "NSW_STORE_PORT": str(free_port()), "GLOG_v": "3", "PYTHONUNBUFFERED": "1",
                     "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})
-        proc = subprocess.Popen([str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port",
-                                 str(free_port()), "--log_dir", str(tmp_path / "logs"), "--join", "True",
-                                 str(ROOT / "tests" / "ms_job" / "msrun_start.py")],
-                                cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+        with open(tmp_path / "msrun.log", "wb") as log:
+            proc = subprocess.Popen([str(msrun), "--worker_num", "2", "--local_worker_num", "2", "--master_port",
+                                     str(free_port()), "--log_dir", str(tmp_path / "logs"), "--join", "True",
+                                     str(ROOT / "tests" / "ms_job" / "msrun_start.py")],
+                                    cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+                                    start_new_session=True)
         try:
             def statuses() -> dict[str, dict[str, Any]] | None:
                 found = {p.name.split(".")[0]: json.loads(p.read_text(encoding="utf-8")) for p in out.glob("*.json")}
                 return found if len(found) == 3 else None
 
             found = poll(lambda: statuses() or proc.poll() is not None, 90) and statuses()
-            logs = {p.name: p.read_text(errors="replace")[-2000:] for p in (tmp_path / "logs").glob("*.log")}
-            assert found, (proc.poll(), logs)
+            assert found, (proc.poll(), _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log"))
             assert poll(lambda: sim.job_view(JOB).registered, 30)
             (out / "stop").touch()
-            assert proc.wait(60) == 0, logs
+            code = proc.wait(60)
+            assert code == 0, (code, _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log"))  # what they said last
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -296,9 +305,7 @@ def test_nicswitch_agent_launch_around_msrun_hosts_a_mindspore_store(tmp_path: P
                                 start_new_session=True)
 
         def logs() -> str:
-            text = (tmp_path / "launch.log").read_text(errors="replace")[-3000:]
-            return text + "".join(f"\n== {p.name}\n" + p.read_text(errors="replace")[-2000:]
-                                  for p in sorted((tmp_path / "logs").glob("*.log")))
+            return _msrun_logs(tmp_path / "logs", tmp_path / "launch.log")
 
         try:
             assert poll(lambda: support.streams_ready(sim, JOB) or proc.poll() is not None, 90), logs()
