@@ -1008,6 +1008,9 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             ranks1 = sum(proc_cpu_ns(c.pid) for c in node_children)
             # The steps due from the pause request until a step after the last resume.
             late = _late(node_children, answer["t_pause"], last_resumed_at(resumed) + step_s, step_s, timeout_s)
+            # The same steps split where every rank had parked: while the pause spreads (every
+            # member woken within a few ms of the others) and after it.
+            late_spread = _late(node_children, answer["t_pause"], answer["t_parked"], step_s, timeout_s)
             node_after = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             last_resumed = max(r["last"] for r in resumed)
             members = _store_diff(_sum_store([s["store"] for s in node_after]),
@@ -1047,7 +1050,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                 "cpu_by_role_s": {k: v / 1e9 for k, v in _diff(
                     dict(sum((Counter(a.get("cpu_by_role_ns", {})) for a in node_after), Counter())),
                     dict(sum((Counter(b.get("cpu_by_role_ns", {})) for b in node_before), Counter()))).items()},
-                "late": late,
+                "late": late, "late_spread": late_spread,
             })
         # The server's own sockets (its listener, its in-process client and that client's accepted
         # end): what is left once every client process has gone.
@@ -1270,8 +1273,18 @@ def _rank_metrics(result: BenchResult, r: SizeRun, label: str, step_s: float) ->
         result.add(rounds_metric(f"{label}: ... mean without the steps after a wait for the target step", free, "ms",
                                  note=f"{median([s['late'].get('held', 0) for s in sw]):.0f} steps came after a wait "
                                       "at the boundary for the target (the pause's own wait)"))
+        # Split at "every rank parked": the steps due while the pause spreads (the burst of every
+        # member waking at once) against the rest of the switch.
+        spread = [s["late_spread"]["sum_s"] / max(1, s["late_spread"]["steps"]) * 1e3 for s in sw]
+        rest = [(s["late"]["sum_s"] - s["late_spread"]["sum_s"])
+                / max(1, s["late"]["steps"] - s["late_spread"]["steps"]) * 1e3 for s in sw]
+        result.add(rounds_metric(f"{label}: ... mean of the steps due while the pause spreads", spread, "ms",
+                                 note=f"pause request -> every rank parked "
+                                      f"({median([s['late_spread']['steps'] for s in sw]):.0f} steps); the rest of "
+                                      f"the switch: {median(rest):.1f} ms mean"))
         summary.update({"late_mean_ms": median(mean), "late_over_half": median(over), "late_steps": median(steps),
-                        "idle_late_mean_ms": idle_mean, "late_free_ms": median(free)})
+                        "idle_late_mean_ms": idle_mean, "late_free_ms": median(free),
+                        "late_spread_ms": median(spread), "late_rest_ms": median(rest)})
     return summary
 
 
@@ -1550,18 +1563,19 @@ def compare_table(results: Sequence[BenchResult]) -> str:
     """The ranks' side of each fan-out, one row per fan-out and size (Markdown)."""
     rows = ["| fan-out | ranks | requested -> finished | rank CPU / rank | of which coordination | members | "
             "node relays | group relays | Store servers (node, group) | steps late: mean / > half a step (mean without "
-            "those after a wait for S) | "
+            "those after a wait for S) | steps late while the pause spreads / after | "
             "job Store CPU / rank | job Store sockets / rank |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for s in result.details.get("summary", []):
             roles = s["roles_us"]
             late = (f"{s['late_mean_ms']:.1f} ms / {s['late_over_half']:.0f} of {s['late_steps']:.0f} "
                     f"({s['late_free_ms']:.1f} ms)" if "late_mean_ms" in s else "-")
+            split = (f"{s['late_spread_ms']:.1f} / {s['late_rest_ms']:.1f} ms" if "late_spread_ms" in s else "-")
             rows.append(f"| {result.name} | {s['ranks']:,} | {s['total_s']:.2f} s | {s['rank_cpu_us']:,.0f} us | "
                         f"{s['coordination_cpu_us']:,.0f} us | {roles['member']:,.0f} us | "
                         f"{roles['node relay']:,.0f} us | {roles['group relay']:,.0f} us | "
-                        f"{roles['Store servers']:,.0f} us | {late} | "
+                        f"{roles['Store servers']:,.0f} us | {late} | {split} | "
                         f"{s['job_store_cpu_us']:,.0f} us | {s['sockets_per_rank']:.2f} |")
     return "\n".join(rows)
 

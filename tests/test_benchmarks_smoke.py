@@ -63,3 +63,14 @@ def test_quick_run_exits_0_and_writes_every_benchmark(tmp_path: Path, only: str,
     assert "benchmark" in proc.stdout and "metric" in proc.stdout  # the table was printed
     if "ms_store" in expected and importlib.util.find_spec("mindspore") is None:  # skipped, saying why
         assert benchmarks["ms_store"]["metrics"][0]["note"].startswith("skipped: mindspore ("), benchmarks["ms_store"]
+
+
+def test_wake_cost_reports_every_unit(tmp_path: Path) -> None:
+    """``python -m benchmarks.wake_cost`` (standalone, not in the suite) measures and prints its seven units."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.wake_cost", "--n", "5"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.endswith("us of CPU")]
+    assert len(lines) == 7, proc.stdout
+    assert all(math.isfinite(float(line.split()[-4])) for line in lines), proc.stdout
