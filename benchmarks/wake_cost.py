@@ -31,7 +31,7 @@ def _batches(fn: Callable[[int], float], n: int, batches: int = 5) -> float:
     return statistics.median(fn(n) for _ in range(batches))
 
 
-def _per_call(store: Any, call: Callable[[], Any], n: int) -> float:
+def _per_call(call: Callable[[], Any], n: int) -> float:
     start = time.thread_time()
     for _ in range(n):
         call()
@@ -116,13 +116,13 @@ def measure(n: int) -> dict[str, float]:
         def pushed_then_popped(count: int) -> float:
             for _ in range(count):
                 a.queue_push("q", "v")
-            return _per_call(a, lambda: a.queue_pop("q"), count)
+            return _per_call(lambda: a.queue_pop("q"), count)
 
         return {
-            "request with a reply (get)": _batches(lambda k: _per_call(a, lambda: a.get("x"), k), n),
+            "request with a reply (get)": _batches(lambda k: _per_call(lambda: a.get("x"), k), n),
             "queue_pop of a queued value": _batches(pushed_then_popped, n),
-            "request without a reply (set)": _batches(lambda k: _per_call(a, lambda: a.set("y", "1"), k), n),
-            "queue_push": _batches(lambda k: _per_call(a, lambda: a.queue_push("p", "v"), k), n),
+            "request without a reply (set)": _batches(lambda k: _per_call(lambda: a.set("y", "1"), k), n),
+            "queue_push": _batches(lambda k: _per_call(lambda: a.queue_push("p", "v"), k), n),
             "queue_pop woken by a push 2 ms later (reader)": _batches(lambda k: _woken_pop(a, b, k), n),
             "thread hand-off (threading.Event, the woken thread)": _batches(_hand_off, n),
             "Store server per request (get)": _batches(server_per_request, n),

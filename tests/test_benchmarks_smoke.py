@@ -65,7 +65,7 @@ def test_quick_run_exits_0_and_writes_every_benchmark(tmp_path: Path, only: str,
         assert benchmarks["ms_store"]["metrics"][0]["note"].startswith("skipped: mindspore ("), benchmarks["ms_store"]
 
 
-def test_wake_cost_reports_every_unit(tmp_path: Path) -> None:
+def test_wake_cost_reports_every_unit() -> None:
     """``python -m benchmarks.wake_cost`` (standalone, not in the suite) measures and prints its seven units."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.wake_cost", "--n", "5"], cwd=ROOT, env=env,
