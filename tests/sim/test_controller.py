@@ -13,6 +13,7 @@ from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import SimJob, SimSettings
 from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim.event_controller import JobController, JobView
+from nicswitch_agent.sim.generation import UNCONFIRMED_LIST, StreamToken
 
 from .conftest import FAST, JOB, NIC_OPS, NODES, WAIT, Setup
 
@@ -98,10 +99,9 @@ def test_signal_queue_busy_resets(harness: Callable[..., _Harness]) -> None:
     assert view.path_history[-1] == ["INIT(startSwitchNic)", "NotifyPauseTrainState"]
 
 
-def test_unconfirmed_list_send_moves_on_and_is_recorded(harness: Callable[..., _Harness]) -> None:
-    """docs/clusterd.md#the-reconnect-race: a list handed to a stream that died before the send completed
-    is lost, and the machine waits for a reply anyway."""
-    h = harness()
+def _unconfirmed_list_send(h: _Harness) -> StreamToken:
+    """Drive a switch to a list handed to a notify stream that then ended, its send unconfirmed.
+    Returns the process-manage stream."""
     pm = h.ctl.open_stream(P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL, "agent")
     notify = h.ctl.open_stream(P.SUBSCRIBE_NOTIFY_SWITCH, "worker")
     assert h.track().code == 0
@@ -114,9 +114,40 @@ def test_unconfirmed_list_send_moves_on_and_is_recorded(harness: Callable[..., _
     assert rank_list is not None and list(rank_list.rankID) == ["2", "3"]
     h.ctl.stream_terminated(notify)
     h.ctl.rank_list_unconfirmed(notify)
+    return pm
+
+
+def test_unconfirmed_list_send_moves_on_and_is_a_violation_when_no_reply_comes(
+    harness: Callable[..., _Harness],
+) -> None:
+    """docs/clusterd.md#the-reconnect-race: a list handed to a stream that died before the send completed
+    may be lost, and the machine waits for a reply anyway. Without a reply it is a violation, shown at
+    once and kept when the generation ends."""
+    h = harness()
+    pm = _unconfirmed_list_send(h)
     view = h.wait(lambda v: v.state == "WaitSwitchNicFinishedState")
     assert view.lists_sent == []
-    assert any(v.startswith("rank list handed to a SubscribeNotifySwitch stream that ended") for v in view.violations)
+    assert view.violations == [UNCONFIRMED_LIST]
+    h.ctl.stream_terminated(pm)  # the reset throws the generation away
+    view = h.wait(lambda v: v.state == P.INIT and v.generation == 2)
+    assert view.violations == [UNCONFIRMED_LIST]
+
+
+def test_unconfirmed_list_send_is_no_violation_when_the_subscriber_answers_it(
+    harness: Callable[..., _Harness],
+) -> None:
+    """A client that read the list and then ended its notify stream (a stop right after the list came)
+    can leave gRPC's generator unresumed, so the send looks unconfirmed. Its reply shows it saw the
+    list: no violation, then or after the reset (CI once flagged a correct agent's Ctrl-C this way)."""
+    h = harness()
+    pm = _unconfirmed_list_send(h)
+    h.wait(lambda v: v.state == "WaitSwitchNicFinishedState")
+    assert h.ctl.reply_switch_nic_result(pb.SwitchResult(jobId=JOB, result=False)).code == 0
+    view = h.wait(lambda v: v.replies == [False])
+    assert view.violations == []
+    h.ctl.stream_terminated(pm)
+    view = h.wait(lambda v: v.generation == 2)
+    assert view.violations == []
 
 
 def test_process_manage_subscribe_during_a_switch_is_recorded(make_setup: Callable[..., Setup]) -> None:

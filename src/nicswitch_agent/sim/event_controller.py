@@ -75,7 +75,7 @@ class JobController(StreamSide, StateHandlers):
                 stream_opens=dict(self._stream_opens),
                 open_streams=open_streams,
                 lists_sent=[copy_message(lst) for lst in self._lists_sent],
-                violations=list(self._violations),
+                violations=[*self._violations, *filter(None, [self._gen.unconfirmed_list])],
                 resets=list(self._resets),
                 queued=self._queued(),
             )
@@ -204,6 +204,7 @@ class JobController(StreamSide, StateHandlers):
                 return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=self.job_id))
             gen = self._gen
             self._replies.append(bool(request.result))
+            gen.unconfirmed_list = None  # the subscriber saw the list: it answered
             if gen.result is not None:
                 self._violation(
                     "duplicate reply while a result is pending (real ClusterD blocks this handler and "

@@ -18,6 +18,12 @@ from nicswitch_agent._pb import recover_pb2 as pb
 
 _M = TypeVar("_M", pb.ProcessManageSignal, pb.SwitchRankList)
 
+UNCONFIRMED_LIST = (
+    "rank list handed to a SubscribeNotifySwitch stream that ended before the send completed, and no "
+    "reply came: the subscriber may never have seen it, and ClusterD waits for a reply until its report "
+    "timeout (docs/clusterd.md#the-reconnect-race)"
+)
+
 
 class Cancelled(Exception):
     """The handler's generation was reset, or the simulator stops (upstream: ``ctx.Done()``)."""
@@ -71,6 +77,9 @@ class Generation:
     latest_results: list[pb.RecoverStatusRequest] = field(default_factory=list)
     # Simulator bookkeeping (not upstream): what a correct client is expected to send next.
     awaiting_reply: bool = False
+    # A list handed to a stream that ended before its send was confirmed: a violation unless a
+    # reply in this generation shows the subscriber saw it (streams.rank_list_unconfirmed).
+    unconfirmed_list: str | None = None
     expecting: set[str] = field(default_factory=set)
     ordered_strategy: str = ""
 

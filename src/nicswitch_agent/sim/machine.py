@@ -136,6 +136,8 @@ class Machine:
             logger.info("jobId=%s reset (%s); action path = {%s}", self.job_id, reason, "-->".join(path))
             old = self._gen
             old.closed = True
+            if old.unconfirmed_list is not None:
+                self._violation(old.unconfirmed_list)
             self._gen = self._new_generation(old.number + 1)
             self._state = P.INIT
             self._transitions = []
