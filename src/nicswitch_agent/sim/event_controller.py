@@ -21,7 +21,7 @@ import random
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import codes as P
-from nicswitch_agent.sim.generation import Generation, StreamToken, copy_message, new_event_id
+from nicswitch_agent.sim.generation import UNCONFIRMED_LIST, Generation, StreamToken, copy_message, new_event_id
 from nicswitch_agent.sim.job_view import FATAL_PREFIX, JobView
 from nicswitch_agent.sim.ranktable import go_map_order
 from nicswitch_agent.sim.state_handlers import StateHandlers
@@ -75,7 +75,7 @@ class JobController(StreamSide, StateHandlers):
                 stream_opens=dict(self._stream_opens),
                 open_streams=open_streams,
                 lists_sent=[copy_message(lst) for lst in self._lists_sent],
-                violations=[*self._violations, *filter(None, [self._gen.unconfirmed_list])],
+                violations=self._violations + ([UNCONFIRMED_LIST] if self._gen.unconfirmed_send else []),
                 resets=list(self._resets),
                 queued=self._queued(),
             )
@@ -204,7 +204,7 @@ class JobController(StreamSide, StateHandlers):
                 return pb.Status(code=P.UN_REGISTRY, info=P.NOT_REGISTED.format(job=self.job_id))
             gen = self._gen
             self._replies.append(bool(request.result))
-            gen.unconfirmed_list = None  # the subscriber saw the list: it answered
+            gen.unconfirmed_send = False  # the subscriber saw the list: it answered
             if gen.result is not None:
                 self._violation(
                     "duplicate reply while a result is pending (real ClusterD blocks this handler and "

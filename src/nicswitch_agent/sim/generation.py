@@ -77,9 +77,9 @@ class Generation:
     latest_results: list[pb.RecoverStatusRequest] = field(default_factory=list)
     # Simulator bookkeeping (not upstream): what a correct client is expected to send next.
     awaiting_reply: bool = False
-    # A list handed to a stream that ended before its send was confirmed: a violation unless a
-    # reply in this generation shows the subscriber saw it (streams.rank_list_unconfirmed).
-    unconfirmed_list: str | None = None
+    # A list handed to a stream that ended before its send was confirmed: UNCONFIRMED_LIST unless
+    # a reply in this generation shows the subscriber saw it (streams.rank_list_unconfirmed).
+    unconfirmed_send: bool = False
     expecting: set[str] = field(default_factory=set)
     ordered_strategy: str = ""
 

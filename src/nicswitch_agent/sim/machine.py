@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import codes as P
-from nicswitch_agent.sim.generation import Cancelled, Generation, StreamToken
+from nicswitch_agent.sim.generation import UNCONFIRMED_LIST, Cancelled, Generation, StreamToken
 from nicswitch_agent.sim.job_view import FATAL_PREFIX
 from nicswitch_agent.sim.ranktable import RankTable
 from nicswitch_agent.sim.rules import RULES, TriggerError
@@ -136,8 +136,8 @@ class Machine:
             logger.info("jobId=%s reset (%s); action path = {%s}", self.job_id, reason, "-->".join(path))
             old = self._gen
             old.closed = True
-            if old.unconfirmed_list is not None:
-                self._violation(old.unconfirmed_list)
+            if old.unconfirmed_send:
+                self._violation(UNCONFIRMED_LIST)
             self._gen = self._new_generation(old.number + 1)
             self._state = P.INIT
             self._transitions = []

@@ -11,7 +11,7 @@ import time
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.sim import codes as P
-from nicswitch_agent.sim.generation import UNCONFIRMED_LIST, StreamToken, copy_message, discard_waiter
+from nicswitch_agent.sim.generation import StreamToken, copy_message, discard_waiter
 from nicswitch_agent.sim.machine import Machine
 
 logger = logging.getLogger("nicswitch_agent.sim")
@@ -188,7 +188,7 @@ class StreamSide(Machine):
                 token.in_flight = False
                 return
             token.in_flight = False
-            token.gen.unconfirmed_list = UNCONFIRMED_LIST
+            token.gen.unconfirmed_send = True
             logger.debug("jobId=%s rank list send unconfirmed: a violation unless a reply comes", self.job_id)
             self._changed()
         self._add_event(token.gen, P.NOTIFY_SUCCESS)
