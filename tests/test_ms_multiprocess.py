@@ -248,6 +248,7 @@ def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
         env.update({"NICSWITCH_SERVER": sim.address, "NICSWITCH_JOB_ID": JOB, "NSW_OUT": str(out),
                     "NSW_STORE_PORT": str(free_port()), "GLOG_v": "3", "PYTHONUNBUFFERED": "1",
+                    "PYTHONFAULTHANDLER": "1",  # a crash at exit says where
                     "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})
         with open(tmp_path / "msrun.log", "wb") as log:
@@ -262,11 +263,12 @@ def test_under_msrun_the_scheduler_process_is_no_rank(tmp_path: Path) -> None:
                 return found if len(found) == 3 else None
 
             found = poll(lambda: statuses() or proc.poll() is not None, 90) and statuses()
-            assert found, (proc.poll(), _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log"))
+            assert found, f"msrun exit {proc.poll()}" + _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log")
             assert poll(lambda: sim.job_view(JOB).registered, 30)
             (out / "stop").touch()
             code = proc.wait(60)
-            assert code == 0, (code, _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log"))  # what they said last
+            logs = _msrun_logs(tmp_path / "logs", tmp_path / "msrun.log")
+            assert code == 0, f"msrun exit {code}" + logs  # a str: pytest cuts a tuple's repr
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -293,6 +295,7 @@ def test_nicswitch_agent_launch_around_msrun_hosts_a_mindspore_store(tmp_path: P
                    settings=FAST) as sim:
         env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB_PREFIXES) and k not in SCRUB_NAMES}
         env.update({"NSW_OUT": str(out), "GLOG_v": "3", "PYTHONUNBUFFERED": "1", "NICSWITCH_PAUSE": "agent",
+                    "PYTHONFAULTHANDLER": "1",  # a crash at exit says where
                     "NICSWITCH_RECONNECT_INITIAL_S": "0.02", "NICSWITCH_RECONNECT_MAX_S": "0.1",
                     "PATH": os.pathsep.join([str(msrun.parent), env.get("PATH", "")]),  # msrun runs "python"
                     "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH", "")]))})

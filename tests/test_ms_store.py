@@ -11,6 +11,7 @@ without MindSpore.
 from __future__ import annotations
 
 import datetime
+import gc
 import subprocess
 import sys
 import threading
@@ -265,3 +266,18 @@ def test_under_the_launcher_the_launchers_store_wins_over_the_jobs(master: Any) 
                       store_address=f"127.0.0.1:{launchers.port}")
     kv = topology.coordination_kv(cfg, 2, store=master, leader_only=False)
     assert isinstance(kv.store, MindSporeStore) and kv.store.port == launchers.port != master.port
+
+
+def test_no_mindspore_store_made_or_passed_here_is_ever_destroyed(master: Any) -> None:
+    """Destroying a MindSpore TCPStore client can crash the process, at exit too (a worker under
+    msrun died of SIGSEGV in the interpreter's teardown while the garbage collector destroyed the
+    job's Store): the job's Store given to ``MindSporeStore.of`` and every client made for it hold
+    one reference more than anyone owns, so no refcount or collection ever reaches zero."""
+    before = sys.getrefcount(master)
+    ours = MindSporeStore.of(master, 10.0)
+    client, clone_client = ours._client, ours.clone()._client
+    del ours
+    gc.collect()
+    assert sys.getrefcount(master) == before + 1
+    held = raw_client(master)  # held by a name here and by this file's list: one reference more than the name
+    assert sys.getrefcount(client) == sys.getrefcount(clone_client) == sys.getrefcount(held)

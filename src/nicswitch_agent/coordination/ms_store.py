@@ -32,12 +32,18 @@ How the missing calls are built (each call below is one round trip, ~0.1 ms on l
 
 Destroying a MindSpore TCPStore client can crash the process (a segmentation fault in its
 teardown: 2 of 3 runs of 200 clients made and dropped one after another; none in 4 runs with every
-client kept). So every client and master made here is kept until the process exits
-(:data:`_KEPT`): a socket each, a handful per ``start()``.
+client kept). At exit too: under msrun, a worker that had stopped its agent cleanly died of SIGSEGV
+in the interpreter's teardown in about 1 run of 10 on a loaded machine (the garbage collector
+destroyed the job's TCPStore, whose client joined its event thread while that thread crashed,
+its master's process exiting at the same moment). So every MindSpore TCPStore made here, and the
+one a job passes as ``store=``, is never destroyed (:func:`_keep`: a reference never given back):
+the operating system closes its socket when the process ends. A socket each, a handful per
+``start()``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import socket
 import threading
@@ -53,13 +59,12 @@ POLL_MAX_S = 0.02  # an idle wait's round trips: 50 a second (MindSpore's own ge
 ACTIVE_POLL_MAX_S = 0.005  # within ACTIVE_S of a wait that found its key: a switch's next event
 ACTIVE_S = 5.0
 HOST_ATTEMPTS = 5  # a free port found and taken by another process before we bind it: try another
-_KEPT: list[Any] = []  # every client and master made here: never destroyed before exit (see the module doc)
-_kept_lock = threading.Lock()
 
 
 def _keep(obj: Any) -> Any:
-    with _kept_lock:
-        _KEPT.append(obj)
+    """``obj``, never to be destroyed, not even by the interpreter's teardown at exit (see the module
+    doc): a strong reference nothing holds, so no refcount or garbage collection reaches zero."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
     return obj
 
 
@@ -130,7 +135,10 @@ class MindSporeStore:
     @classmethod
     def of(cls, store: Any, timeout_s: float, poll_max_s: float = POLL_MAX_S) -> MindSporeStore:
         """Our client of the TCPStore ``store`` (a MindSpore TCPStore the job made): a connection of
-        our own, so that the job's client and its timeout stay the job's."""
+        our own, so that the job's client and its timeout stay the job's. The job's client is then
+        never destroyed (see the module doc): the agent's references would make the garbage collector
+        destroy it late in the interpreter's teardown, where it crashed."""
+        _keep(store)
         return cls(str(store.host), int(store.port), timeout_s, poll_max_s=poll_max_s)
 
     @property
