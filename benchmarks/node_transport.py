@@ -19,6 +19,13 @@ invocation, in interleaved rounds:
 - ``sockets``: no Store: each member holds a Unix socket to its relay; an event is one framed
   ``sendall`` to each member's socket, which the member's blocking ``recv`` takes; an answer is one
   framed ``sendall`` back, and the relay reads whichever member sockets are ready (``selectors``).
+- ``py-store``: a Store of queues written in Python and hosted in the relay's process, which a
+  Store-shaped node transport would be (the same calls as ``store-queues``, so the coordination
+  above it would not change): a member's ``pop`` is a request over its Unix socket, answered at
+  once if its queue holds an event or else by the relay's next push to it, which the relay's
+  thread writes to that member's socket itself; a member's ``push`` of an answer is one frame (no
+  reply), which the Store's thread (a ``selectors`` loop in the relay's process) queues and hands
+  to the relay's thread, waiting on a condition.
 
 Reported per rank per switch: CPU of the members, of the relay's thread, and of the rest of the
 relay's process (the Store's server thread; about nothing with sockets), and the relay's wall time
@@ -29,6 +36,7 @@ target.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import multiprocessing as mp
 import os
@@ -37,11 +45,12 @@ import socket
 import statistics
 import struct
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
-WAYS = ("store-queues", "store-wait", "sockets")
+WAYS = ("store-queues", "store-wait", "sockets", "py-store")
 EVENTS = (  # about the size of the agent's events (coordination/messages.py)
     b'{"t":"pause","e":7,"n":8,"d":1733400000.123,"m":"agent"}',
     b'{"t":"target","e":7,"n":8,"s":1234,"d":1733400000.456}',
@@ -74,6 +83,19 @@ def _member(way: str, address: str, slot: int, switches: int, out: Any) -> None:
         def answer(switch: int, event: int) -> None:
             text = _answer(slot, event)
             sock.sendall(FRAME.pack(len(text)) + text)
+    elif way == "py-store":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        reader = sock.makefile("rb", buffering=0)
+        pop = _request(b"P" + f"q/{slot}".encode())
+
+        def read() -> bytes:
+            sock.sendall(pop)
+            (size,) = FRAME.unpack(_exactly(reader, FRAME.size))
+            return _exactly(reader, size)
+
+        def answer(switch: int, event: int) -> None:
+            sock.sendall(_request(b"U" + f"a/{switch}/{event}".encode() + b"\0" + _answer(slot, event)))
     else:
         from torch.distributed import TCPStore
 
@@ -101,6 +123,10 @@ def _member(way: str, address: str, slot: int, switches: int, out: Any) -> None:
     out.send(spent)
 
 
+def _request(body: bytes) -> bytes:
+    return FRAME.pack(len(body)) + body
+
+
 def _exactly(reader: Any, size: int) -> bytes:
     data = reader.read(size)
     if data is None or len(data) != size:
@@ -120,18 +146,81 @@ class Round:
     wall_ms: float  # per switch, median
 
 
+class _PyQueueStore:
+    """``py-store``'s Store: queues in the relay's process, its members' requests served by a thread."""
+
+    def __init__(self, conns: list[socket.socket]) -> None:
+        self._queues: dict[str, collections.deque[bytes]] = collections.defaultdict(collections.deque)
+        self._waiting: dict[str, socket.socket] = {}  # a member's pop that found its queue empty
+        self._cond = threading.Condition()
+        self._conns = conns
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def push(self, queue: str, value: bytes) -> None:
+        """The relay's push: straight to a member blocked on ``queue``, from this thread."""
+        with self._cond:
+            conn = self._waiting.pop(queue, None)
+            if conn is None:
+                self._queues[queue].append(value)
+                self._cond.notify_all()
+                return
+        conn.sendall(FRAME.pack(len(value)) + value)
+
+    def pop(self, queue: str) -> bytes:
+        """The relay's pop: waits on the condition the Store's thread notifies."""
+        with self._cond:
+            while not self._queues[queue]:
+                self._cond.wait()
+            return self._queues[queue].popleft()
+
+    def _serve(self) -> None:
+        selector = selectors.DefaultSelector()
+        buffers: dict[socket.socket, bytes] = {}
+        for conn in self._conns:
+            selector.register(conn, selectors.EVENT_READ)
+            buffers[conn] = b""
+        while True:
+            for key, _ in selector.select():
+                conn = key.fileobj
+                assert isinstance(conn, socket.socket)
+                data = conn.recv(65536)
+                if not data:
+                    selector.unregister(conn)
+                    continue
+                buffers[conn] += data
+                while len(buffers[conn]) >= FRAME.size:
+                    (size,) = FRAME.unpack_from(buffers[conn])
+                    if len(buffers[conn]) < FRAME.size + size:
+                        break
+                    body = buffers[conn][FRAME.size:FRAME.size + size]
+                    buffers[conn] = buffers[conn][FRAME.size + size:]
+                    self._handle(conn, body)
+
+    def _handle(self, conn: socket.socket, body: bytes) -> None:
+        if body[:1] == b"U":
+            queue, value = body[1:].split(b"\0", 1)
+            self.push(queue.decode(), value)
+            return
+        queue = body[1:].decode()  # b"P": a pop
+        with self._cond:
+            if not self._queues[queue]:
+                self._waiting[queue] = conn
+                return
+            value = self._queues[queue].popleft()
+        conn.sendall(FRAME.pack(len(value)) + value)
+
+
 def _run_node(way: str, members: int, switches: int, ready: Any, go: Any, out: Any) -> None:
     """One node: start its members, run ``switches`` switches, send back (members, relay, server, walls)."""
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        if way == "sockets":
+        if way in ("sockets", "py-store"):
             address = os.path.join(tmp, "relay.sock")
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(address)
             listener.listen(members)
         else:
-
             from torch.distributed import TCPStore
 
             store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
@@ -143,7 +232,17 @@ def _run_node(way: str, members: int, switches: int, ready: Any, go: Any, out: A
             proc.start()
             pipes.append(mine)
             procs.append(proc)
-        if way == "sockets":
+        if way == "py-store":
+            py_store = _PyQueueStore([listener.accept()[0] for _ in range(members)])
+
+            def publish(switch: int, event: int) -> None:
+                for slot in range(members):
+                    py_store.push(f"q/{slot}", EVENTS[event])
+
+            def gather(switch: int, event: int) -> None:
+                for _ in range(members):
+                    py_store.pop(f"a/{switch}/{event}")
+        elif way == "sockets":
             socks: list[socket.socket] = [socket.socket()] * members
             for _ in range(members):
                 conn, _ = listener.accept()
