@@ -192,10 +192,11 @@ def test_a_hook_that_runs_collectives_is_refused_at_start_in_pause_mode_external
         cluster: Cluster, env: dict[str, str], hook: str) -> None:
     job = cluster.job(2, pause="external", env=env)
     codes = job.wait_exit(40)
-    # Rank 0 hosts the job's Store: once it is refused and gone, rank 1 may fail in
-    # init_process_group before it reaches agent.start(); either way nothing runs on.
-    assert codes[0] == EXIT_START and codes[1] is not None, codes
-    reason = job.result(0)["reason"]
+    # Either rank may be refused first; once it is gone, the other may fail in init_process_group
+    # (rank 1 without rank 0's Store; rank 0 in gloo's mesh, its peer gone: seen in CI) before it
+    # reaches agent.start(). Either way one was refused for the hook and nothing runs on.
+    assert None not in codes and EXIT_START in codes, codes
+    reason = job.result(codes.index(EXIT_START))["reason"]
     assert reason.startswith(f"ConfigError: {hook} runs collectives"), reason
     assert "pause mode external" in reason and "pause='agent'" in reason
 
