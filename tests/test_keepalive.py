@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from h2watch import Connection, PingWatch
 from soak import JOB, SubprocessBackend
-from support import Events, Trainer, free_port, streams_ready
+from support import Events, Trainer, free_port, poll, streams_ready
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -102,8 +102,10 @@ def test_agent_registers_again_and_switches_after_the_simulator_is_killed_and_re
     snapshot = restarted.snapshot()
     assert snapshot.violations == ()
     assert (snapshot.lists_sent, snapshot.replies) == (1, 1)
+    # The operator's "continue" can reach the test before the agent's thread has left "switching".
+    assert poll(lambda: agent.status()["state"] == "running", 10), agent.status()["state"]
     status = agent.status()
-    assert status["state"] == "running" and status["process_manage"]["registered"]
+    assert status["process_manage"]["registered"]
     assert status["counters"]["replies_delivered"] == 2
     print(f"\nrecovery after SIGKILL: new simulator serving {(serving - killed) * 1000:.0f} ms after the kill "
           f"(process start-up); streams reopened {(ready - serving) * 1000:.0f} ms later; next switch done "
