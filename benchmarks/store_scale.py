@@ -548,7 +548,7 @@ class RankThread:
 
 
 class NodeProcess:
-    """K ranks of one node, as threads of this process."""
+    """K ranks as threads of this process: whole nodes, or a part of one node (``split``)."""
 
     def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
                  as_is: bool = False, per_node: int | None = None, per_group: int | None = None,
@@ -566,6 +566,8 @@ class NodeProcess:
         self.port, self.node, self.nodes, self.world, self.timeout_s = port, node, nodes, world, timeout_s
         self.local_world = math.ceil(world / nodes)
         self.ranks = list(range(node * self.local_world, min(world, (node + 1) * self.local_world)))
+        # Fewer ranks here than a node has: the node's ranks are in several processes (see start).
+        self.split = per_node is not None and self.local_world < per_node
         self.registry = Registry()
         self.node_registry = Registry()  # the node Stores' clients (node-local fan-out)
         self._cond = threading.Condition()
@@ -596,7 +598,23 @@ class NodeProcess:
             return True
 
         local_kv: dict[int, Any] = {}  # first rank of a node -> its node's Store (node-local fan-out)
-        if self.per_node is not None:
+        fan_outs: dict[int, Any] = {}  # rank -> its RankFanOut (nodes split over processes)
+        if self.split:
+            # A node's ranks live in several processes (one rank per process: the deployment's
+            # shape): each rank builds its Stores and relays as SwitchAgent does (RankFanOut), its
+            # local rank 0 hosting the node's Store, the others dialing it over loopback TCP.
+            from nicswitch_agent.coordination.fan_out import RankFanOut
+            from nicswitch_agent.coordination.topology import Layout
+
+            assert self.per_node is not None
+            layout = Layout(self.world, self.per_node, self.per_group)
+            # Hosts first (slot 0 of a node), so the others find the address at once.
+            for rank in sorted(self.ranks, key=lambda r: r % self.per_node != 0):
+                fan_out = RankFanOut(kv, layout, rank, node_store_timeout_s=self.timeout_s, stop_timeout_s=1.0)
+                fan_out.start()
+                fan_outs[rank] = fan_out
+                self.relays += [relay for relay in (fan_out.group_relay, fan_out.node_relay) if relay is not None]
+        elif self.per_node is not None:
             from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
             from nicswitch_agent.coordination.relay import NodeRelay
@@ -623,7 +641,11 @@ class NodeProcess:
         def start_rank(rank: int) -> tuple[RankThread, Any]:
             r = RankThread(rank, self)
             base, slot = kv, None
-            if self.per_node is not None:  # its keys on its node's Store, at its local slot
+            if rank in fan_outs:  # its node's Store as RankFanOut connected it (counted from here on)
+                fan_out = fan_outs[rank]
+                base, slot = KV(CountingStore(fan_out.member_kv.store, self.node_registry), fan_out.member_kv.prefix,
+                                **_queues(KV, bool(getattr(fan_out.member_kv, "queues", False)))), fan_out.slot
+            elif self.per_node is not None:  # its keys on its node's Store, at its local slot
                 slot = rank % self.per_node
                 base = local_kv[rank - slot]
             member = Member(base.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of its store
@@ -696,7 +718,8 @@ class NodeProcess:
         for relay in self.relays:
             thread = getattr(relay, "_thread", None)
             if thread is not None and thread.native_id is not None:
-                roles[thread.native_id] = "group relay" if getattr(relay, "_label", "") == "group" else "node relay"
+                roles[thread.native_id] = "group relay" if str(getattr(relay, "_label", "")).startswith("group") \
+                    else "node relay"
         for r in self.rank_threads:
             if r.thread.native_id is not None:
                 roles[r.thread.native_id] = "training"
@@ -1144,6 +1167,8 @@ def _group_metrics(result: BenchResult, r: SizeRun, label: str, per_node: int) -
     largest_req, largest_polls, largest_cpu, mean_req = [], [], [], []
     for s in sw:
         req = {g: sum(v["calls"].values()) for g, v in s["groups"].items()}
+        if not req:  # nodes split over processes: RankFanOut's group Stores are not counted
+            continue
         top = max(req, key=lambda g: req[g])
         largest_req.append(float(req[top]))
         largest_polls.append(float(s["groups"][top]["calls"].get("add(0) poll", 0)))
@@ -1161,21 +1186,23 @@ def _group_metrics(result: BenchResult, r: SizeRun, label: str, per_node: int) -
                                   f"polls, as many as this machine's long waits allow; the rest "
                                   f"({(median(requests) - median(polls)) / layout.groups:.0f} per group) at the "
                                   "measured CPU per request"))
-    result.add(rounds_metric(f"{label}: requests per switch on the largest group's Store", largest_req, "",
-                             note=f"{median(largest_req) / layout.nodes_per_group:.0f} per node of the group; of "
-                                  f"which counter polls (add 0, more the longer the relay waits: load) "
-                                  f"{median(largest_polls):.0f}; mean over groups {median(mean_req):.0f}"))
-    estimate = median(largest_req) * per_request
-    result.add(rounds_metric(f"{label}: group Store server CPU per switch (largest, measured)", largest_cpu, "s",
-                             note=f"its server thread (schedstat) in the node process hosting it, which shares the "
-                                  f"cores; estimated from its requests x the job Store's CPU per request: "
-                                  f"{estimate * 1e3:.1f} ms"))
+    if largest_req:  # (none counted with nodes split over processes)
+        result.add(rounds_metric(f"{label}: requests per switch on the largest group's Store", largest_req, "",
+                                 note=f"{median(largest_req) / layout.nodes_per_group:.0f} per node of the group; "
+                                      f"of which counter polls (add 0, more the longer the relay waits: load) "
+                                      f"{median(largest_polls):.0f}; mean over groups {median(mean_req):.0f}"))
+        estimate = median(largest_req) * per_request
+        result.add(rounds_metric(f"{label}: group Store server CPU per switch (largest, measured)", largest_cpu,
+                                 "s", note=f"its server thread (schedstat) in the node process hosting it, which "
+                                           f"shares the cores; estimated from its requests x the job Store's CPU "
+                                           f"per request: {estimate * 1e3:.1f} ms"))
     node_cpu = median([s["node_stores_cpu_s"] for s in sw]) / layout.nodes
     result.add(single_metric(f"{label}: a node Store's server CPU per switch", node_cpu * 1e3, "ms",
                              note="mean over the nodes (schedstat of their server threads)"))
     return {"ranks": r.ranks, "groups": layout.groups, "per_group": layout.nodes_per_group or 0, "job_cpu": job_cpu,
             "job_cpu_no_polls": job_cpu_no_polls, "per_request": per_request,
-            "group_cpu": median(largest_cpu), "group_estimate": estimate, "node_cpu": node_cpu}
+            "group_cpu": median(largest_cpu) if largest_cpu else math.nan,
+            "group_estimate": median(largest_req) * per_request if largest_req else math.nan, "node_cpu": node_cpu}
 
 
 def _group_fit(result: BenchResult, grouped: list[dict[str, float]], per_node: int, per_group: int | str) -> None:
@@ -1323,8 +1350,9 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             layout = group_layout(n, per_node, per_group) if per_group and per_node else None
             groups = layout.groups if layout is not None and layout.nodes_per_group else 0
             why = feasible(n, k, limits_fd["soft"], host_limits(), per_node, groups)
-            if not why and per_node is not None and n % (k * per_node):
-                why = f"{n:,} ranks do not split into {k} processes of whole nodes of {per_node}"
+            if not why and per_node is not None and n % (k * per_node) and (n % k or per_node % (n // k)):
+                why = (f"{n:,} ranks do not split into {k} processes of whole nodes of {per_node}, nor into "
+                       f"processes of equal parts of a node")
             if why:
                 runs.append(SizeRun(n, k, skipped=why))
                 print(f"   store_scale: {n:,} ranks skipped: {why}", file=sys.stderr, flush=True)
@@ -1399,7 +1427,7 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
         xs.append(r.ranks)
         cpu.append(median(server_cpu))
         wall.append(median(total))
-    if len(grouped) >= 2 and per_node and per_group:
+    if len(grouped) >= 2 and per_node and per_group and not any(math.isnan(g["group_cpu"]) for g in grouped):
         _group_fit(result, grouped, per_node, per_group)
     if len(xs) >= 2:
         a, b, r2 = fit(xs, cpu)
@@ -1448,12 +1476,17 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
 
 
 NODE_RANKS_PER_NODE = 16  # an Ascend node's 8 or 16 NPUs: 16 in the suite
-QUICK_RANKS_PER_NODE = 4  # the smoke run: 8 ranks = 2 nodes of 4
+# The smoke run: 8 ranks = 1 node of 8 split over 2 processes (each rank as SwitchAgent builds it,
+# the second process's ranks dialing the node's Store over loopback); the group smoke run below
+# has whole nodes in each process.
+QUICK_RANKS_PER_NODE = 8
+QUICK_NODE_PROCESSES = 2
 
 
 def run_node(settings: Settings) -> BenchResult:
     """The suite's benchmark 7b: :func:`run` with node-local fan-out."""
-    return run(settings, per_node=settings.pick(QUICK_RANKS_PER_NODE, NODE_RANKS_PER_NODE))
+    return run(settings, per_node=settings.pick(QUICK_RANKS_PER_NODE, NODE_RANKS_PER_NODE),
+               processes=settings.pick(QUICK_NODE_PROCESSES, None))
 
 
 # The smoke run of 7c: 16 ranks = 8 nodes of 2 in groups of 3 (3, 3, 2 nodes) over 2 processes of 4
@@ -1473,7 +1506,10 @@ def _cli() -> None:
                                      description="The real coordination at scale over one TCPStore (benchmark 7).")
     parser.add_argument("--role", choices=("main", "server", "node", "leader"), default="main", help=argparse.SUPPRESS)
     parser.add_argument("--sizes", default=",".join(map(str, FULL_SIZES)), help="comma-separated rank counts")
-    parser.add_argument("--processes", type=int, default=4, help="node processes (ranks are threads of these)")
+    parser.add_argument("--processes", type=int, default=4,
+                        help="node processes (ranks are threads of these; with fewer ranks per process than a node "
+                             "has, each node is split over processes, its ranks built as SwitchAgent builds them: "
+                             "--processes equal to the ranks is the deployment's one rank per process)")
     parser.add_argument("--switches", type=int, default=0,
                         help="measured switches per size (default: 3 up to 4,096 ranks, then 2)")
     parser.add_argument("--listed", type=int, default=16, help="ranks in the order (0: every rank)")
