@@ -6,6 +6,12 @@ with; a relay between the two sees both. It forwards every byte unchanged and as
 only counts: per connection, the client's PINGs (not ACKs) since the server last sent a frame other
 than a PING (a server's DATA, HEADERS or WINDOW_UPDATE resets its ping strikes), and any GOAWAY
 from the server with its error code and debug data.
+
+A ping counts by the server's clock, not the relay's: by where the server's ACK of it (same 8
+bytes) falls in what the server wrote. A ping can cross a server's HEADERS in flight: the relay
+forwards it before it sees the HEADERS, yet the server received it after it wrote them and so
+after it reset its strikes. Counted at the relay it would be lost to the reset; its ACK comes after
+the HEADERS, and so does the count. (CI once saw GOAWAY "on the 3rd" ping that way.)
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import threading
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -27,9 +34,12 @@ class Connection:
     """What one relayed connection carried so far (read under :attr:`PingWatch.cond`)."""
 
     pings: int = 0  # the client's PINGs, in all
-    quiet_pings: int = 0  # the client's PINGs since the server's last frame other than a PING
+    quiet_pings: int = 0  # the client's PINGs the server ACKed since its last frame other than a PING
     goaway: tuple[int, bytes] | None = None  # (error code, debug data) of the server's GOAWAY
-    goaway_quiet_pings: int | None = None  # quiet_pings when the GOAWAY came: the ping it answered
+    # When the GOAWAY came: quiet_pings and the pings not ACKed yet (the one it answered among them)
+    goaway_quiet_pings: int | None = None
+    unacked: Counter[bytes] = field(default_factory=Counter)  # the client's pings not ACKed yet, by payload
+    early: Counter[bytes] = field(default_factory=Counter)  # ACKs seen before their ping was counted
     open: bool = True
     server_frames: list[int] = field(default_factory=list)  # frame types, for failure messages
 
@@ -106,12 +116,21 @@ class PingWatch:
             if from_client:
                 if kind == PING and not flags & ACK:
                     conn.pings += 1
-                    conn.quiet_pings += 1
+                    if conn.early[payload]:  # its ACK was counted already (forwarded before counted)
+                        conn.early[payload] -= 1
+                    else:
+                        conn.unacked[payload] += 1
             else:
                 conn.server_frames.append(kind)
                 if kind == GOAWAY:
                     conn.goaway = (int.from_bytes(payload[4:8], "big"), payload[8:])
-                    conn.goaway_quiet_pings = conn.quiet_pings
+                    conn.goaway_quiet_pings = conn.quiet_pings + conn.unacked.total()
+                elif kind == PING and flags & ACK:
+                    if conn.unacked[payload]:
+                        conn.unacked[payload] -= 1
+                    else:
+                        conn.early[payload] += 1
+                    conn.quiet_pings += 1
                 elif kind != PING:
                     conn.quiet_pings = 0
             self.cond.notify_all()
