@@ -38,7 +38,7 @@ def refused(match: str, **overrides: Any) -> str:
 def test_float_fields_are_the_expected_ones() -> None:
     # Guards the parametrisations below: a new *_s field must be covered by them.
     assert sorted(FLOAT_FIELDS) == sorted([
-        "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s",
+        "keepalive_time_s", "keepalive_timeout_s", "reconnect_initial_s", "reconnect_max_s", "connect_timeout_s",
         "resubscribe_after_eof_s", "pause_timeout_s", "max_parked_s", "guard_timeout_s", "switch_timeout_s",
         "verify_timeout_s", "reply_timeout_s",
         "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "exit_timeout_s",
@@ -278,7 +278,7 @@ def test_non_numeric_times_refused(name: str, value: Any) -> None:
 
 @pytest.mark.parametrize(
     "name",
-    ["keepalive_timeout_s", "pause_timeout_s", "reconnect_initial_s", "reconnect_max_s",
+    ["keepalive_timeout_s", "pause_timeout_s", "reconnect_initial_s", "reconnect_max_s", "connect_timeout_s",
      "guard_timeout_s", "switch_timeout_s",
      "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s", "store_connect_timeout_s",
      "join_timeout_s", "mindspore_poll_s"],

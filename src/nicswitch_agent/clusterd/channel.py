@@ -101,6 +101,7 @@ class ChannelSettings:
     keepalive_timeout_s: float = 5.0
     reconnect_initial_s: float = 0.2
     reconnect_max_s: float = 1.0
+    connect_timeout_s: float = 20.0
     max_receive_bytes: int = 8 * 1024 * 1024
     max_send_bytes: int = 4 * 1024 * 1024
     tls: TlsSettings | None = None
@@ -127,7 +128,9 @@ class ChannelSettings:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.initial_reconnect_backoff_ms", int(self.reconnect_initial_s * 1000)),
-            ("grpc.min_reconnect_backoff_ms", int(self.reconnect_initial_s * 1000)),
+            # Despite its name, gRPC core's MIN_CONNECT_TIMEOUT: how long one connection attempt may
+            # take. Set to the first backoff (0.2 s) it failed every attempt over a slow link.
+            ("grpc.min_reconnect_backoff_ms", int(self.connect_timeout_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(self.reconnect_max_s * 1000)),
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", self.max_send_bytes),

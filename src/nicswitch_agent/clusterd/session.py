@@ -67,6 +67,7 @@ class LeaderSession:
             keepalive_timeout_s=cfg.keepalive_timeout_s,
             reconnect_initial_s=cfg.reconnect_initial_s,
             reconnect_max_s=cfg.reconnect_max_s,
+            connect_timeout_s=cfg.connect_timeout_s,
             max_receive_bytes=cfg.max_message_bytes,
             tls=cfg.tls_settings(),
             single_threaded_streams=True,  # idle streams wait in gRPC core (docs/performance.md, "Idle CPU")

@@ -124,6 +124,10 @@ class AgentConfig:
     reconnect_max_s: float = 1.0
     """Cap of the resubscribe delay after errors, and of the channel's reconnect backoff: the
     streams reopen within 2 s of a restarted ClusterD answering again."""
+    connect_timeout_s: float = 20.0
+    """How long one connection attempt to ClusterD may take (TCP, TLS, HTTP/2 settings) before gRPC
+    drops it and tries again after its backoff: gRPC's own default. A host that refuses at once
+    still fails at once; a slow link must not fail every attempt."""
     resubscribe_after_eof_s: float = 0.0
     """Delay before resubscribing after a clean end of stream (ClusterD ends it after every
     switch); reopening is still throttled if the server keeps ending it at once."""
@@ -370,7 +374,8 @@ class AgentConfig:
             or not 0 <= self.metrics_port < 65536
         ):
             raise _invalid(f"metrics_port={self.metrics_port!r} must be a port number (0-65535)", "metrics_port")
-        positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "guard_timeout_s",
+        positive = ("pause_timeout_s", "max_parked_s", "reconnect_initial_s", "reconnect_max_s", "connect_timeout_s",
+                    "guard_timeout_s",
                     "switch_timeout_s", "verify_timeout_s", "status_interval_s",
                     "reply_timeout_s", "reply_attempt_timeout_s", "rpc_timeout_s", "stop_timeout_s",
                     "store_connect_timeout_s", "join_timeout_s", "mindspore_poll_s",
