@@ -428,6 +428,13 @@ def write_rank_table(path: Path, servers: int, per_server: int, status: str = "c
                                                           "training with msrun"),
         ({"MS_ROLE": "MS_SCHED", "RANK_ID": "0", "MS_WORKER_NUM": "4"}, None, "msrun's scheduler process"),
         ({"RANK_ID": "2", "MS_WORKER_NUM": "4"}, False, "neither torchrun's"),  # not an msrun worker
+        # The agent's own override contradicted by the launcher (a stranger's NICSWITCH_WORLD_SIZE=3
+        # in a torchrun job of 2 passed the doctor, then every pause waited for a rank 2)
+        ({"NICSWITCH_WORLD_SIZE": "3", "WORLD_SIZE": "2", "RANK": "0"}, False,
+         "NICSWITCH_WORLD_SIZE=3 disagrees with WORLD_SIZE=2: the agent takes NICSWITCH_WORLD_SIZE"),
+        ({"NICSWITCH_RANK": "1", "RANK": "0", "WORLD_SIZE": "2"}, False, "NICSWITCH_RANK=1 disagrees with RANK=0"),
+        ({"NICSWITCH_WORLD_SIZE": "2", "WORLD_SIZE": "2", "RANK": "1"}, True,
+         "rank 1 of 2 (from RANK, NICSWITCH_WORLD_SIZE)"),
     ],
 )
 def test_rank_mapping(tmp_path: Path, env: dict[str, str], ok: bool | None, text: str) -> None:

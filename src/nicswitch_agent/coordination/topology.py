@@ -46,9 +46,16 @@ def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
             raise ConfigError("leader_only=True needs world_size: the number of training ranks it leads")
         return 0, world
     dist = sys.modules.get("torch.distributed")
-    if (rank is None or world is None) and dist is not None and dist.is_available() and dist.is_initialized():
-        rank = dist.get_rank() if rank is None else rank
-        world = dist.get_world_size() if world is None else world
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        # A configured value that torch.distributed contradicts is refused here: a world_size too
+        # large makes every pause wait for ranks that do not exist, then ClusterD kill the job.
+        for name, configured, actual in (("world_size", world, dist.get_world_size()), ("rank", rank, dist.get_rank())):
+            if configured is not None and configured != actual:
+                raise ConfigError(f"{_read_from(name, configured)}{name}={configured} disagrees with "
+                                  f"torch.distributed's {name} {actual}: a switch would wait for ranks that do not "
+                                  f"exist or leave ranks out; leave {name} unset to take torch.distributed's",
+                                  settings=(name,))
+        rank, world = dist.get_rank(), dist.get_world_size()
     if rank is None:
         rank = _mindspore_rank()
     world = world or 1
@@ -63,6 +70,16 @@ def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
     if rank >= world:
         raise ConfigError(f"rank={rank} is outside world_size={world}")
     return rank, world
+
+
+def _read_from(name: str, value: int) -> str:
+    """``"NICSWITCH_WORLD_SIZE='3': "`` where this process's environment holds the value given (the
+    configuration does not keep where a value came from), as configuration errors lead."""
+    for variable in (f"NICSWITCH_{name.upper()}", name.upper()):
+        raw = os.environ.get(variable, "").strip()
+        if raw == str(value):
+            return f"{variable}={raw!r}: "
+    return ""
 
 
 def _mindspore_rank() -> int | None:

@@ -27,6 +27,11 @@ def rank_map(env: Mapping[str, str]) -> tuple[bool | None, str]:
     for label, value in (("world size", world), ("rank", rank)):
         if isinstance(value, str):
             return (False, f"{label}: {value}")
+    for names, value, name in ((world_names(env), world, world_name), (rank_names(env), rank, rank_name)):
+        other = _contradicted(env, names, value, name)
+        if other:  # NICSWITCH_WORLD_SIZE=3 in a job of 2: every pause would wait for a rank 2
+            return (False, f"{name}={value} disagrees with {other}: the agent takes {name}, and a switch would "
+                           f"wait for ranks that do not exist or leave ranks out; unset {name}")
     ranked = False
     if isinstance(world, int) and world == 1 and rank in (None, 0):
         ranked = True
@@ -81,6 +86,19 @@ def file_descriptors(env: Mapping[str, str], world_size: int | None) -> tuple[bo
 def env_int(env: Mapping[str, str], *names: str) -> int | str | None:
     """The first set variable as an int >= 0; an error text if it is not one; None if none is set."""
     return env_named(env, *names)[0]
+
+
+def _contradicted(env: Mapping[str, str], names: tuple[str, ...], value: int | str | None, taken: str) -> str:
+    """``"WORLD_SIZE=2"``: a launcher's variable holding another number than ``taken``, the
+    agent's own override (``NICSWITCH_*``) read first; "" when they agree, or when no override is
+    set (torchrun's names winning over msrun's is a documented order, not a contradiction)."""
+    if not isinstance(value, int) or not names or taken != names[0]:
+        return ""
+    for name in names[1:]:
+        raw = env.get(name, "").strip()
+        if raw.isascii() and raw.isdigit() and int(raw) != value:
+            return f"{name}={int(raw)}"
+    return ""
 
 
 def env_named(env: Mapping[str, str], *names: str) -> tuple[int | str | None, str]:
