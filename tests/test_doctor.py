@@ -331,8 +331,13 @@ def test_switch_time_names_the_fix() -> None:
     assert "fix: lower HCCL_CONNECT_TIMEOUT to 360 s" in slow.detail
     assert "raise switch_timeout_s to 900 s" not in slow.detail  # impossible: named as such instead
     short = doctor.check_switch_time(gather_inputs(env={}))
-    assert "fix: raise switch_timeout_s to 750 s (guard_timeout_s + switch_timeout_s + reply_timeout_s must stay " \
-           "below 900 s)" in short.detail
+    assert "fix: raise switch_timeout_s to 750 s with guard_timeout_s + reply_timeout_s below 150 s " \
+           "(guard_timeout_s + switch_timeout_s + reply_timeout_s must stay below 900 s)" in short.detail
+    # The advice followed is a configuration that is accepted (a stranger followed the old one,
+    # "raise switch_timeout_s to 750 s", and was refused: the defaults of the other two are larger).
+    from nicswitch_agent import AgentConfig
+
+    AgentConfig(server="127.0.0.1:8899", job_id="j", switch_timeout_s=750, guard_timeout_s=100, reply_timeout_s=49)
 
 
 @pytest.mark.parametrize(

@@ -160,6 +160,8 @@ def _fix(groups: int, worst: float, switch_timeout_s: float | None) -> str:
 
 def _raise_switch_timeout(needed: float, budget: str) -> str:
     if needed < CLUSTERD_REPORT_TIMEOUT_S:
-        return f"raise switch_timeout_s to {needed:g} s ({budget})"
+        # The other two must make room: the configuration refuses the sum otherwise.
+        return (f"raise switch_timeout_s to {needed:g} s with guard_timeout_s + reply_timeout_s below "
+                f"{CLUSTERD_REPORT_TIMEOUT_S - needed:g} s ({budget})")
     return (f"accept that no switch_timeout_s covers {needed:g} s ({budget}): a stuck switch is answered false "
             "at switch_timeout_s while HCCL goes on")
