@@ -266,19 +266,28 @@ def test_expand_path_writes_one_file_per_job_from_the_leader_only() -> None:
 
 def test_writer_survives_failures_and_logs_each_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="nicswitch_agent.status")
-    path = tmp_path / "missing-dir" / "s.json"
-    writer = StatusFileWriter(path, lambda: {"state": "running"}, interval_s=60.0)
+    blocker = tmp_path / "a-file"  # where the file's directory should be: it cannot be made
+    blocker.write_text("")
+    writer = StatusFileWriter(blocker / "s.json", lambda: {"state": "running"}, interval_s=60.0)
     assert not writer.write_now()
     assert not writer.write_now()
     assert caplog.text.count("cannot write") == 1
-    path.parent.mkdir()
-    assert writer.write_now() and writer.writes == 1
+    blocker.unlink()
+    assert writer.write_now() and writer.writes == 1  # the directory is made now
 
     def broken() -> dict[str, Any]:
         raise RuntimeError("status exploded")
 
     assert not StatusFileWriter(tmp_path / "b.json", broken).write_now()
     assert "status exploded" in caplog.text
+
+
+def test_a_missing_directory_is_made_at_the_first_write(tmp_path: Path) -> None:
+    """A stranger's agent ran with NICSWITCH_STATUS_FILE in a directory that did not exist yet:
+    nothing was ever written, and `status` said the agent was not running."""
+    path = tmp_path / "run" / "nicswitch" / "status-0.json"
+    assert StatusFileWriter(path, lambda: {"state": "running"}, interval_s=60.0).write_now()
+    assert "running" in path.read_text()
 
 
 def test_writer_thread_wakes_on_events_and_stops_once(tmp_path: Path) -> None:

@@ -271,6 +271,9 @@ class StatusFileWriter:
 
 
 def _replace_atomically(path: Path, text: str) -> None:
+    # A directory that does not exist yet (/var/run/nicswitch/ on a fresh pod) is made, as the
+    # events file's is: otherwise the agent runs and `status` says it does not.
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
