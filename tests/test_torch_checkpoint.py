@@ -354,6 +354,22 @@ def test_a_skip_needs_no_free_space(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert guard.last is not None and guard.last.reason == "step 3 already checkpointed"
 
 
+def test_without_dcp_and_without_rank_the_guard_names_the_launchers_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Pause mode external takes this path on every rank of a job (no collective guard there): the
+    log line and the record name torchrun's RANK, not rank 0 on every rank (a stranger saw
+    ``[job-1/0/1]`` from all four ranks)."""
+    monkeypatch.setenv("RANK", "3")
+    guard = make_guard(tmp_path, Step(7), use_dcp=False)
+    with caplog.at_level(logging.INFO, logger="nicswitch_agent"):
+        guard(order())
+    assert guard.last is not None and guard.last.saved
+    assert any(f"[{order().job_id}/3/1] checkpoint step 7: saved" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
+    assert make_guard(tmp_path, Step(7), use_dcp=False, rank=5)._rank == 5  # rank= still wins
+
+
 # -- the parked step -------------------------------------------------------------------------------
 
 

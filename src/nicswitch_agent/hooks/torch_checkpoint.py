@@ -174,8 +174,9 @@ class TorchCheckpointGuard(CheckpointGuard):
         keep_last: How many ``step-*`` directories to keep (newest by step number), >= 1.
         min_interval_s: Skip the save when the newest checkpoint is younger than this.
         min_free_bytes: Refuse when free space minus the newest checkpoint's size is below this.
-        rank: This process's rank for logs and records without a process group. With one, the
-            process group's rank is used (and a different ``rank`` is refused).
+        rank: This process's rank for logs and records without DCP (default: the process group's
+            rank, else torchrun's ``RANK``, else 0). With DCP the process group's rank is used (and
+            a different ``rank`` is refused).
         use_dcp: True: always ``torch.distributed.checkpoint`` (needs a process group); False:
             always ``torch.save``; None: DCP when ``torch.distributed`` is initialised.
         clock: Wall clock for ``saved_at`` and the interval (seconds since the epoch).
@@ -464,11 +465,13 @@ class TorchCheckpointGuard(CheckpointGuard):
 
 
 class _LocalSave:
-    """No process group: this process decides alone and writes ``state.pt`` with ``torch.save``."""
+    """No process group (or ``use_dcp=False``): this process decides alone and writes ``state.pt``
+    with ``torch.save``. Its rank (for the records and the log) is ``rank=``, else the process
+    group's or torchrun's ``RANK`` (pause mode external takes this path in every rank of a job)."""
 
     def __init__(self, guard: TorchCheckpointGuard) -> None:
         self.guard = guard
-        self.rank = guard._rank if guard._rank is not None else 0
+        self.rank = guard._rank if guard._rank is not None else _process_rank()
 
     def decide(self, order: SwitchOrder) -> _Decision:
         view = self.guard._view(order, self.rank, owner=True, tmp_name=None)
@@ -564,6 +567,15 @@ class _DcpSave:
 
 
 # -- filesystem helpers ----------------------------------------------------------------------------
+
+
+def _process_rank() -> int:
+    """This process's global rank as torch.distributed or the launcher (``RANK``) says; else 0."""
+    dist = _initialised_dist()
+    if dist is not None:
+        return int(dist.get_rank())
+    raw = os.environ.get("RANK", "").strip()
+    return int(raw) if raw.isdigit() else 0
 
 
 def _initialised_dist() -> ModuleType | None:
