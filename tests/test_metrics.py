@@ -289,8 +289,12 @@ def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator
     # follows from what keeps its order.
     assert sorted(written) == sorted(kinds.kinds)
     assert written[0] == "agent_started" and written[-1] == "agent_stopped", written
-    chain = ["pause_requested", "list_received", "reply_sent", "resumed"]
+    chain = ["pause_requested", "list_received", "reply_sent"]
     assert [kind for kind in written if kind in chain] == chain, written
+    # The resume follows ClusterD's continue, which follows the reply reaching ClusterD; but
+    # reply_sent is emitted once the reply's call returns, and the continue can come in first on
+    # the other stream (CI saw resumed before reply_sent). Both follow the list.
+    assert written.index("resumed") > written.index("list_received"), written
 
 
 def test_metrics_port_without_prometheus_client_refuses_to_start_the_leader_only(
