@@ -222,3 +222,41 @@ def test_in_a_session_the_outcome_goes_with_its_release_and_a_failure_before_it(
         seen = [[e["t"], *([e[p.CARRIED_OUTCOME]["t"]] if p.CARRIED_OUTCOME in e else [])]  # type: ignore[index]
                 for e in _queued(store)]
         assert seen == expected
+
+
+def test_a_rank_started_after_the_pause_refuses_the_order_without_running_a_hook() -> None:
+    """A stranger's rank died mid-switch under a launcher, which restarted it; the rollback that
+    followed reached the new process, not parked, and its switch hook ran next to its training.
+    Orders of a paused epoch now say so ("p"), and a member that is not parked refuses them."""
+    rank, leader, ok = _paused_and_switched(switch_ok=False)
+    rank.member.stop()  # the process dies; a launcher starts a new one for the same rank
+    calls: list[SwitchOrder] = []
+    reborn = Member(KV(rank.member.kv.store, "t"), 0, ParkingLot(), MemberHooks(
+        switch_hook=lambda order: calls.append(order) or True, checkpoint_hook=None, guard_timeout_s=5,
+        switch_timeout_s=5, dry_run=False), lambda: 1)
+    reborn.start()
+    try:
+        assert not ok
+        outcome = leader.run(SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(False,)), kind=p.KIND_ROLLBACK,
+                             budget_s=10)
+        assert not outcome.ok and "started after the pause of this switch" in outcome.reason, outcome
+        assert calls == []
+        leader.release()
+    finally:
+        reborn.stop()
+
+
+def test_in_a_session_an_unparked_member_runs_the_order() -> None:
+    """Pause mode external: no pause of the agent's, so no rank is parked and the order runs."""
+    store = InProcessStore()
+    calls: list[SwitchOrder] = []
+    member = Member(KV(store, "t"), 0, ParkingLot(), MemberHooks(
+        switch_hook=lambda order: calls.append(order) or True, checkpoint_hook=None, guard_timeout_s=5,
+        switch_timeout_s=5, dry_run=False), lambda: 1)
+    member.start()
+    try:
+        outcome = Coordinator(KV(store, "t"), 1).run(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,)),
+                                                    kind=p.KIND_SWITCH, budget_s=10)
+        assert outcome.ok and len(calls) == 1, outcome
+    finally:
+        member.stop()

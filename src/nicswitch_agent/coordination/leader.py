@@ -242,8 +242,11 @@ class Coordinator:
             text = p.encode_order(order)
             self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
             go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
+            # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
+            # (a process restarted since the pause) must not run it next to a running step.
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                           "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": self.warm_up_s} if go else {})})
+                           "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": self.warm_up_s} if go else {}),
+                           **({} if session else {"p": 1})})
             if kind == p.KIND_SWITCH:
                 budget_s += self.warm_up_s
             deadline = started + budget_s + RESULT_SLACK_S
@@ -272,7 +275,7 @@ class Coordinator:
         # The order is the switch's, already on every Store (o/<switch's name>, deleted with the epoch).
         switch_name = f"{epoch}.{order.seq}.{p.KIND_SWITCH}"
         event = {"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
-                 "seq": order.seq, "order": switch_name, **p.inline_order(text)}
+                 "seq": order.seq, "order": switch_name, **p.inline_order(text), **({"p": 1} if self._paused else {})}
         if go:
             self._go(epoch, switch_name, self._event(event))
         else:

@@ -373,6 +373,11 @@ class Member:
             why = f" ({self.lot.interrupted} on the training thread)" if self.lot.interrupted else ""
             return p.MemberResult(self.rank, False, f"training is no longer parked on this rank{why}",
                                   interrupted=self.lot.interrupted is not None)
+        if not parked and message.get("p"):
+            # The leader paused every rank for this order, and this one is not parked: it started
+            # after the pause (a process a launcher restarted). Its hooks would run next to a step.
+            return p.MemberResult(self.rank, False, "training is not parked on this rank: it started after the "
+                                  "pause of this switch (restarted?), so the order does not run here")
         runner: HookRunner = self._runner
         if parked:
             busy = self._inline.busy() if self._inline is not None else None
