@@ -106,3 +106,30 @@ def test_background_returns_to_a_caller_that_reads_stdout_and_stderr_to_the_end(
                 os.kill(pid, signal.SIGKILL)
         if log is not None:
             log.unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(120)
+def test_switches_0_runs_past_timeout_until_a_signal(sim: Simulator) -> None:
+    """--switches 0 says "until SIGINT/SIGTERM": --timeout bounds only the registration (a stranger's
+    job stopped at the default 300 s, saying nothing of a timeout)."""
+    proc = subprocess.Popen(demo("--server", sim.address, "--job", JOB, "--switches", "0", "--timeout", "2"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
+    try:
+        out = Lines(proc.stdout)
+        assert poll(lambda: "runs until SIGINT/SIGTERM" in "".join(out.lines) or proc.poll() is not None, 60), \
+            out.lines
+        with pytest.raises(subprocess.TimeoutExpired):  # still running past its --timeout, no signal yet
+            proc.wait(4)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+        assert "done after 0 switch(es)" in out.text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(10)
+
+
+def test_a_timeout_that_is_not_positive_is_a_usage_error() -> None:
+    proc = subprocess.run(demo("--server", "127.0.0.1:1", "--timeout", "-5"), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "--timeout must be more than 0 seconds, got -5" in proc.stderr, proc.stderr

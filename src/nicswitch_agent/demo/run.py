@@ -353,13 +353,16 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     to ``nicswitch-agent switch`` without racing the registration.
 
     Returns:
-        0 after ``switches`` switches were replied to (0: until SIGINT/SIGTERM), 1 when the job
+        0 after ``switches`` switches were replied to (0: until SIGINT/SIGTERM, ``timeout_s`` then
+        bounding only the registration), 1 when the job
         could not join within ``timeout_s`` or the time ran out first, 2 for a usage error, 128 + N
         when signal N (SIGINT, SIGTERM) came before the job registered.
     """
     problem = check_arguments(ranks, False)
     if problem is None and switches < 0:
         problem = f"--switches must be 0 or more, got {switches}"
+    if problem is None and not timeout_s > 0:
+        problem = f"--timeout must be more than 0 seconds, got {timeout_s:g}"
     if problem is None:
         from nicswitch_agent.config import ConfigError, parse_server
 
@@ -436,7 +439,8 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                           f"waiting for switches (runs until {until})\n")
                 out.flush()
                 _signal_ready()
-                done.wait(max(0.0, deadline - time.monotonic()))
+                # --switches 0 runs until a signal: --timeout bounded only the registration.
+                done.wait(max(0.0, deadline - time.monotonic()) if switches else None)
             finally:
                 for timer in grace:
                     timer.cancel()
@@ -445,8 +449,10 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if switches and len(replies) < switches:
-        out.write(f"job {job_id}: stopped after {len(replies)} of {switches} switch(es)\n")
-        return EXIT_FAILED if time.monotonic() >= deadline else EXIT_OK
+        ran_out = time.monotonic() >= deadline
+        out.write(f"job {job_id}: stopped after {len(replies)} of {switches} switch(es)"
+                  f"{f' (--timeout {timeout_s:g} s ran out)' if ran_out else ''}\n")
+        return EXIT_FAILED if ran_out else EXIT_OK
     out.write(f"job {job_id}: done after {len(replies)} switch(es)\n")
     return EXIT_OK
 

@@ -144,7 +144,8 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     join.add_argument("--switches", type=int, default=2, metavar="N",
                       help="stop after N switches (default: %(default)s; 0: until SIGINT/SIGTERM)")
     join.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                      help="stop after S seconds at most (default: %(default)s)")
+                      help="stop after S seconds at most (default: %(default)s; with --switches 0 it bounds "
+                           "only the wait for the job to register)")
     join.add_argument("--background", action="store_true",
                       help="run the job in a child process and return once it is registered (for scripts); "
                            "the job logs to a file it names, not to this command's stdout/stderr")
