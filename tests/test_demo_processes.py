@@ -18,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from support import poll
 
 pytest.importorskip("torch")
 
@@ -113,3 +114,33 @@ def test_a_rank_that_cannot_start_fails_the_demo_at_once_and_says_why(tmp_path: 
     assert re.search(r"demo +FAILED: rank [01] exited: ImportError: this python has no torch", text), text
     assert "switches: 0, results: []" in text
     assert text.rstrip().endswith("demo FAILED")
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_while_the_ranks_start_ends_them_at_once(tmp_path: Path) -> None:
+    """Ctrl-C during `demo --processes`'s start: a stranger waited 30 s with nothing printed,
+    rank 0 held in torch.distributed's set-up by a rank that had already gone. The ranks that
+    never reported training are now ended at once, not asked to stop."""
+    import threading
+
+    from nicswitch_agent.demo.common import Timeline
+    from nicswitch_agent.demo.processes import ProcessJob
+
+    timeline = Timeline()
+    job = ProcessJob(2, timeline, str(tmp_path))
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            job.start("127.0.0.1:1")  # no ClusterD needed to be still starting
+        except BaseException as exc:  # the start fails once its ranks are gone: expected here
+            failed.append(exc)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    assert poll(lambda: len(job._ranks) == 2, 60)  # both spawned; torch takes seconds to import
+    job.stop()
+    starting.join(60)
+    said = " | ".join(text for _, _, text in timeline.lines)
+    assert "still starting: stopped at once" in said and "did not stop within" not in said, said
+    assert all(rank.proc.poll() is not None for rank in job._ranks)

@@ -236,8 +236,19 @@ class ProcessJob:
     # -- stopping ----------------------------------------------------------------------------------
 
     def stop(self) -> list[RankSummary]:
-        for rank in self._ranks:
-            rank.send("stop")
+        with self._cond:
+            ranks, starting = list(self._ranks), not all(r.ready for r in self._ranks)
+        if starting:
+            # Ctrl-C (or a failure) before every rank was training: nothing ran that a clean stop
+            # would save, and a rank inside torch.distributed's set-up waiting for one that is gone
+            # reads no "stop" (rank 0 held Ctrl-C for the whole STOP_TIMEOUT_S).
+            self.timeline.add("demo", "the rank processes were still starting: stopped at once")
+            for rank in ranks:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(rank.proc.pid, signal.SIGKILL)
+        for rank in ranks:
+            if not starting:
+                rank.send("stop")
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for rank in self._ranks:
             try:
