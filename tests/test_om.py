@@ -574,6 +574,9 @@ def test_cli_switch_no_result(serve: Serve, capsys: pytest.CaptureFixture[str]) 
     # client went away right after its false reply, as on Ctrl-C: nothing else reaches the operator).
     assert "a reset of the job drops the result ClusterD held" in err
     assert "the job's leader log says how the switch ended ('switch #N: replied true|false ...')" in err
+    # ... and what it means when that line is not there (a stranger found no such line after a
+    # ClusterD restart: the list had never reached the job)
+    assert "without a 'switch #N ... received' line there, the list never reached the job" in err
 
 
 def test_cli_switch_no_wait(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:

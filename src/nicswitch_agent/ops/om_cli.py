@@ -482,7 +482,9 @@ def _say_outcome(report: _Report, outcome: Outcome, job_id: str, elapsed_s: floa
         report.say(f"no result after {took}: {outcome.detail}; check the job", error=True)
     if kind in (OutcomeKind.NO_RESULT, OutcomeKind.NOT_SWITCHING):
         report.say("ClusterD keeps no result: the job's leader log says how the switch ended "
-                   "('switch #N: replied true|false ...')", error=True)
+                   "('switch #N: replied true|false ...'); without a 'switch #N ... received' line there, "
+                   "the list never reached the job (ClusterD restarted, or the job went away first) and "
+                   "nothing was switched", error=True)
 
 
 # --------------------------------------------------------------------------------------------
