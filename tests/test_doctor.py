@@ -603,11 +603,11 @@ def test_parse_size(text: str, size: int) -> None:
 
 
 def test_bad_arguments_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv in (["--min-free", "lots"], ["--rpc-timeout", "0"], ["--timeout", "0"]):
+    for argv in (["--min-free", "lots"], ["--rpc-timeout", "0"], ["--timeout", "0"], ["--world-size", "0"]):
         with pytest.raises(SystemExit) as exc:
             doctor_args(*argv)
         assert exc.value.code == 2
-    capsys.readouterr()
+    assert "argument --world-size: must be >= 1, got '0'" in capsys.readouterr().err  # was taken as unset
 
 
 def test_default_env_is_the_process_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -65,7 +65,14 @@ from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.ops import doctor_ranks, hook_spec
-from nicswitch_agent.ops.om_cli import JOB_HELP, SERVER_HELP, add_tls_arguments, positive_float, tls_overrides
+from nicswitch_agent.ops.om_cli import (
+    JOB_HELP,
+    SERVER_HELP,
+    add_tls_arguments,
+    positive_float,
+    positive_int,
+    tls_overrides,
+)
 
 DEFAULT_TIMEOUT_S = 3.0
 DEFAULT_MIN_FREE_BYTES = 1 << 30  # TorchCheckpointGuard's default floor
@@ -580,8 +587,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpc-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="deadline of the HealthCheck call, seconds (default: %(default)g)")
     parser.add_argument("--timeout", type=positive_float, dest="rpc_timeout", help=argparse.SUPPRESS)  # first name
-    parser.add_argument("--world-size", type=int, metavar="N", help="ranks of the job, to check the file-descriptor "
-                        "limit the Store's host needs (default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")
+    parser.add_argument("--world-size", type=positive_int, metavar="N",
+                        help="ranks of the job, to check the file-descriptor limit the Store's host needs "
+                             "(default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")
     hook_spec.add_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tls_arguments(parser)

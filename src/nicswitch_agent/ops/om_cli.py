@@ -185,7 +185,7 @@ def _adopt_help(parser: argparse.ArgumentParser, epilog: str) -> None:
             parser.formatter_class = argparse.RawDescriptionHelpFormatter
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -296,7 +296,7 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     if parser.description is None:
         parser.description = WATCH_DESCRIPTION
     _add_common(parser, watch=True)
-    parser.add_argument("--count", type=_positive_int, default=None, metavar="N",
+    parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="stop after N results (default: no limit)")
     parser.add_argument("--poll", type=positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
                         help="while no switch runs, ask ClusterD every S seconds (default: %(default)g); a "
