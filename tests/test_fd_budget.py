@@ -110,11 +110,15 @@ def test_a_member_of_a_full_launcher_store_gives_up_within_the_bound_and_names_t
 
 @pytest.mark.timeout(60)
 def test_a_member_on_the_jobs_full_default_store_gives_up_within_the_bound_not_the_pg_timeout(
-        full_store: tuple[int, list[Any]]) -> None:
+        full_store: tuple[int, list[Any]], monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's clone() of the default store retries for the process group's timeout (30 min here)."""
     dist = torch.distributed
     clients = full_store[1]
     dist.init_process_group("gloo", store=clients[0], rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    # Rank 1 of 300 as torch.distributed says it too (a real group of 300 cannot run here): the
+    # agent refuses a configured rank or world size that torch.distributed contradicts.
+    monkeypatch.setattr(dist, "get_world_size", lambda *args, **kwargs: 300)
+    monkeypatch.setattr(dist, "get_rank", lambda *args, **kwargs: 1)
     try:
         agent = SwitchAgent(config=member_config(rank=1, world_size=300, store_connect_timeout_s=1.0))
         with pytest.raises(ConfigError) as caught:
