@@ -51,6 +51,7 @@ import os
 import re
 import secrets
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -570,12 +571,16 @@ class _DcpSave:
 
 
 def _process_rank() -> int:
-    """This process's global rank as torch.distributed or the launcher (``RANK``) says; else 0."""
-    dist = _initialised_dist()
-    if dist is not None:
+    """This process's global rank as torch.distributed or the launcher says (torchrun's ``RANK``,
+    msrun's ``RANK_ID``); else 0. Imports nothing: MindSporeCheckpointGuard runs without torch."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return int(dist.get_rank())
-    raw = os.environ.get("RANK", "").strip()
-    return int(raw) if raw.isdigit() else 0
+    for name in ("RANK", "RANK_ID"):
+        raw = os.environ.get(name, "").strip()
+        if raw.isascii() and raw.isdigit():
+            return int(raw)
+    return 0
 
 
 def _initialised_dist() -> ModuleType | None:
