@@ -367,7 +367,11 @@ def test_without_dcp_and_without_rank_the_guard_names_the_launchers_rank(
     assert guard.last is not None and guard.last.saved
     assert any(f"[{order().job_id}/3/1] checkpoint step 7: saved" in r.getMessage() for r in caplog.records), \
         [r.getMessage() for r in caplog.records]
-    assert make_guard(tmp_path, Step(7), use_dcp=False, rank=5)._rank == 5  # rank= still wins
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="nicswitch_agent"):
+        make_guard(tmp_path / "given", Step(7), use_dcp=False, rank=5)(order())  # rank= still wins
+    assert any(f"[{order().job_id}/5/1] checkpoint step 7: saved" in r.getMessage() for r in caplog.records), \
+        [r.getMessage() for r in caplog.records]
 
 
 # -- the parked step -------------------------------------------------------------------------------
