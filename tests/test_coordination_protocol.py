@@ -236,6 +236,9 @@ def test_a_rank_started_after_the_pause_refuses_the_order_without_running_a_hook
         switch_timeout_s=5, dry_run=False), lambda: 1)
     reborn.start()
     try:
+        # Where it starts reading (after the events published before it) is read on its thread: the
+        # order below must come after that, as it would for a process started well before it.
+        assert support.wait_until(lambda: reborn._next > 1, 10)
         assert not ok
         outcome = leader.run(SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(False,)), kind=p.KIND_ROLLBACK,
                              budget_s=10)
@@ -248,13 +251,28 @@ def test_a_rank_started_after_the_pause_refuses_the_order_without_running_a_hook
 
 def test_in_a_session_an_unparked_member_runs_the_order() -> None:
     """Pause mode external: no pause of the agent's, so no rank is parked and the order runs."""
-    store = InProcessStore()
+
+    class HeadRead(InProcessStore):
+        """Tells when a reader has looked for the queue head: where it starts reading is known."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.head_read = threading.Event()
+
+        def check(self, keys: list[str]) -> bool:
+            found = super().check(keys)
+            if any(key.endswith(p.QUEUE_HEAD) for key in keys):
+                self.head_read.set()
+            return found
+
+    store = HeadRead()
     calls: list[SwitchOrder] = []
     member = Member(KV(store, "t"), 0, ParkingLot(), MemberHooks(
         switch_hook=lambda order: calls.append(order) or True, checkpoint_hook=None, guard_timeout_s=5,
         switch_timeout_s=5, dry_run=False), lambda: 1)
     member.start()
     try:
+        assert store.head_read.wait(10)  # the order below comes after the member took its place
         outcome = Coordinator(KV(store, "t"), 1).run(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,)),
                                                     kind=p.KIND_SWITCH, budget_s=10)
         assert outcome.ok and len(calls) == 1, outcome
