@@ -127,6 +127,18 @@ def _request(body: bytes) -> bytes:
     return FRAME.pack(len(body)) + body
 
 
+def _frames(buffer: bytes) -> tuple[list[bytes], bytes]:
+    """The whole length-prefixed frames at the start of ``buffer`` (their bodies), and the rest."""
+    bodies = []
+    while len(buffer) >= FRAME.size:
+        (size,) = FRAME.unpack_from(buffer)
+        if len(buffer) < FRAME.size + size:
+            break
+        bodies.append(buffer[FRAME.size:FRAME.size + size])
+        buffer = buffer[FRAME.size + size:]
+    return bodies, buffer
+
+
 def _exactly(reader: Any, size: int) -> bytes:
     data = reader.read(size)
     if data is None or len(data) != size:
@@ -187,13 +199,8 @@ class _PyQueueStore:
                 if not data:
                     selector.unregister(conn)
                     continue
-                buffers[conn] += data
-                while len(buffers[conn]) >= FRAME.size:
-                    (size,) = FRAME.unpack_from(buffers[conn])
-                    if len(buffers[conn]) < FRAME.size + size:
-                        break
-                    body = buffers[conn][FRAME.size:FRAME.size + size]
-                    buffers[conn] = buffers[conn][FRAME.size + size:]
+                bodies, buffers[conn] = _frames(buffers[conn] + data)
+                for body in bodies:
                     self._handle(conn, body)
 
     def _handle(self, conn: socket.socket, body: bytes) -> None:
@@ -266,13 +273,8 @@ def _run_node(way: str, members: int, switches: int, ready: Any, go: Any, out: A
                         data = key.fileobj.recv(65536)  # type: ignore[union-attr]
                         if not data:
                             raise ConnectionError(f"member {slot} went away")
-                        buffers[slot] += data
-                        while len(buffers[slot]) >= FRAME.size:
-                            (size,) = FRAME.unpack_from(buffers[slot])
-                            if len(buffers[slot]) < FRAME.size + size:
-                                break
-                            buffers[slot] = buffers[slot][FRAME.size + size:]
-                            got += 1
+                        bodies, buffers[slot] = _frames(buffers[slot] + data)
+                        got += len(bodies)
         else:
             store.set_timeout(datetime.timedelta(seconds=60))
 

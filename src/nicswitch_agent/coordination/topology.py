@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig, job_framework
-from nicswitch_agent.config.frameworks import in_msrun
+from nicswitch_agent.config.frameworks import in_msrun, rank_names, world_names
 from nicswitch_agent.coordination import fd_budget, ms_store
 from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
@@ -75,7 +75,7 @@ def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
 def _read_from(name: str, value: int) -> str:
     """``"NICSWITCH_WORLD_SIZE='3': "`` where this process's environment holds the value given (the
     configuration does not keep where a value came from), as configuration errors lead."""
-    for variable in (f"NICSWITCH_{name.upper()}", name.upper()):
+    for variable in (world_names if name == "world_size" else rank_names)(os.environ):
         raw = os.environ.get(variable, "").strip()
         if raw == str(value):
             return f"{variable}={raw!r}: "

@@ -246,8 +246,8 @@ class ProcessJob:
             for rank in ranks:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(rank.proc.pid, signal.SIGKILL)
-        for rank in ranks:
-            if not starting:
+        else:
+            for rank in ranks:
                 rank.send("stop")
         deadline = time.monotonic() + STOP_TIMEOUT_S
         for rank in self._ranks:
