@@ -13,7 +13,12 @@ import pytest
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd import channel as transport
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
-from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings, RegistrationRefused
+from nicswitch_agent.clusterd.process_manage import (
+    ProcessManageClient,
+    ProcessManageSettings,
+    RegistrationRefused,
+    StreamGate,
+)
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -252,3 +257,34 @@ def test_the_gate_opens_only_once_a_healthcheck_after_the_subscribe_is_answered(
         client.stop()
         channel.close()
         server.stop()
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancels = 0
+
+    def cancel(self) -> None:
+        self.cancels += 1
+
+
+def test_the_gate_starts_nothing_while_closed_and_its_close_cancels_what_it_started() -> None:
+    """StreamGate.start runs under the gate's lock: a closed gate starts no stream, and close()
+    cancels the stream started under it before it returns (then forgets it)."""
+    gate = StreamGate()
+    started: list[_Call] = []
+
+    def open_call() -> _Call:
+        started.append(_Call())
+        return started[-1]
+
+    assert gate.start(open_call) is None and started == []
+    gate.open()
+    result = gate.start(open_call)
+    assert result is not None and result == (started[0], 1)
+    gate.close()
+    assert started[0].cancels == 1 and gate.cancelled(started[0])
+    gate.finish(started[0])
+    assert not gate.cancelled(started[0])
+    gate.open()
+    gate.close()
+    assert started[0].cancels == 1  # finished calls are not cancelled again

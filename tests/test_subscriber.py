@@ -12,6 +12,7 @@ from scripted import End, Fail, ScriptedClusterD, Send, rank_list
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.clusterd.notify import NotifySubscriber, SubscriberSettings
+from nicswitch_agent.clusterd.process_manage import StreamGate
 from nicswitch_agent.sim import codes as P
 
 pytestmark = pytest.mark.timeout(30)
@@ -37,6 +38,29 @@ def run_subscriber(clusterd: ScriptedClusterD, reconnect_initial_s: float) -> tu
 def stop(subscriber: NotifySubscriber) -> None:
     assert subscriber.stop()  # prompt even in the middle of a backoff
     subscriber._stub.channel.close()
+
+
+def test_closing_the_gate_ends_the_notify_stream_opened_under_it(clusterd: ScriptedClusterD) -> None:
+    """The process-manage thread closes the gate when its stream ends (ClusterD reset the job). A
+    notify subscribe sent just before can reach ClusterD after that reset: it must be gone before
+    our next process-manage subscribe, or it is open in the new job state, the wrong order
+    (docs/clusterd.md#subscribe-order). So close() cancels it; the subscriber counts no error for
+    that and reopens once the gate opens again."""
+    channel = open_channel(ChannelSettings(target=clusterd.address))
+    gate = StreamGate()
+    gate.open()
+    subscriber = NotifySubscriber(RecoverStub(channel), SubscriberSettings(job_id="job-1", role="r"),
+                                  lambda message: None, gate=gate)
+    subscriber.start()
+    try:
+        assert clusterd.wait_for(lambda s: s.open_now == 1)
+        gate.close()
+        assert clusterd.wait_for(lambda s: s.open_now == 0), "the notify stream outlived the gate"
+        gate.open()
+        assert clusterd.wait_for(lambda s: s.opens == 2 and s.open_now == 1)
+        assert (subscriber.errors, subscriber.healthy, subscriber.last_error) == (0, True, "")
+    finally:
+        stop(subscriber)
 
 
 def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: ScriptedClusterD) -> None:

@@ -33,12 +33,13 @@ validates and enqueues), so the stream keeps being read and ``stop()`` stays pro
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -230,6 +231,7 @@ class NotifySubscriber(StreamThread):
         while not self._stop.is_set():
             got_message = False
             gate = self._gate
+            call: Any = None
             if gate is not None:
                 # A stream opened before the process-manage stream's reset would be ended by it.
                 # A clean end means ClusterD reset the job (which also ends the process-manage
@@ -239,10 +241,16 @@ class NotifySubscriber(StreamThread):
                 self._wait_gate(gate, None, None)
                 if self._stop.is_set():
                     return
-                used_generation = gate.generation
+                # Started under the gate's lock: the gate's close() cancels it (StreamGate).
+                started = gate.start(functools.partial(self._stub.SubscribeNotifySwitch, request,
+                                                       wait_for_ready=not fail_fast))
+                if started is None:
+                    continue  # closed again (or dropped) since the wait: wait again
+                call, used_generation = started
             ended_cleanly = False
             try:
-                call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=not fail_fast)
+                if call is None:
+                    call = self._stub.SubscribeNotifySwitch(request, wait_for_ready=not fail_fast)
                 self._set_call(call)
                 self._track(call, "opened")
                 with self._lock:
@@ -282,6 +290,12 @@ class NotifySubscriber(StreamThread):
             except grpc.RpcError as exc:
                 if self._stop.is_set():
                     break
+                if gate is not None and gate.cancelled(call):
+                    # Our process-manage stream ended (ClusterD reset the job, or the connection
+                    # went): the gate cancelled this stream. Reopen after the next subscribe.
+                    logger.debug("notify stream closed with the process-manage stream")
+                    ended_cleanly = True
+                    continue
                 unreachable = explain_connect_failure(exc, settings_of(self._stub.channel))
                 text = unreachable or describe(exc)
                 with self._lock:
@@ -319,6 +333,8 @@ class NotifySubscriber(StreamThread):
                     self._error(f"{type(exc).__name__}: {exc}")
                 delay = next(delays)
             finally:
+                if gate is not None and call is not None:
+                    gate.finish(call)
                 self._set_call(None)
                 self._track(None, "stream ended")
             if delay > 0 and self._stop.wait(delay):

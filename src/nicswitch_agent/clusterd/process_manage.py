@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -61,6 +61,8 @@ from nicswitch_agent.clusterd.rpc_policy import (
 from nicswitch_agent.clusterd.stream_thread import StreamThread
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
+
+_Call = TypeVar("_Call", bound=grpc.RpcContext)
 
 # Signal types and actions, as ClusterD spells them (docs/clusterd.md#process-manage-signals).
 KEEP_ALIVE = "keep-alive"
@@ -105,12 +107,21 @@ class StreamGate:
     Each opening of the process-manage stream is a new ``generation``: it resets ClusterD's job
     controller and so ends the notify stream opened before it. After its own stream ended, the
     notify subscriber waits for a newer generation, so it reopens *after* the reset.
+
+    The notify stream is started through :meth:`start`, under the gate's lock, and :meth:`close`
+    cancels it. A notify subscribe sent while our process-manage stream looked open can still reach
+    ClusterD after a reset it had already made (the end of a switch resets the job): without the
+    cancel, that stream would be open in the new job state when we subscribe again, which is the
+    wrong order (docs/clusterd.md#subscribe-order). With it, the notify stream's cancel goes out
+    on the channel before the next subscribe.
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()  # guards _open and generation
+        self._cond = threading.Condition()  # guards _open, generation, _dependent and _cancelled
         self._open = False
         self.generation = 0
+        self._dependent: grpc.RpcContext | None = None  # the notify call started under this gate
+        self._cancelled: grpc.RpcContext | None = None  # the call close() cancelled, until finish()
 
     def open(self) -> None:
         with self._cond:
@@ -118,9 +129,38 @@ class StreamGate:
             self._cond.notify_all()
 
     def close(self) -> None:
+        """Close, and cancel the stream started under the gate; both are done when this returns."""
         with self._cond:
             self._open = False
+            call, self._dependent = self._dependent, None
+            if call is not None:
+                self._cancelled = call
             self._cond.notify_all()
+        if call is not None:
+            call.cancel()  # outside the lock: no new call can start, the gate is closed
+
+    def start(self, open_call: Callable[[], _Call]) -> tuple[_Call, int] | None:
+        """Start a stream that :meth:`close` will cancel, and return it with this generation; None
+        (nothing started) when the gate is closed."""
+        with self._cond:
+            if not self._open:
+                return None
+            call = open_call()
+            self._dependent = call
+            return call, self.generation
+
+    def cancelled(self, call: grpc.RpcContext) -> bool:
+        """Whether :meth:`close` cancelled ``call`` (its end is the gate's, not an error)."""
+        with self._cond:
+            return self._cancelled is call
+
+    def finish(self, call: grpc.RpcContext) -> None:
+        """``call`` has ended: forget it."""
+        with self._cond:
+            if self._dependent is call:
+                self._dependent = None
+            if self._cancelled is call:
+                self._cancelled = None
 
     def is_set(self) -> bool:
         return self._open
