@@ -270,6 +270,32 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
 
 
 @pytest.mark.timeout(300)
+def test_a_rank_that_dies_mid_switch_is_answered_for_by_its_restarted_process(sim: Simulator, tmp_path: Path,
+                                                                            launches: list[Launch]) -> None:
+    """Rank 1 SIGKILLs itself in its switch hook; torchrun restarts both ranks, and the new rank 1
+    fails the order at once (coordination/joining.py), so the leader replies false now. Before, it
+    waited out the order's budget (guard + switch + verify warm-up: minutes), and here ClusterD's
+    30 s report timeout would have ended the switch first, with another message."""
+    out = tmp_path / "job"
+    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), "--die-in-switch", "1:1"],
+                    base_env(sim))
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
+        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
+        launch.remember_tree()
+        message = operator.switch(["1", "0"], [True, True])
+        assert (out / "died").exists()
+        assert sim.job_view(JOB).replies == [False], message
+        assert "its process was restarted during the order (pid " in launch.log(), launch.log()[-3000:]
+        assert sim.job_view(JOB).violations == []
+    finally:
+        operator.close()
+
+
+@pytest.mark.timeout(300)
 def test_a_switch_before_every_rank_joined_is_refused_then_runs_once_they_have(sim: Simulator, tmp_path: Path,
                                                                                 launches: list[Launch]) -> None:
     """The leader makes itself known to ClusterD only once every rank has joined: a switch asked for

@@ -12,6 +12,8 @@ Files in DIR (JSON lines, one flush per line, appended across torchrun restarts)
     rank<r>.signals.jsonl  {"signal", "restart", "pid"} when SIGTERM arrives (the rank then exits 0)
 
 With ``--late-rank R``, rank R starts its agent only once DIR/join exists (a rank that joins late).
+With ``--die-in-switch R:SEQ``, rank R SIGKILLs itself in its switch hook for order SEQ, once (it
+leaves DIR/died: a rank that dies mid-switch; torchrun then restarts the ranks).
 
 The loop runs until DIR/stop exists; the stop flag rides in the step's all_reduce, so every rank
 stops after the same step. Exit codes: 0 done (or SIGTERM), 1 error.
@@ -61,6 +63,7 @@ def main() -> int:
     parser.add_argument("--step-sleep", type=float, default=0.01)
     parser.add_argument("--late-rank", type=int, default=-1,
                         help="this rank starts its agent only once DIR/join exists (a rank that joins late)")
+    parser.add_argument("--die-in-switch", default="", help="R:SEQ: rank R SIGKILLs itself in switch SEQ's hook")
     opts = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -84,6 +87,9 @@ def main() -> int:
         hooks.write({"seq": order.seq, "step": None if agent is None else agent.last_step,
                      "ranks": list(order.ranks), "ops": list(order.ops), "restart": restart, "pid": os.getpid(),
                      "thread": threading.current_thread().name})
+        if opts.die_in_switch == f"{rank}:{order.seq}" and not (out / "died").exists():
+            (out / "died").touch()
+            os.kill(os.getpid(), signal.SIGKILL)
         return True
 
     if rank == opts.late_rank:

@@ -63,7 +63,7 @@ class Coordinator:
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
                  ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0,
-                 warm_up_s: float = 0.0, verify_expected: bool = False) -> None:
+                 warm_up_s: float = 0.0, verify_expected: bool = False, names_orders: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -83,6 +83,9 @@ class Coordinator:
         self.warm_up_s = warm_up_s
         # Switch orders ask the ranks to wait on a go key for the verify round (see the module docstring).
         self.verify_expected = verify_expected
+        # A launcher's leader, whose Store outlives the ranks: it names the order it waits for, so
+        # that a restarted rank can fail it at once (joining.py) instead of leaving it to the budget.
+        self.names_orders = names_orders
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         # A successful order's outcome, sent with the next event (normally the release right after
         # it): one event fewer per switch on every level. A failure's is published at once.
@@ -242,6 +245,7 @@ class Coordinator:
             text = p.encode_order(order)
             self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
             go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
+            self._name_in_flight(epoch, name)
             # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
             # (a process restarted since the pause) must not run it next to a running step.
             self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
@@ -256,6 +260,7 @@ class Coordinator:
                 outcome = self._verify(epoch, order, outcome, started, text, go=go)
             elif go:  # no verify round: the ranks that switched go back to their queues
                 self._go(epoch, name, p.encode({"t": p.WAKE}))
+            self._name_in_flight(None, None)
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -276,6 +281,7 @@ class Coordinator:
         switch_name = f"{epoch}.{order.seq}.{p.KIND_SWITCH}"
         event = {"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_VERIFY, "budget": switched.verify_s,
                  "seq": order.seq, "order": switch_name, **p.inline_order(text), **({"p": 1} if self._paused else {})}
+        self._name_in_flight(epoch, name)
         if go:
             self._go(epoch, switch_name, self._event(event))
         else:
@@ -294,6 +300,13 @@ class Coordinator:
         logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
+
+    def _name_in_flight(self, epoch: int | None, name: str | None) -> None:
+        """With ``names_orders``: name the order about to be published (before it is: joining.py
+        relies on that order), or, with None, say that none is in flight."""
+        if self.names_orders:
+            text = "" if name is None else p.encode({"e": epoch, "key": name, "n": self.world_size})
+            self.kv.set(p.IN_FLIGHT, text)
 
     def _go(self, epoch: int, name: str, text: str) -> None:
         """Tell the ranks waiting on switch ``name``'s go keys what follows (one multi-set)."""

@@ -88,6 +88,7 @@ class Member:
         on_lost: Callable[[str], None] | None = None,
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         slot: int | None = None,
+        on_started: Callable[[], object] | None = None,
     ) -> None:
         self.kv = kv
         self.rank = rank
@@ -101,6 +102,9 @@ class Member:
         self._stop_timeout_s = stop_timeout_s
         self._on_lost = on_lost
         self._on_event = on_event
+        # Called on the member's thread once it has its queue position (joining.join, under a
+        # launcher); an error there is coordination lost, as any Store error.
+        self._on_started = on_started
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next = 1  # the queue index this member waits for
@@ -174,6 +178,8 @@ class Member:
         kv = self.kv
         try:
             self._next = queues.start(kv, self.slot)  # joining a leader that already published: after it
+            if self._on_started is not None:
+                self._on_started()
         except RuntimeError as exc:
             self._coordination_lost(f"{type(exc).__name__}: {exc}")
             return

@@ -63,6 +63,14 @@ node's index within the group)::
 
     group/<group>/store        ``host:port`` of the group's Store (written by its relay)
 
+Under a launcher-hosted leader (a Store that outlives the training processes)::
+
+    joined/<r>                 rank r's process has taken its queue position (its pid); written
+                               again by each process that takes rank r's place (joining.py)
+    inflight                   {"e": E, "key": K, "n": N} while the leader waits for order K's
+                               results, "" once it decided: a process that takes the place of one
+                               that had joined fails K at once (its predecessor will never answer)
+
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
 old ones. A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
@@ -106,6 +114,9 @@ def key_prefix(job_id: str, restart_count: str | None = None) -> str:
 
 
 QUEUE_HEAD = "q/head"  # the number of the last event published (a member joining late starts after it)
+
+
+IN_FLIGHT = "inflight"  # the order a launcher's leader waits for (see the module docstring)
 
 
 def joined_key(rank: int) -> str:

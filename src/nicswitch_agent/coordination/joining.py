@@ -1,0 +1,57 @@
+"""A training rank joining a launcher-hosted leader, and what a restarted rank owes it.
+
+Under ``nicswitch-agent launch`` the leader and its Store outlive the training processes: torchrun
+restarts them after a failure, while the leader may be waiting for their answers to an order.
+The process that died never answers, and without a word the leader would wait out the order's
+whole budget (guard, switch and verify warm-up: minutes) with ClusterD and the operator waiting
+behind it. So the process that takes a rank's place says so: if a process of this rank had joined
+before, it fails the order the leader names as in flight (``inflight``, coordination/messages.py),
+and the leader decides at once, false, naming the rank.
+
+Why this is sound without a race: the member takes its queue position first, then reads
+``inflight``; the leader names an order before it publishes it. An order published before the
+member's position is named by then; one published after reaches the member, which is not parked
+and refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TYPE_CHECKING
+
+from nicswitch_agent.coordination import messages as p
+
+if TYPE_CHECKING:
+    from nicswitch_agent.coordination.kv import KV
+
+logger = logging.getLogger("nicswitch_agent.coordination")
+
+
+def join(kv: KV, rank: int, pid: int) -> str | None:
+    """Say that ``rank`` joined (the launcher's leader registers with ClusterD once every rank has),
+    after failing the order in flight if this process took the place of an earlier one. Returns the
+    name of the order it failed, if any. Call it once the member has its queue position."""
+    key = p.joined_key(rank)
+    before = kv.get(key) if kv.check([key]) else None
+    kv.set(key, str(pid))
+    if before is None:
+        return None
+    text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
+    if not text:
+        logger.info("rank %d: this process (pid %d) takes the place of pid %s; no order was in flight",
+                    rank, pid, before)
+        return None
+    try:
+        in_flight = json.loads(text)
+        epoch, name, expected = int(in_flight["e"]), str(in_flight["key"]), int(in_flight["n"])
+    except (ValueError, KeyError, TypeError):
+        logger.error("rank %d: ignoring a malformed in-flight order: %r", rank, text[:200])
+        return None
+    reason = (f"its process was restarted during the order (pid {before} replaced by pid {pid}): "
+              "what it did is lost and it cannot answer")
+    # attempted: the old process may have called the switch hook before it died.
+    p.publish_result(kv, epoch, name, p.MemberResult(rank, False, reason, attempted=True), expected)
+    logger.warning("rank %d: this process (pid %d) takes the place of pid %s during order %s: told the "
+                   "leader it failed", rank, pid, before, name)
+    return name

@@ -1,0 +1,113 @@
+"""A rank restarted under a launcher-hosted leader fails the order in flight at once (joining.py).
+
+Real torch TCPStore, a real Coordinator and real Members; the dead process is a member whose
+switch hook never returns (it never answers, as a killed process never does). Each order has a
+budget far longer than the test's timeout: if the restarted rank's word did not decide the order,
+the test would time out.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from nicswitch_agent.coordination import KV, Coordinator, Member, MemberHooks
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.joining import join
+from nicswitch_agent.coordination.leader import RunOutcome
+from nicswitch_agent.coordination.parking import ParkingLot
+from nicswitch_agent.orders import SwitchOrder
+
+torch_dist = pytest.importorskip("torch.distributed", reason="needs the torch extra")
+
+pytestmark = pytest.mark.timeout(30)
+
+BUDGET_S = 600.0  # never reached: see the module docstring
+
+
+@pytest.fixture
+def kv() -> Iterator[KV]:
+    store = torch_dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+    yield KV(store, p.key_prefix("job", "launcher"))
+
+
+class Job:
+    """A launcher's leader on ``kv`` and its ranks, each joined as the agent joins them."""
+
+    def __init__(self, kv: KV, world_size: int) -> None:
+        self.kv = kv
+        self.coordinator = Coordinator(kv.clone(), world_size, names_orders=True)
+        self.members: list[Member] = []
+        self.release = threading.Event()  # frees the hooks that stand for dead processes
+
+    def start_rank(self, rank: int, pid: int, hook: Callable[[SwitchOrder], bool]) -> Member:
+        kv = self.kv.clone()
+        joined = threading.Event()
+        member = Member(kv, rank, ParkingLot(),
+                        MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=BUDGET_S,
+                                    switch_timeout_s=BUDGET_S, dry_run=False),
+                        lambda: 0, stop_timeout_s=0.5,
+                        on_started=lambda: (join(kv, rank, pid), joined.set()))
+        member.start()
+        assert joined.wait(10)
+        self.members.append(member)
+        return member
+
+    def hangs(self, entered: threading.Event) -> Callable[[SwitchOrder], bool]:
+        def hook(order: SwitchOrder) -> bool:
+            entered.set()
+            self.release.wait(25)
+            return True
+        return hook
+
+    def run(self, seq: int) -> RunOutcome:
+        order = SwitchOrder(seq=seq, job_id="job", ranks=(0, 1), ops=(True, True))
+        return self.coordinator.run(order, kind="switch", budget_s=BUDGET_S)
+
+    def stop(self) -> None:
+        self.release.set()
+        for member in self.members:
+            member.stop()
+
+
+def test_a_rank_restarted_mid_order_fails_it_at_once_naming_the_rank(kv: KV) -> None:
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        entered = threading.Event()
+        job.start_rank(1, 101, job.hangs(entered))  # the process that will "die" in its hook
+        outcome: list[RunOutcome] = []
+        runner = threading.Thread(target=lambda: outcome.append(job.run(1)), daemon=True)
+        runner.start()
+        assert entered.wait(10)
+        job.start_rank(1, 202, lambda order: True)  # torchrun's new process for rank 1
+        runner.join(20)
+        assert outcome, "the leader waited for the dead process"
+        assert not outcome[0].ok and outcome[0].attempted
+        assert outcome[0].reason.startswith("rank 1: its process was restarted during the order "
+                                            "(pid 101 replaced by pid 202)"), outcome[0].reason
+        assert kv.get(p.IN_FLIGHT) == ""  # decided: no order is named any more
+        assert kv.get(p.joined_key(1)) == "202"
+    finally:
+        job.stop()
+
+
+def test_a_rank_restarted_between_orders_fails_nothing(kv: KV) -> None:
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        job.start_rank(1, 101, lambda order: True)
+        assert job.run(1).ok
+        assert join(kv.clone(), 1, 202) is None  # nothing in flight: a restart while idle owes nothing
+        assert job.run(2).ok  # ...and leaves no failure behind for the next order
+    finally:
+        job.stop()
+
+
+def test_a_first_start_fails_nothing_even_with_an_order_in_flight(kv: KV) -> None:
+    kv.set(p.IN_FLIGHT, p.encode({"e": 1, "key": "1.1.switch", "n": 2}))
+    assert join(kv, 0, 100) is None
+    assert not kv.check([p.result_counter_key(1, "1.1.switch")])
