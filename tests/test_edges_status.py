@@ -36,7 +36,8 @@ from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.observability import events as ev
-from nicswitch_agent.observability.status_file import ExitCode, add_arguments, run
+from nicswitch_agent.observability.status_file import ExitCode
+from nicswitch_agent.ops.status_cli import add_arguments, run
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(60)

@@ -475,13 +475,13 @@ def status_command(path: Path) -> str:
     import contextlib
     import io
 
-    from nicswitch_agent.observability import status_file
+    from nicswitch_agent.ops import status_cli
 
     parser = argparse.ArgumentParser()
-    status_file.add_arguments(parser)
+    status_cli.add_arguments(parser)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status_file.run(parser.parse_args(["--file", str(path)]))
+        status_cli.run(parser.parse_args(["--file", str(path)]))
     return out.getvalue()
 
 

@@ -20,12 +20,11 @@ from nicswitch_agent.observability.metrics import EventStats
 from nicswitch_agent.observability.status_file import (
     ExitCode,
     StatusFileWriter,
-    add_arguments,
     expand_path,
     format_summary,
     read_status,
-    run,
 )
+from nicswitch_agent.ops.status_cli import add_arguments, run
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(30)
@@ -346,6 +345,39 @@ def test_a_member_writes_only_a_per_rank_file(tmp_path: Path) -> None:
     member.start()
     member.stop()
     assert list(tmp_path.iterdir()) == []  # one file per job: the leader's
+
+
+def test_a_launchers_leader_and_training_rank_0_write_files_of_their_own(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``{rank}`` is ``leader`` in a leader-only agent's file: the launcher's leader is rank 0 to the
+    coordination, and training rank 0 writes its own file next to it (before, the two overwrote
+    each other). ``status --rank leader`` reads the leader's."""
+    from nicswitch_agent.coordination import InProcessStore
+
+    store, template = InProcessStore(), str(tmp_path / "status-{rank}.json")
+    leader = SwitchAgent(server="127.0.0.1:1", job_id=JOB, pause="external", store=store, world_size=1,
+                         leader_only=True, status_file=template)
+    rank0 = SwitchAgent(server="127.0.0.1:1", job_id=JOB, pause="external", switch_hook=lambda order: True,
+                        store=store, rank=0, world_size=1, leader="launcher", status_file=template)
+    leader.start()
+    rank0.start()
+    leader.stop()
+    rank0.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["status-0.json", "status-leader.json"]
+    assert json.loads((tmp_path / "status-leader.json").read_text())["status"]["role"] == "leader"
+    assert json.loads((tmp_path / "status-0.json").read_text())["status"]["role"] == "member"
+    assert run(status_args(None, "--rank", "leader", "--json"), env={"NICSWITCH_STATUS_FILE": template}) == (
+        ExitCode.NOT_RUNNING)
+    assert json.loads(capsys.readouterr().out)["status"]["role"] == "leader"
+
+
+@pytest.mark.parametrize("value", ["-1", "lead", "1.5"])
+def test_rank_is_a_number_or_leader_and_is_refused_at_parse_time(value: str,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        status_args(None, "--rank", value)
+    assert exit_info.value.code == ExitCode.USAGE
+    assert f"argument --rank: {value!r} is not a rank (a non-negative integer) or 'leader'" in capsys.readouterr().err
 
 
 def test_status_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -46,7 +46,7 @@ from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, r
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.events import AgentEvent, EventListener, EventLog
 from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
-from nicswitch_agent.observability.status_file import StatusFileWriter, expand_path
+from nicswitch_agent.observability.status_file import LEADER_FILE_RANK, StatusFileWriter, expand_path
 from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 
 if TYPE_CHECKING:
@@ -311,8 +311,8 @@ class SwitchAgent:
         """Status file (the leader, or every rank with {rank}/{pid} in the path); metrics endpoint (leader)."""
         cfg = self.config
         if cfg.status_file:
-            path = expand_path(cfg.status_file, rank=self.rank, job_id=cfg.job_id,
-                               role="leader" if leads else "member")
+            path = expand_path(cfg.status_file, rank=LEADER_FILE_RANK if self._leader_only else self.rank,
+                               job_id=cfg.job_id, role="leader" if leads else "member")
             if path is not None:
                 self._status_writer = StatusFileWriter(path, self.status, cfg.status_interval_s)
                 self._events.add_listener(self._status_writer)

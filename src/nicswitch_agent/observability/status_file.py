@@ -1,4 +1,5 @@
-"""The agent's status file, and ``nicswitch-agent status``, which reads it.
+"""The agent's status file: its writer, and the reader behind ``nicswitch-agent status``
+(ops/status_cli.py).
 
 A running agent can keep a small JSON file with its :meth:`SwitchAgent.status` snapshot, so an
 operator can ask "is the agent alive, connected, and how did the last switch go?" from a shell in
@@ -15,7 +16,7 @@ set (``AgentConfig.status_file``):
   a job sees the same environment, and ranks sharing one file would overwrite each other (see
   :func:`expand_path`).
 
-Exit codes of ``nicswitch-agent status``:
+Exit codes of ``nicswitch-agent status`` (:class:`ExitCode`, decided by :func:`read_status`):
 
 ===  ========================================================================================
 0    the file is fresh and the agent in it is running (and, a leader, connected to ClusterD)
@@ -37,15 +38,12 @@ at once and counts as established half a second later), hence the grace of ``--m
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import enum
-import glob
 import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -82,10 +80,15 @@ class ExitCode(enum.IntEnum):
     STUCK = 6
 
 
-def expand_path(template: str, *, rank: int, job_id: str, role: str | None = "leader") -> str | None:
+LEADER_FILE_RANK = "leader"  # what {rank} becomes in the file of a leader-only agent (the launcher's)
+
+
+def expand_path(template: str, *, rank: int | str, job_id: str, role: str | None = "leader") -> str | None:
     """The file this process writes for ``template``, or None when it writes none.
 
     ``{rank}``, ``{pid}`` and ``{job}`` are replaced (e.g. ``/run/nicswitch/{job}-{rank}.json``).
+    A leader-only agent (the launcher's) gives ``rank="leader"``: training rank 0 writes its own
+    file next to it, so the two must not share ``{rank}`` = 0.
     A template without ``{rank}`` or ``{pid}`` names one file for the whole job, which only the
     leader writes (``role == "leader"``): the ranks of a job share its environment, and ranks
     sharing a file would overwrite each other's state.
@@ -593,94 +596,17 @@ def _duration(seconds: float) -> str:
     return f"{minutes / 60:.1f} h"
 
 
-def _mtime(path: str) -> float:
-    try:
-        return os.stat(path).st_mtime
-    except OSError:
-        return 0.0
-
-
-def _positive_seconds(text: str) -> float:
-    """``--max-age``: a number of seconds above 0 (0 or less would call every file stale)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds above 0")
-    return value
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``nicswitch-agent status``."""
-    parser.add_argument("--file", metavar="PATH",
-                        help=f"the agent's status file (default: ${STATUS_FILE_ENV}; {{rank}} in it is "
-                             "replaced by --rank)")
-    parser.add_argument("--rank", type=int, default=None, metavar="N",
-                        help="rank whose file to read when the path has {rank} (default: $RANK, else 0)")
-    parser.add_argument("--max-age", type=_positive_seconds, default=None, metavar="S",
-                        help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
-    parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
-                        help="call a running leader not connected past this many seconds (default: "
-                             f"{DEFAULT_MAX_DISCONNECTED_S:g}; it is briefly not connected after every switch)")
-    parser.add_argument("--max-parked", type=_positive_seconds, default=DEFAULT_MAX_PARKED_S, metavar="S",
-                        help="call an agent stuck when its training has been parked this long, seconds (default: "
-                             f"{DEFAULT_MAX_PARKED_S:g}, far past any switch's budget)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    if parser.epilog is None:
-        parser.epilog = ("exit codes: 0 running, 1 not running, 2 usage, 3 stale file, 4 no readable file, "
-                         "5 a leader not connected to ClusterD, 6 stuck (a hook past its timeout, or training "
-                         "parked past --max-parked)")
-
-
-def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> int:
-    """``nicswitch-agent status``: print the summary; returns the exit code."""
-    env = os.environ if env is None else env
-    template = args.file or env.get(STATUS_FILE_ENV, "").strip()
-    if not template:
-        print(f"nicswitch-agent status: error: --file not given and {STATUS_FILE_ENV} is not set", file=sys.stderr)
-        return int(ExitCode.USAGE)
-    source = "--file" if args.file else STATUS_FILE_ENV  # every error names where the value came from
-    rank = args.rank
-    if rank is None:
-        raw = env.get("RANK", "").strip()
-        if raw and not (raw.isascii() and raw.isdigit()):
-            print(f"nicswitch-agent status: error: RANK={raw!r} is not a rank (a non-negative integer); "
-                  "pass --rank N", file=sys.stderr)
-            return int(ExitCode.USAGE)
-        rank = int(raw) if raw else 0
-    try:
-        path = template.replace("{pid}", "*").format(rank=rank, job=env.get("NICSWITCH_JOB_ID")
-                                                     or env.get("MINDX_TASK_ID", ""))
-    except (KeyError, IndexError, ValueError) as exc:
-        print(f"nicswitch-agent status: error: {source}={template!r} is not a usable path: only {{rank}}, "
-              f"{{pid}} and {{job}} may appear in braces ({exc!r})", file=sys.stderr)
-        return int(ExitCode.USAGE)
-    if "*" in path:  # {pid}: the newest file of that name
-        matches = sorted(glob.glob(path), key=_mtime, reverse=True)
-        path = matches[0] if matches else path.replace("*", "{pid}")
-    report = read_status(path, max_age_s=args.max_age,
-                         max_disconnected_s=getattr(args, "max_disconnected", DEFAULT_MAX_DISCONNECTED_S),
-                         max_parked_s=getattr(args, "max_parked", DEFAULT_MAX_PARKED_S))
-    if args.json:
-        print(json.dumps(report.to_json(), sort_keys=True, default=str))
-    else:
-        print(format_summary(report), file=sys.stdout if report.document is not None else sys.stderr)
-    return int(report.exit_code)
-
-
 __all__ = [
     "DEFAULT_INTERVAL_S",
     "DEFAULT_MAX_DISCONNECTED_S",
     "DEFAULT_MAX_PARKED_S",
+    "LEADER_FILE_RANK",
     "STATUS_FILE_ENV",
     "ExitCode",
     "StatusFileWriter",
     "StatusReport",
-    "add_arguments",
     "default_max_age",
     "expand_path",
     "format_summary",
     "read_status",
-    "run",
 ]

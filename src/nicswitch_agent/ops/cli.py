@@ -60,8 +60,7 @@ def _build_parser() -> argparse.ArgumentParser:
     sub.required = True
 
     import nicswitch_agent.sim.cli as sim_cli
-    from nicswitch_agent.observability import status_file
-    from nicswitch_agent.ops import doctor, launcher, om_cli, timeline_cli
+    from nicswitch_agent.ops import doctor, launcher, om_cli, status_cli, timeline_cli
 
     # (name, help, add_arguments, run): each command module owns its flags and its behaviour.
     commands: list[tuple[str, str, Callable[[argparse.ArgumentParser], None] | None, Runner]] = [
@@ -73,8 +72,8 @@ def _build_parser() -> argparse.ArgumentParser:
         ("watch", "O&M: follow a job's switch result stream", om_cli.add_watch_arguments, om_cli.run_watch),
         ("doctor", "check that this pod is ready for link switches (exit 0: ready)", doctor.add_arguments,
          doctor.run),
-        ("status", "show the running agent's state from its status file", status_file.add_arguments,
-         status_file.run),
+        ("status", "show the running agent's state from its status file", status_cli.add_arguments,
+         status_cli.run),
         ("launch", "run a training command with the job's leader in this process", launcher.add_arguments,
          launcher.run),
         ("timeline", "draw a job's switches from its events files (one HTML page)", timeline_cli.add_arguments,
