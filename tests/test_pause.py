@@ -91,6 +91,7 @@ def test_each_request_is_a_new_epoch_and_parks_again() -> None:
 def test_release_with_stop_reason_raises_training_stopped_in_the_training_thread(
         caplog: pytest.LogCaptureFixture) -> None:
     lot = ParkingLot()
+    lot.rank = 5  # as a Member sets it: every line names the rank
     with caplog.at_level("INFO", logger="nicswitch_agent"), Trainer(lot) as trainer:
         assert lot.wait_parked(lot.request(), 10)
         lot.release(stop_reason="ClusterD chose exit")
@@ -99,8 +100,9 @@ def test_release_with_stop_reason_raises_training_stopped_in_the_training_thread
     assert "ClusterD chose exit" in str(trainer.error)
     said = [r.getMessage() for r in caplog.records]
     assert not any("training resumed" in m for m in said), said  # it does not resume: it stops
-    assert any(m.startswith("training leaves its parking spot") and "to stop: ClusterD chose exit" in m
+    assert any(m.startswith("rank 5: training leaves its parking spot") and "to stop: ClusterD chose exit" in m
                for m in said), said
+    assert any(m.startswith("rank 5: training parked at step ") for m in said), said
 
 
 def test_stop_while_not_parked_raises_at_the_next_step() -> None:

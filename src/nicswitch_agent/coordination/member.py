@@ -96,6 +96,7 @@ class Member:
         # its local rank on the node's Store (relay.py). Results always name the global rank.
         self.slot = rank if slot is None else slot
         self.lot = lot
+        lot.rank = rank  # its log lines name the rank
         self.hooks = hooks
         self._last_step = last_step
         self._max_parked_s = max_parked_s

@@ -53,6 +53,9 @@ class ParkingLot:
         # idle step() reads one attribute of its own instead of two of this object.
         self._on_armed = on_armed
         self._align_timeout_s = align_timeout_s
+        # Whose training thread parks here, for the log ("rank 3: training parked ..."); the Member
+        # that drives this lot sets it. None: the lines name no rank.
+        self.rank: int | None = None
         self._cond = threading.Condition()  # guards everything below
         self._aligned = False  # the current request parks at a target step, once it is known
         self._target: int | None = None
@@ -181,8 +184,8 @@ class ParkingLot:
             if self._aligned and self._target is None and not self._withdrawn(epoch):
                 if not self._wait_for(lambda: self._target is not None or self._withdrawn(epoch)
                                       or self.request_epoch != epoch, self._align_timeout_s):
-                    logger.error("no target step for pause #%d within %.0f s (leader lost?); training goes on",
-                                 epoch, self._align_timeout_s)
+                    logger.error("%sno target step for pause #%d within %.0f s (leader lost?); training goes on",
+                                 self._who(), epoch, self._align_timeout_s)
                     self._cancelled_epoch = max(self._cancelled_epoch, epoch)
                 epoch = self.request_epoch
             if self._withdrawn(epoch):
@@ -193,11 +196,11 @@ class ParkingLot:
             if target is not None and step is not None and step < target:
                 return  # train on to the target step
             if target is not None and step is not None and step > target:
-                logger.error("reached step %s past the pause target %s; parking here", step, target)
+                logger.error("%sreached step %s past the pause target %s; parking here", self._who(), step, target)
             self._parked, self._parked_step, self._parked_at = True, step, time.monotonic()
             self._parked_thread = threading.current_thread()
             self._cond.notify_all()
-            logger.info("training parked at step %s", step)
+            logger.info("%straining parked at step %s", self._who(), step)
             self._emit("parked", {"step": step, "epoch": epoch})
             interrupted: BaseException | None = None
             try:
@@ -234,15 +237,15 @@ class ParkingLot:
                 self._fail_leftover_work()
                 self._cond.notify_all()
                 if interrupted is not None:
-                    logger.warning("training left its parking spot after %.1f ms: %s raised on the training thread; "
-                                   "it does not resume", parked_for * 1000, type(interrupted).__name__)
+                    logger.warning("%straining left its parking spot after %.1f ms: %s raised on the training thread; "
+                                   "it does not resume", self._who(), parked_for * 1000, type(interrupted).__name__)
                     self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
                                            "interrupted": type(interrupted).__name__})
             if self._stop_reason is None:
-                logger.info("training resumed after %.1f ms parked", parked_for * 1000)
+                logger.info("%straining resumed after %.1f ms parked", self._who(), parked_for * 1000)
             else:  # step() raises TrainingStopped next: it does not resume
-                logger.info("training leaves its parking spot after %.1f ms parked, to stop: %s", parked_for * 1000,
-                            self._stop_reason)
+                logger.info("%straining leaves its parking spot after %.1f ms parked, to stop: %s", self._who(),
+                            parked_for * 1000, self._stop_reason)
             self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
                                    "interrupted": None})
             self._raise_if_stopped()
@@ -253,6 +256,9 @@ class ParkingLot:
             _fn, future = self._work.popleft()
             if future.set_running_or_notify_cancel():
                 future.set_exception(RuntimeError("training left its parking spot before this ran"))
+
+    def _who(self) -> str:
+        return "" if self.rank is None else f"rank {self.rank}: "
 
     def _emit(self, kind: str, detail: dict[str, Any]) -> None:
         if self._on_event is not None:
