@@ -651,3 +651,14 @@ def test_local_world_size_comes_from_torchruns_env_and_nicswitch_wins() -> None:
 ])
 def test_fan_out_settings_are_checked(overrides: dict[str, Any], match: str) -> None:
     refused(re.escape(match), **overrides)
+
+
+@pytest.mark.parametrize(("template", "problem"), [
+    ("/run/{x}.json", "{x} is not replaced: only {rank}, {pid} and {job} may appear in braces"),
+    ("/run/{rank.json", "only {rank}, {pid} and {job} may appear in braces, each closed"),
+])
+def test_a_path_template_with_a_stray_brace_is_named_once_with_what_is_wrong(template: str, problem: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        AgentConfig(server="127.0.0.1:1", job_id="j", status_file=template)
+    assert str(info.value).startswith(f"status_file={template!r}: {problem}"), str(info.value)
+    assert str(info.value).count(template) == 1

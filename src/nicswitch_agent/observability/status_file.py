@@ -101,9 +101,14 @@ def expand_path(template: str, *, rank: int | str, job_id: str, role: str | None
     try:
         return template.format(rank=rank, pid=os.getpid(), job=job_id)
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(
-            f"{template!r}: only {{rank}}, {{pid}} and {{job}} may appear in braces ({exc!r})"
-        ) from None
+        raise ValueError(template_problem(exc)) from None
+
+
+def template_problem(exc: Exception) -> str:
+    """What is wrong with a path template that ``str.format`` refused (the caller names the value)."""
+    if isinstance(exc, KeyError):
+        return f"{{{exc.args[0]}}} is not replaced: only {{rank}}, {{pid}} and {{job}} may appear in braces"
+    return f"only {{rank}}, {{pid}} and {{job}} may appear in braces, each closed ({exc})"
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,4 +614,5 @@ __all__ = [
     "expand_path",
     "format_summary",
     "read_status",
+    "template_problem",
 ]

@@ -21,6 +21,7 @@ from nicswitch_agent.observability.status_file import (
     ExitCode,
     format_summary,
     read_status,
+    template_problem,
 )
 
 
@@ -94,8 +95,8 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
         path = template.replace("{pid}", "*").format(rank=rank, job=env.get("NICSWITCH_JOB_ID")
                                                      or env.get("MINDX_TASK_ID", ""))
     except (KeyError, IndexError, ValueError) as exc:
-        print(f"nicswitch-agent status: error: {source}={template!r} is not a usable path: only {{rank}}, "
-              f"{{pid}} and {{job}} may appear in braces ({exc!r})", file=sys.stderr)
+        print(f"nicswitch-agent status: error: {source}={template!r} is not a usable path: {template_problem(exc)}",
+              file=sys.stderr)
         return int(ExitCode.USAGE)
     if "*" in path:  # {pid}: the newest file of that name
         matches = sorted(glob.glob(path), key=_mtime, reverse=True)
