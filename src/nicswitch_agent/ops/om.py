@@ -207,6 +207,7 @@ class OmClient:
         count: int | None = None,
         timeout_s: float | None = None,
         poll_s: float = DEFAULT_WATCH_POLL_S,
+        max_unreachable_s: float | None = None,
         on_note: Callable[[str], None] | None = None,
     ) -> WatchEnd:
         """Follow every switch of ``job_id``: each result goes to ``on_result`` as it arrives.
@@ -222,11 +223,15 @@ class OmClient:
             count: stop after this many results; None: until ``timeout_s`` or :meth:`close`.
             timeout_s: stop after this long; None: no limit.
             poll_s: least time between two stream openings.
+            max_unreachable_s: once ClusterD has answered, stop with ``UNREACHABLE`` when it has
+                not answered for this long (None: retry until ``timeout_s`` or :meth:`close`).
+                Unreachable before it ever answered: ``RPC_ERROR`` at once.
             on_note: called with a line worth telling the operator (job not registered,
                 connection lost, regained), never twice in a row with the same line.
         """
         return self._stream.watch(
-            job_id, on_result, count=count, timeout_s=timeout_s, poll_s=poll_s, on_note=on_note
+            job_id, on_result, count=count, timeout_s=timeout_s, poll_s=poll_s,
+            max_unreachable_s=max_unreachable_s, on_note=on_note,
         )
 
     def switch_and_wait(

@@ -138,7 +138,7 @@ WATCH_EPILOG = (
     "exit codes (after --count results, --timeout or Ctrl-C):\n"
     "  0    every result printed was \"switch nic finish\"\n"
     "  1    the first result that was not: a failure (the job goes to recovery)\n"
-    "  6    ClusterD unreachable, or another gRPC error\n"
+    "  6    ClusterD unreachable: at start, or for --max-unreachable once it answered; or another gRPC error\n"
     "  7    --timeout passed before --count results (without --count: before any result)\n"
     "  8    the first result that was not a success: a switch ended without a result message\n"
     "  2    usage error; 130 interrupted (Ctrl-C)"
@@ -279,16 +279,23 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="deadline of the SwitchNicTrack call, seconds (default: %(default)g)",
     )
+    add_max_unreachable_argument(parser, "while waiting for the result", "the switch may still run there")
+    parser.add_argument("--no-wait", action="store_true", help="exit once ClusterD accepts the request (exit code 0)")
+    _adopt_help(parser, SWITCH_EPILOG)
+
+
+def add_max_unreachable_argument(parser: argparse.ArgumentParser, when: str, caveat: str) -> None:
+    """``--max-unreachable S`` (exit 6), one flag for ``switch`` and ``watch`` with one meaning and
+    default: ``client.follow``/``watch``'s ``max_unreachable_s``. ``when``/``caveat`` fit the help
+    to the command."""
     parser.add_argument(
         "--max-unreachable",
         type=positive_float,
         default=DEFAULT_MAX_UNREACHABLE_S,
         metavar="S",
-        help="while waiting for the result, give up (exit 6) when ClusterD has not answered for S seconds "
-        "(default: %(default)g); the switch may still run there",
+        help=f"{when}, give up (exit 6) when ClusterD has not answered for S seconds "
+        f"(default: %(default)g, for switch and watch alike); {caveat}",
     )
-    parser.add_argument("--no-wait", action="store_true", help="exit once ClusterD accepts the request (exit code 0)")
-    _adopt_help(parser, SWITCH_EPILOG)
 
 
 def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
@@ -301,6 +308,8 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--poll", type=positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
                         help="while no switch runs, ask ClusterD every S seconds (default: %(default)g); a "
                              "switch shorter than this can be missed")
+    add_max_unreachable_argument(parser, "once ClusterD has answered",
+                                 "switches that end meanwhile go unseen; unreachable at start: exit 6 at once")
     _adopt_help(parser, WATCH_EPILOG)
 
 
@@ -599,6 +608,7 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
     """``nicswitch-agent watch``: print each switch's result as it arrives; returns the exit code."""
     env = os.environ if env is None else env
     report = _Report("watch", args.json)
+    started = time.monotonic()
     try:
         server = resolve_server(args.server, env)
         job_id = resolve_job(args.job, env)
@@ -622,14 +632,23 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
     with client:
         try:
             end = client.watch(job_id, on_result, count=args.count, timeout_s=args.timeout, poll_s=args.poll,
-                               on_note=on_note)
+                               max_unreachable_s=args.max_unreachable, on_note=on_note)
         except KeyboardInterrupt:
             report.say(f"stopped after {len(results)} result(s)", error=True)
             return report.done(ExitCode.INTERRUPTED, results=len(results))
     failures = [exit_code_for(r.outcome) for r in results if r.outcome.kind is not OutcomeKind.FINISHED]
     code = failures[0] if failures else ExitCode.OK
     if end.stopped is OutcomeKind.RPC_ERROR:
-        report.say(f"gRPC error: {end.detail}", error=True)
+        # UNAVAILABLE ends a watch only before ClusterD answered (later it is retried): say it as switch does.
+        unreachable = end.rpc_code == "UNAVAILABLE"
+        report.say(f"cannot reach ClusterD at {server}: {end.detail}" if unreachable else f"gRPC error: {end.detail}",
+                   error=True)
+        return report.done(ExitCode.RPC_ERROR, results=len(results), rpc_code=end.rpc_code, detail=end.detail)
+    if end.stopped is OutcomeKind.UNREACHABLE:
+        report.say(f"gave up after {format_seconds(time.monotonic() - started)}: {end.detail}", error=True)
+        report.say("a switch that ended meanwhile was not seen (ClusterD keeps no result): the job's leader log "
+                   "('switch #N: replied true|false ...') or `nicswitch-agent status` on the leader's pod says how "
+                   "it ended", error=True)
         return report.done(ExitCode.RPC_ERROR, results=len(results), rpc_code=end.rpc_code, detail=end.detail)
     if end.stopped is OutcomeKind.TIMED_OUT:
         if args.count or not results:  # fewer results than asked for
@@ -651,6 +670,7 @@ __all__ = [
     "WATCH_EPILOG",
     "WATCH_HELP",
     "ExitCode",
+    "add_max_unreachable_argument",
     "add_switch_arguments",
     "add_tls_arguments",
     "add_watch_arguments",

@@ -20,11 +20,12 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import RecoverStub, explain_connect_failure, settings_of
+from nicswitch_agent.clusterd.channel import RecoverStub, settings_of
 from nicswitch_agent.clusterd.rpc_policy import RetryAfter, bounded, wait_as_asked
 from nicswitch_agent.clusterd.rpc_policy import backoff_delays as _backoff_delays
 from nicswitch_agent.ops.om_results import (
     FAILURE_MESSAGES,
+    OmRpcError,
     Outcome,
     OutcomeKind,
     StreamError,
@@ -66,6 +67,47 @@ def backoff_delays(
     return _backoff_delays(initial_s, maximum_s, multiplier=multiplier)
 
 
+class _Outage:
+    """Since when a ClusterD that answered has not, for one follow or watch: the one place that
+    says so to the operator (once when lost, once when back, not once per retry) and decides when
+    ``max_unreachable_s`` is up, so that ``switch`` and ``watch`` say and do the same.
+
+    ``doing``: what goes on meanwhile, for the operator's line ("still waiting for the result").
+    """
+
+    def __init__(self, max_unreachable_s: float | None, note: Callable[[str], None], doing: str) -> None:
+        if max_unreachable_s is not None and max_unreachable_s <= 0:
+            raise ValueError(f"max_unreachable_s must be > 0, got {max_unreachable_s}")
+        self._limit_s = max_unreachable_s
+        self._note = note
+        self._doing = doing
+        self._since: tuple[float, float] | None = None  # (monotonic, wall) of the first failure
+
+    def lost(self, problem: str) -> str | None:
+        """A retryable failure (``problem``: ``CODE: details``): None to retry after :meth:`delay`,
+        else why to give up (the limit is up)."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = (now, time.time())
+            clock = time.strftime("%H:%M:%S", time.localtime(self._since[1]))
+            self._note(f"ClusterD unreachable since {clock}: {problem}; {self._doing}, Ctrl-C to stop")
+        elif self._limit_s is not None and now - self._since[0] >= self._limit_s:
+            return f"ClusterD unreachable for {now - self._since[0]:.1f} s (limit {self._limit_s:g} s): {problem}"
+        return None
+
+    def delay(self, wanted_s: float) -> float:
+        """The wait before the next try: the last one falls on the limit, not up to 1 s past it."""
+        if self._limit_s is None or self._since is None:
+            return wanted_s
+        return min(wanted_s, max(0.0, self._since[0] + self._limit_s - time.monotonic()))
+
+    def answered(self) -> None:
+        """ClusterD answered: end an outage, telling the operator once."""
+        if self._since is not None:
+            self._note(f"ClusterD answers again, after {time.monotonic() - self._since[0]:.1f} s unreachable")
+            self._since = None
+
+
 class ResultStream:
     """SubscribeSwitchNicSignal calls for one client, one at a time.
 
@@ -101,8 +143,12 @@ class ResultStream:
         """Wait for the result of the switch of ``job_id`` (the contract: :meth:`OmClient.follow`)."""
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        if max_unreachable_s is not None and max_unreachable_s <= 0:
-            raise ValueError(f"max_unreachable_s must be > 0, got {max_unreachable_s}")
+
+        def note(text: str) -> None:
+            if on_note is not None:
+                on_note(text)
+
+        outage = _Outage(max_unreachable_s, note, "still waiting for the result")
         started = time.monotonic()
         deadline = started + timeout_s
         delays = backoff_delays()
@@ -110,19 +156,6 @@ class ResultStream:
         ended_empty = 0
         attempts = 0
         last_problem = ""
-        # Since when ClusterD, once reached, has not answered (monotonic, wall), while it does not.
-        lost_at: tuple[float, float] | None = None
-
-        def note(text: str) -> None:
-            if on_note is not None:
-                on_note(text)
-
-        def answered() -> None:
-            """ClusterD answered this attempt: end an outage, telling the caller once."""
-            nonlocal lost_at
-            if lost_at is not None:
-                note(f"ClusterD answers again, after {time.monotonic() - lost_at[0]:.1f} s unreachable")
-                lost_at = None
 
         def outcome(kind: OutcomeKind, **kw: Any) -> Outcome:
             return Outcome(kind, job_id, elapsed_s=time.monotonic() - started, attempts=attempts, **kw)
@@ -132,7 +165,7 @@ class ResultStream:
 
         def attempt() -> Outcome:
             """One stream: the outcome, or RetryAfter (the wait before asking again)."""
-            nonlocal reached, ended_empty, attempts, last_problem, lost_at
+            nonlocal reached, ended_empty, attempts, last_problem
             if self._closed.is_set():
                 return cancelled()
             remaining = deadline - time.monotonic()
@@ -145,13 +178,13 @@ class ResultStream:
                 if self._closed.is_set():
                     raise RetryAfter(0.0) from exc
                 code, details = code_and_details(exc)
-                kind = classify_stream_error(exc)
+                kind = _stream_error(exc, code)
                 _LOG.debug("[%s] SubscribeSwitchNicSignal #%d: %s %s", job_id, attempts, code, details)
                 if kind is StreamError.DEADLINE:  # the deadline we gave the call: ours
                     return outcome(OutcomeKind.TIMED_OUT, detail=_timeout_detail(timeout_s, last_problem))
                 if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
                     reached = True
-                    answered()
+                    outage.answered()
                     if ended_empty:
                         return outcome(
                             OutcomeKind.NO_RESULT,
@@ -172,24 +205,13 @@ class ResultStream:
                     )
                 if kind is StreamError.TRANSIENT and reached:
                     last_problem = f"{code}: {details}"
-                    now = time.monotonic()
-                    if lost_at is None:
-                        lost_at = (now, time.time())
-                        since = time.strftime("%H:%M:%S", time.localtime(lost_at[1]))
-                        note(f"ClusterD unreachable since {since}: {last_problem}; still waiting for the result, "
-                             "Ctrl-C to stop")
-                    elif max_unreachable_s is not None and now - lost_at[0] >= max_unreachable_s:
-                        return outcome(OutcomeKind.UNREACHABLE, rpc_code=code,
-                                       detail=f"ClusterD unreachable for {now - lost_at[0]:.1f} s "
-                                              f"(limit {max_unreachable_s:g} s): {last_problem}")
-                    delay = next(delays)
-                    if max_unreachable_s is not None:  # the last try falls on the limit, not up to 1 s past it
-                        delay = min(delay, max(0.0, lost_at[0] + max_unreachable_s - now))
-                    raise RetryAfter(delay) from exc
-                plain = explain_connect_failure(exc, settings_of(self._channel))
-                return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=f"{code}: {plain or details}")
+                    gave_up = outage.lost(last_problem)
+                    if gave_up is not None:
+                        return outcome(OutcomeKind.UNREACHABLE, rpc_code=code, detail=gave_up)
+                    raise RetryAfter(outage.delay(next(delays))) from exc
+                return outcome(OutcomeKind.RPC_ERROR, rpc_code=code, detail=self._failure(exc))
             reached = True
-            answered()
+            outage.answered()
             if message is None:
                 if self._closed.is_set():
                     raise RetryAfter(0.0)
@@ -221,9 +243,14 @@ class ResultStream:
         count: int | None = None,
         timeout_s: float | None = None,
         poll_s: float = DEFAULT_WATCH_POLL_S,
+        max_unreachable_s: float | None = None,
         on_note: Callable[[str], None] | None = None,
     ) -> WatchEnd:
-        """Follow every switch of ``job_id`` (the contract: :meth:`OmClient.watch`)."""
+        """Follow every switch of ``job_id`` (the contract: :meth:`OmClient.watch`).
+
+        ``max_unreachable_s`` as in :meth:`follow`: once ClusterD was reached, stop with
+        ``UNREACHABLE`` when it has not answered for this long (None: retry until ``timeout_s``).
+        """
         if count is not None and count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         if timeout_s is not None and timeout_s <= 0:
@@ -249,9 +276,11 @@ class ResultStream:
 
         def note(text: str) -> None:
             nonlocal last_note
-            if on_note is not None and text != last_note:  # once per outage, not once per retry
+            if on_note is not None and text != last_note:  # once per registration wait, not once per poll
                 last_note = text
                 on_note(text)
+
+        outage = _Outage(max_unreachable_s, note, "still watching")
 
         def end(kind: OutcomeKind | None, detail: str = "", rpc_code: str | None = None) -> WatchEnd:
             return WatchEnd(tuple(results), kind, detail, rpc_code)
@@ -286,10 +315,9 @@ class ResultStream:
                 if self._closed.is_set():
                     continue
                 code, details = code_and_details(exc)
-                kind = classify_stream_error(exc)
+                kind = _stream_error(exc, code)
                 if kind in (StreamError.NOT_SWITCHING, StreamError.NOT_REGISTERED):
-                    if trouble:
-                        note("ClusterD answers again")
+                    outage.answered()
                     reached, trouble, delays, last_answer = True, "", backoff_delays(), details
                     if ended_empty_at is not None:  # that switch is over, and its result went elsewhere
                         deliver(OutcomeKind.NO_RESULT, None, "the result stream ended without a message and "
@@ -303,14 +331,14 @@ class ResultStream:
                     continue  # the deadline we gave the call: the top of the loop ends the watch
                 if kind is StreamError.TRANSIENT and reached:
                     trouble = f"{code}: {details}"
-                    note(f"lost ClusterD ({trouble}); retrying")
-                    self._pause(next(delays), deadline)
+                    gave_up = outage.lost(trouble)
+                    if gave_up is not None:
+                        return end(OutcomeKind.UNREACHABLE, gave_up, code)
+                    self._pause(outage.delay(next(delays)), deadline)
                     continue
-                plain = explain_connect_failure(exc, settings_of(self._channel))
-                return end(OutcomeKind.RPC_ERROR, f"{code}: {plain or details}", code)
+                return end(OutcomeKind.RPC_ERROR, self._failure(exc), code)
             # ClusterD accepted the stream: a switch was running when it was opened.
-            if trouble:
-                note("ClusterD answers again")
+            outage.answered()
             reached, trouble, delays = True, "", backoff_delays()
             running_at = opened if running_at is None else running_at
             if message is None:
@@ -324,6 +352,12 @@ class ResultStream:
             deliver(kind_done, message, "", time.monotonic())
             # ClusterD resets the job before it accepts the next switch: that one starts after now.
             not_running_at, running_at, ended_empty_at = time.monotonic(), None, None
+
+    def _failure(self, exc: grpc.RpcError) -> str:
+        """``CODE: details`` of a call that failed for good, in the words ``switch`` uses for its
+        own call (plain words for a TLS mismatch, say: :meth:`OmRpcError.from_rpc_error`)."""
+        error = OmRpcError.from_rpc_error("SubscribeSwitchNicSignal", exc, settings_of(self._channel))
+        return f"{error.code}: {error.details}"
 
     def _one_stream(self, job_id: str, timeout_s: float | None) -> str | None:
         """One SubscribeSwitchNicSignal call: its message, or None on a clean end of stream."""
@@ -347,6 +381,14 @@ class ResultStream:
     def _pause(self, delay_s: float, deadline: float) -> None:
         """Wait before a retry, never past the deadline; close() wakes it."""
         self._closed.wait(max(0.0, min(delay_s, deadline - time.monotonic())))
+
+
+def _stream_error(exc: grpc.RpcError, code: str) -> StreamError:
+    """:func:`classify_stream_error`, but a CANCELLED we did not ask for (callers rule out our own
+    close() first) is the server going away, as UNAVAILABLE is: a Python gRPC server that stops
+    (the simulator's Ctrl-C) cancels the calls it has not answered, where Go's drops the connection."""
+    kind = classify_stream_error(exc)
+    return StreamError.TRANSIENT if kind is StreamError.FATAL and code == "CANCELLED" else kind
 
 
 def _timeout_detail(timeout_s: float, last_problem: str) -> str:

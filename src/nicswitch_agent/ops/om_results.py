@@ -169,9 +169,10 @@ class WatchEnd:
 
     Attributes:
         results: every result, in order (also given to ``on_result`` as each arrived).
-        stopped: None when ``count`` results arrived; else TIMED_OUT, CANCELLED or RPC_ERROR.
+        stopped: None when ``count`` results arrived; else TIMED_OUT, CANCELLED, RPC_ERROR
+            or UNREACHABLE (ClusterD silent for ``max_unreachable_s`` after it had answered).
         detail: why it stopped, in words.
-        rpc_code: the gRPC code of an RPC_ERROR.
+        rpc_code: the gRPC code of an RPC_ERROR or UNREACHABLE.
     """
 
     results: tuple[WatchedSwitch, ...]

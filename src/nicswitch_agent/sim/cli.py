@@ -53,8 +53,9 @@ keeps serving; with --crash-like-clusterd it exits with status 2 instead, as Clu
 docs/operations.md lists every setting and the differences from the real server."""
 
 _EPILOG = """\
-exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use among them),
-or crashed as the real ClusterD would (--crash-like-clusterd)
+exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use, or a --host
+this machine does not have, among them: checked before listening), or crashed as the real ClusterD would
+(--crash-like-clusterd)
 
 example:
   nicswitch-agent sim --port 8899 --job job-1 --nodes node-0:0,1 --nodes node-1:0,1 --standin"""
@@ -302,33 +303,48 @@ class _LineHandler(logging.Handler):
             self.handleError(record)
 
 
-def port_in_use(host: str, port: int) -> bool:
-    """Whether another socket already listens on ``host:port`` (0, a free port: never).
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the simulator cannot listen on ``host:port``, in one line naming both; None: it can.
 
     Asked before gRPC binds: when its bind fails, gRPC core writes its own error line to stderr
-    (``add_port.cc ... Address already in use``) and raises only "Failed to bind". The test bind
-    uses SO_REUSEADDR as gRPC's listener does, so a port in TIME_WAIT is not taken for busy.
+    (``add_port.cc ... Address already in use``) and raises only "Failed to bind" (older versions
+    return port 0 instead). The test bind uses SO_REUSEADDR as gRPC's listener does, so a port in
+    TIME_WAIT is not taken for busy; a host with several addresses is refused only when none binds
+    (gRPC listens on those it can).
     """
-    if port == 0:
-        return False
+    bare = host.strip("[]")
+    where = f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
     try:
-        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except OSError:
-        return False  # an unknown host: gRPC says so itself
-    family, kind, proto, _, address = infos[0]
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(address)
-        except OSError as exc:
-            return exc.errno == errno.EADDRINUSE
-    return False
+        infos = socket.getaddrinfo(bare, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:
+        return f"cannot listen on {where}: unknown host ({exc.strerror or exc}); give --host an address of this machine"
+    errors: list[OSError] = []
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE and port != 0:
+                    return (f"port {port} on {host} is in use (another ClusterD or simulator?): stop it, or pick "
+                            "another with --port (0 picks a free one)")
+                errors.append(exc)
+            else:
+                return None
+    first = errors[0]
+    why = first.strerror or str(first)
+    if first.errno == errno.EADDRNOTAVAIL:
+        why += f": {bare} is not an address of this machine; give --host one of its own (0.0.0.0: all of them)"
+    elif first.errno == errno.EACCES:
+        why += ": a port below 1024 needs privileges; pick another with --port"
+    return f"cannot listen on {where}: {why}"
 
 
 def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, out: TextIO | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop_event``, for embedding and tests). Returns 0; 2 on a
-    usage error (a port in use too), and after a crash like the real ClusterD's
-    (``--crash-like-clusterd``, which also sets ``stop_event``); 1 when it cannot listen otherwise.
+    usage error (a port in use, or a host this machine cannot listen on, too), and after a crash
+    like the real ClusterD's (``--crash-like-clusterd``, which also sets ``stop_event``); 1 when it
+    cannot listen otherwise (a TLS file, or a port taken between the check and gRPC's bind).
 
     Prints the address, the rank table, the settings that differ from ClusterD's, then one line per
     state change (and an ERROR where the real ClusterD would crash).
@@ -340,9 +356,9 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
     except ValueError as exc:
         print(f"nicswitch-agent sim: error: {exc}", file=sys.stderr)
         return 2
-    if port_in_use(args.host, args.port):
-        print(f"nicswitch-agent sim: error: port {args.port} on {args.host} is in use (another ClusterD or "
-              "simulator?): stop it, or pick another with --port (0 picks a free one)", file=sys.stderr)
+    problem = listen_problem(args.host, args.port)
+    if problem is not None:  # a usage error: the --host or --port given cannot be used here
+        print(f"nicswitch-agent sim: error: {problem}", file=sys.stderr)
         return 2
 
     stop = stop_event if stop_event is not None else threading.Event()
@@ -370,7 +386,7 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
         try:
             address = sim.start()
         except (OSError, RuntimeError) as exc:
-            print(f"nicswitch-agent sim: {exc}", file=sys.stderr)
+            print(f"nicswitch-agent sim: error: {exc}", file=sys.stderr)
             return 1
         out.write(f"ClusterD simulator listening on {address}{'' if tls is None else ' with ' + tls.describe()}\n")
         for server in RankTable(job.nodes).servers:
