@@ -9,7 +9,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
@@ -24,8 +24,10 @@ DEFAULT_RANKS = 4
 MAX_THREAD_RANKS = 64
 MAX_PROCESS_RANKS = 16  # each one imports torch: on a laptop more would take minutes to start
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C (ops/cli.py: every command)
 FINISH = "switch nic finish"
 EVENTS_ENV = "NICSWITCH_EVENTS_FILE"
+PAUSE_ENV = "NICSWITCH_PAUSE"
 TIMELINE_PAGE = "timeline.html"
 
 
@@ -72,6 +74,32 @@ def check_arguments(ranks: int, processes: bool) -> str | None:
         return ("--processes needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent checkout); "
                 "without --processes the demo runs its ranks as threads and needs no torch")
     return None
+
+
+def pause_problem(env: Mapping[str, str] | None = None) -> str | None:
+    """The usage error of ``NICSWITCH_PAUSE`` for the demo, or None when the demo may run.
+
+    The demo's job runs in pause mode agent only: what it shows and checks is every rank parking at
+    the same step, and there is no MindIO/TaskD to pause anything in external mode. Running agent
+    mode anyway would show a user who asked for external what they did not ask for, silently.
+    """
+    env = os.environ if env is None else env
+    raw = env.get(PAUSE_ENV, "").strip()
+    if not raw:
+        return None
+    from nicswitch_agent.config import AgentConfig
+    from nicswitch_agent.errors import ConfigError
+
+    try:  # the agent's own grammar: any case, a near miss named with its closest mode
+        mode = AgentConfig.from_env({PAUSE_ENV: raw}, server="127.0.0.1:1", job_id=JOB_ID).pause
+    except ConfigError as exc:
+        return str(exc)
+    if mode != "external":
+        return None  # agent, or auto: no MindIO/TaskD runs with the demo's job, so auto means agent
+    return (f"{PAUSE_ENV}={raw} asks for pause mode external, but the demo's job runs in pause mode agent only "
+            "(its ranks park at a step boundary; no MindIO/TaskD runs here to pause them): unset "
+            f"{PAUSE_ENV} (or set it to agent) to run the demo; to rehearse pause mode external, run your own "
+            "job against `nicswitch-agent sim --standin` (docs/quickstart.md, Pause mode external)")
 
 
 @dataclass

@@ -52,6 +52,7 @@ from nicswitch_agent.demo.common import (
     Timeline,
     timeline_event,
 )
+from nicswitch_agent.demo.quiet import quiet_grpc
 from nicswitch_agent.observability.events import AgentEvent
 
 STARTUP_TIMEOUT_S = 120.0  # Python + torch import in every rank, on a small and possibly busy machine
@@ -133,6 +134,7 @@ class ProcessJob:
             "TORCH_CPP_LOG_LEVEL": env.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # a tiny model: threads would only compete
         })
+        quiet_grpc(env)  # the ranks' gRPC core lines would land on the terminal with -v (the command sets it too)
         for r in range(self.world):
             command = [sys.executable, "-m", "nicswitch_agent.demo.processes", "--rank", str(r),
                        "--world-size", str(self.world), "--server", address, "--job-id", JOB_ID,

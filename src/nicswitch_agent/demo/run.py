@@ -42,6 +42,7 @@ from nicswitch_agent.demo.common import (
     DEFAULT_RANKS,
     EVENTS_ENV,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     EXIT_USAGE,
     FINISH,
@@ -62,9 +63,11 @@ from nicswitch_agent.demo.common import (
     events_template,
     failover_devices,
     job_nodes,
+    pause_problem,
     timeline_event,
     write_timeline_page,
 )
+from nicswitch_agent.demo.wakeup import SignalWakeup
 from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
@@ -206,9 +209,10 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
 
     Returns:
         0 when both switches finished correctly on every rank, 1 when not, 2 for a usage error
-        (``--processes`` without torch, ``ranks`` out of range).
+        (``--processes`` without torch, ``ranks`` out of range, ``NICSWITCH_PAUSE=external``), 130
+        on Ctrl-C (KeyboardInterrupt), after the timeline so far.
     """
-    problem = check_arguments(ranks, processes)
+    problem = check_arguments(ranks, processes) or pause_problem()
     if problem is not None:
         print(f"nicswitch-agent demo: error: {problem}", file=err or sys.stderr)
         return EXIT_USAGE
@@ -241,8 +245,9 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
     results: list[str] = []
     links_after: list[list[bool]] = []
     summaries: list[RankSummary] = []
-    out.write("nicswitch-agent demo: ClusterD simulator + a training job with the agent, on this machine\n")
-    try:
+    interrupted = False
+    try:  # from the banner on, Ctrl-C is reported (with PYTHONUNBUFFERED it shows at once)
+        out.write("nicswitch-agent demo: ClusterD simulator + a training job with the agent, on this machine\n")
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir, Simulator(
             jobs=[SimJob(job_id=JOB_ID, nodes=nodes)],
             settings=SimSettings(report_timeout_s=30.0, shuffle_nodes=True),
@@ -289,11 +294,18 @@ def run_demo(out: TextIO, *, verbose: bool = False, ranks: int = DEFAULT_RANKS, 
             finally:
                 channel.close()
                 summaries = job.stop()
+    except KeyboardInterrupt:  # Ctrl-C: the job and the simulator were stopped on the way out (finally, with)
+        interrupted = True
+        timeline.add("demo", "interrupted (Ctrl-C): the job and the simulator stopped")
     finally:
         sim_logger.removeHandler(handler)
         sim_logger.setLevel(old_level)
         sim_logger.propagate = old_propagate
     timeline.render(out)
+    if interrupted:  # what it did so far; no summary, no page: there is nothing complete to check or draw
+        out.write(f"\ndemo interrupted after {len(results)} of 2 switches"
+                  f"{f' (results: {results})' if results else ''}\n")
+        return EXIT_INTERRUPTED
     out.write("\n")
     write_timeline_page(out, events_file, output_dir, since=timeline.started)
     return _summarise(out, ranks, results, links_after, moved_ranks, summaries)
@@ -356,9 +368,9 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
         0 after ``switches`` switches were replied to (0: until SIGINT/SIGTERM, ``timeout_s`` then
         bounding only the registration), 1 when the job
         could not join within ``timeout_s`` or the time ran out first, 2 for a usage error, 128 + N
-        when signal N (SIGINT, SIGTERM) came before the job registered.
+        when signal N (SIGINT, SIGTERM) came before the ``switches`` switches (it says how many).
     """
-    problem = check_arguments(ranks, False)
+    problem = check_arguments(ranks, False) or pause_problem()
     if problem is None and switches < 0:
         problem = f"--switches must be 0 or more, got {switches}"
     if problem is None and not timeout_s > 0:
@@ -386,12 +398,18 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
 
     resubscribed = threading.Event()  # the notify stream reopened since the last reply
     grace: list[threading.Timer] = []
+    wakeup: list[SignalWakeup] = []  # the main thread's waits (demo/wakeup.py), once it has one
+
+    def wake(*events: threading.Event) -> None:
+        for event in events:
+            event.set()
+        for waker in wakeup:
+            waker.wake()
 
     def on_event(event: AgentEvent) -> None:
         if event.kind == "subscribed" and event.detail.get("stream") == "notify":
-            subscribed.set()
             resubscribed.set()
-            woken.set()
+            wake(subscribed, woken)
         text = describe_event(event)
         if text is not None and (event.kind in _LEADER_EVENTS or event.kind in ("parked", "resumed")):
             out.write(f"job {job_id}: {text}\n")
@@ -407,25 +425,25 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
             # reopens. Ending the job before that can cut the operator's word off; a ClusterD that
             # does not end the stream is waited for FINISH_GRACE_S at most.
             if resubscribed.is_set():
-                done.set()
+                wake(done)
             elif not grace:
-                grace.append(threading.Timer(FINISH_GRACE_S, done.set))
+                grace.append(threading.Timer(FINISH_GRACE_S, wake, args=(done,)))
                 grace[0].daemon = True
                 grace[0].start()
 
     def on_signal(signum: int, frame: Any) -> None:
         signals.append(signum)
-        done.set()
-        woken.set()
+        wake(done, woken)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = time.monotonic() + timeout_s
     try:
+        wakeup.append(SignalWakeup())
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir:
             job = ThreadJob(ranks, Timeline(), workdir, job_id=job_id, leader_listener=on_event)
             job.start(server)
             try:
-                woken.wait(max(0.0, deadline - time.monotonic()))
+                wakeup[0].wait(woken.is_set, max(0.0, deadline - time.monotonic()))
                 if signals and not subscribed.is_set():  # Ctrl-C while ClusterD had not heard of the job yet
                     print(f"nicswitch-agent demo: {signal.Signals(signals[0]).name} before job {job_id} registered "
                           f"with ClusterD at {server}; stopped", file=sys.stderr)
@@ -440,7 +458,7 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                 out.flush()
                 _signal_ready()
                 # --switches 0 runs until a signal: --timeout bounded only the registration.
-                done.wait(max(0.0, deadline - time.monotonic()) if switches else None)
+                wakeup[0].wait(done.is_set, max(0.0, deadline - time.monotonic()) if switches else None)
             finally:
                 for timer in grace:
                     timer.cancel()
@@ -448,6 +466,12 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for waker in wakeup:
+            waker.close()  # a late wake() from another thread is then a no-op
+    if switches and len(replies) < switches and signals:  # Ctrl-C (or SIGTERM) before the switches asked for
+        out.write(f"job {job_id}: {signal.Signals(signals[0]).name} after {len(replies)} of {switches} "
+                  "switch(es); stopped\n")
+        return 128 + signals[0]
     if switches and len(replies) < switches:
         ran_out = time.monotonic() >= deadline
         out.write(f"job {job_id}: stopped after {len(replies)} of {switches} switch(es)"
@@ -470,7 +494,8 @@ def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, s
 
     The child writes to a log file of its own, never to the caller's stdout or stderr: a caller that
     reads them to the end (``out=$(nicswitch-agent demo --background ...)``, a pipe) would otherwise
-    wait for the whole job. If it ends before it is ready, its log is copied to stderr.
+    wait for the whole job. If it ends before it is ready, its log is copied to stderr; so it is
+    after Ctrl-C here, which stops the child too (130).
     """
     log_fd, log_path = tempfile.mkstemp(prefix=f"nicswitch-demo-{job_id}-", suffix=".log")
     read_fd, write_fd = os.pipe()
@@ -482,8 +507,13 @@ def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, s
     finally:
         os.close(write_fd)
         os.close(log_fd)
-    with os.fdopen(read_fd) as ready:
-        started = ready.read() == "ready\n"  # EOF when the child reported ready, or died
+    ready = os.fdopen(read_fd)
+    try:
+        with ready, SignalWakeup() as wakeup:  # Ctrl-C's KeyboardInterrupt at once, even if another thread got it
+            wakeup.wait(lambda: False, fd=ready.fileno())
+            started = ready.read() == "ready\n"  # EOF when the child reported ready, or died
+    except KeyboardInterrupt:
+        return _stop_background(child, log_path, job_id)
     if not started:
         code = child.wait()
         with open(log_path, encoding="utf-8", errors="replace") as log:
@@ -496,3 +526,24 @@ def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, s
               f"`kill {child.pid}`\n")
     out.flush()
     return EXIT_OK
+
+
+def _stop_background(child: subprocess.Popen[bytes], log_path: str, job_id: str) -> int:
+    """Ctrl-C while the background job was not ready yet: stop it, say what it did (its log), 130.
+
+    A Ctrl-C on the terminal reached the child as well (one process group); a SIGINT sent to this
+    process alone did not, and a job left running unseen is what a user who pressed Ctrl-C least wants.
+    """
+    with contextlib.suppress(ProcessLookupError):
+        child.send_signal(signal.SIGINT)
+    try:
+        code: int | str = child.wait(FINISH_GRACE_S)  # it stops at once: it was only waiting for ClusterD
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        code = "killed"
+    with contextlib.suppress(OSError), open(log_path, encoding="utf-8", errors="replace") as log:
+        sys.stderr.write(log.read())
+    print(f"nicswitch-agent demo: interrupted (Ctrl-C) before the background job {job_id} was ready; stopped it "
+          f"(pid {child.pid}, exit {code}; log: {log_path})", file=sys.stderr)
+    return EXIT_INTERRUPTED

@@ -124,38 +124,93 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         "and a switchback, and print a timeline: every rank parking at the same step, the checkpoint guard, "
         "the switch on every rank, the reply, the resume."
     )
-    parser.epilog = ("exit codes: 0 both switches finished on every rank, 1 the demo failed, 2 usage error "
-                     "(--processes without torch, --ranks out of range, a bad NICSWITCH_* setting), 130 (143) "
-                     "with --server: SIGINT (SIGTERM) before the job registered")
+    parser.epilog = (
+        "The demo's job always runs in pause mode agent (its ranks park at a step boundary; there is no\n"
+        "MindIO here): NICSWITCH_PAUSE=external is refused (unset it, or set it to agent). gRPC core's own\n"
+        "log lines are off (GRPC_VERBOSITY=ERROR) unless GRPC_VERBOSITY or GRPC_TRACE is set. Ctrl-C\n"
+        "prints what the demo did so far (the timeline, or how many switches the joined job saw).\n"
+        "\n"
+        "exit codes: 0 both switches finished on every rank (with --server: --switches switches were\n"
+        "replied to, or SIGINT/SIGTERM with --switches 0), 1 the demo failed, 2 usage error (--processes\n"
+        "without torch, --ranks out of range, a join option without --server, a bad NICSWITCH_* setting,\n"
+        "NICSWITCH_PAUSE=external), 130 interrupted by SIGINT (Ctrl-C), and with --server 143 by SIGTERM"
+    )
     parser.add_argument("--ranks", type=int, default=4, metavar="N",
                         help="training ranks (default: %(default)s; 1-64 as threads, 1-16 with --processes)")
     parser.add_argument("--processes", action="store_true",
                         help="run every rank as a real torch process (torch.distributed, gloo on CPU, the job's "
-                             "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds")
+                             "TCPStore hosted by rank 0) instead of a thread; needs torch, takes a few seconds; "
+                             "not with --server")
     parser.add_argument("--output-dir", metavar="DIR",
                         help="where to write the ranks' events files and the timeline page "
-                             "(default: a new temporary directory, kept)")
+                             "(default: a new temporary directory, kept); not with --server")
     join = parser.add_argument_group("join a running ClusterD or simulator (no embedded simulator, no operator: "
-                                     "you run `nicswitch-agent switch`)")
+                                     "you run `nicswitch-agent switch`; --job, --switches, --timeout and "
+                                     "--background only with --server)")
     join.add_argument("--server", metavar="HOST:PORT", help="run only the job (threads, pause mode agent) against this "
                                                             "ClusterD, until --switches switches were replied to")
-    join.add_argument("--job", default="job-1", metavar="JOB_ID", help="job id to register (default: %(default)s)")
-    join.add_argument("--switches", type=int, default=2, metavar="N",
-                      help="stop after N switches (default: %(default)s; 0: until SIGINT/SIGTERM)")
-    join.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                      help="stop after S seconds at most (default: %(default)s; with --switches 0 it bounds "
-                           "only the wait for the job to register)")
-    join.add_argument("--background", action="store_true",
+    # None: not given. Their defaults (_JOIN_DEFAULTS) apply with --server; without it they are an error.
+    join.add_argument("--job", metavar="JOB_ID", help=f"job id to register (default: {_JOIN_DEFAULTS['job']})")
+    join.add_argument("--switches", type=int, metavar="N",
+                      help=f"stop after N switches (default: {_JOIN_DEFAULTS['switches']}; 0: until SIGINT/SIGTERM)")
+    join.add_argument("--timeout", type=float, metavar="S",
+                      help=f"stop after S seconds at most (default: {_JOIN_DEFAULTS['timeout']:g}; with --switches 0 "
+                           "it bounds only the wait for the job to register)")
+    join.add_argument("--background", action="store_true", default=None,
                       help="run the job in a child process and return once it is registered (for scripts); "
                            "the job logs to a file it names, not to this command's stdout/stderr")
 
 
+# The join options, which only a job joining a running ClusterD (--server) uses, and their defaults.
+_JOIN_DEFAULTS: dict[str, Any] = {"job": "job-1", "switches": 2, "timeout": 300.0, "background": False}
+# The embedded demo's options, which the joining job has no use for.
+_EMBEDDED_ONLY = {"processes": False, "output_dir": None}
+
+
+def _demo_misuse(args: argparse.Namespace) -> str | None:
+    """An option that the chosen kind of demo would silently ignore, as a usage error (or None)."""
+    def flags(names: list[str]) -> str:
+        return " and ".join("--" + name.replace("_", "-") for name in names)
+
+    if args.server is None:
+        given = [name for name in _JOIN_DEFAULTS if getattr(args, name) is not None]
+        if given:
+            one = len(given) == 1
+            return (f"{flags(given)} {'needs' if one else 'need'} --server ({'it is' if one else 'they are'} for the "
+                    "job joining a running ClusterD; without --server the demo runs its own simulator and operator)")
+        return None
+    given = [name for name, unset in _EMBEDDED_ONLY.items() if getattr(args, name) != unset]
+    if given:
+        return (f"{flags(given)} cannot be used with --server (the joining job runs its ranks as threads and "
+                "writes no timeline page)")
+    return None
+
+
+def _quiet_grpc_for_demo(argv: Sequence[str]) -> None:
+    """The demo's output is the first a user sees: no raw gRPC core lines in it (demo/quiet.py).
+
+    Here, before the parser is built, because building it imports grpc, which reads
+    GRPC_VERBOSITY only then; the demo's child processes inherit the value.
+    """
+    from nicswitch_agent.demo.quiet import is_demo_command, quiet_grpc
+
+    if is_demo_command(argv):
+        quiet_grpc()
+
+
 def _run_demo(args: argparse.Namespace) -> int:
+    problem = _demo_misuse(args)
+    if problem is not None:
+        print(f"nicswitch-agent demo: error: {problem}", file=sys.stderr)
+        return 2
     if args.server is not None:
         from nicswitch_agent.demo import run_job
 
-        return run_job(sys.stdout, server=str(args.server), job_id=str(args.job), ranks=int(args.ranks),
-                       switches=int(args.switches), timeout_s=float(args.timeout), background=bool(args.background))
+        join = {name: _JOIN_DEFAULTS[name] if getattr(args, name) is None else getattr(args, name)
+                for name in _JOIN_DEFAULTS}
+        return run_job(sys.stdout, server=str(args.server), job_id=str(join["job"]), ranks=int(args.ranks),
+                       switches=int(join["switches"]), timeout_s=float(join["timeout"]),
+                       background=bool(join["background"]))
     from nicswitch_agent.demo import run_demo
 
     return run_demo(sys.stdout, verbose=bool(args.verbose), ranks=int(args.ranks), processes=bool(args.processes),
@@ -195,6 +250,7 @@ def _reader_gone() -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    _quiet_grpc_for_demo(sys.argv[1:] if argv is None else argv)  # before _build_parser imports grpc
     parser = _build_parser()
     args = parser.parse_args(argv)
     configure_logging = getattr(args, "configure_logging", None)
