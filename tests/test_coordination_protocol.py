@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+from collections.abc import Callable
 
 import pytest
 import support
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from nicswitch_agent.coordination import KV, Coordinator, InProcessStore, Member, MemberHooks
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import done_key
-from nicswitch_agent.coordination.parking import ParkingLot
+from nicswitch_agent.coordination.parking import ParkingLot, TrainingStopped
 from nicswitch_agent.errors import InvalidOrder
 from nicswitch_agent.orders import SwitchOrder
 
@@ -132,14 +134,15 @@ class _Rank:
     """One rank for the outcome tests: a Member on ``store`` and a training thread that steps
     while a pause is armed (pause mode agent), recording the member's events in order."""
 
-    def __init__(self, store: InProcessStore, switch_ok: bool) -> None:
+    def __init__(self, store: InProcessStore, switch_ok: bool | Callable[[SwitchOrder], bool]) -> None:
         self.events: list[str] = []
         self.last: int | None = None
         self._go = threading.Event()
         self.lot = ParkingLot(on_armed=lambda armed: self._go.set() if armed else self._go.clear(),
                               on_event=lambda kind, _detail: self.events.append(kind))
+        hook = switch_ok if callable(switch_ok) else lambda order: switch_ok
         self.member = Member(KV(store, "t"), 0, self.lot, MemberHooks(
-            switch_hook=lambda order: switch_ok, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
+            switch_hook=hook, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
             dry_run=False), lambda: self.last, on_event=lambda kind, _detail: self.events.append(kind))
         self._thread = threading.Thread(target=self._train, daemon=True)
         self._thread.start()
@@ -147,11 +150,12 @@ class _Rank:
 
     def _train(self) -> None:
         step = 0
-        while True:
-            step += 1
-            self.last = step
-            self.lot.at_step_boundary(step)
-            self._go.wait()
+        with contextlib.suppress(TrainingStopped):  # released to stop: training ends here
+            while True:
+                step += 1
+                self.last = step
+                self.lot.at_step_boundary(step)
+                self._go.wait()
 
 
 def _queued(store: InProcessStore) -> list[dict[str, object]]:
@@ -196,6 +200,35 @@ def test_a_failed_outcome_is_told_at_once_on_its_own() -> None:
         leader.release()
         assert support.wait_until(lambda: "resumed" in rank.events, 10)
         assert rank.events.count("switch_outcome") == 1
+    finally:
+        rank.member.stop()
+
+
+@pytest.mark.parametrize(("hook_results", "rollback", "stops"), [
+    ([True], False, False),  # switched on every rank: the links are where they were ordered
+    ([False], False, True),  # failed (ClusterD's strategy not chosen yet): the links may have moved
+    ([False, True], True, False),  # failed, then rolled back on every rank: back where they were
+    ([False, False], True, True),  # the rollback failed too
+])
+def test_the_leaders_stop_stops_parked_training_only_when_the_links_may_have_moved(
+        hook_results: list[bool], rollback: bool, stops: bool) -> None:
+    store = InProcessStore()
+    rank = _Rank(store, switch_ok=lambda order: hook_results.pop(0))
+    leader = Coordinator(KV(store, "t"), 1)
+    try:
+        assert leader.pause(30).ok
+        order = SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,))
+        leader.run(order, kind=p.KIND_SWITCH, budget_s=10)
+        if rollback:
+            leader.run(SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(False,)), kind=p.KIND_ROLLBACK, budget_s=10)
+        said = leader.release_at_stop("SIGTERM received")
+        assert not leader.paused
+        assert (said is not None) is stops, said
+        if stops:
+            assert said is not None and "the job's leader stopped (SIGTERM received) during a switch" in said
+        assert support.wait_until(lambda: "resumed" in rank.events, 10)
+        assert rank.lot.stop_requested() == said
+        assert leader.release_at_stop("again") is None  # not paused any more: nothing to release
     finally:
         rank.member.stop()
 

@@ -10,6 +10,7 @@ ran past the pause step while another parked would deadlock the test instead of 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterator
@@ -326,8 +327,60 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         assert messages == ["switch nic failed, switch nic failed"]
         assert sim.job_view(JOB).replies == [False]
         assert "stopped during the order" in job.ranks[0].agent.status()["last_switch"]["reason"]
+        hang.set()
+        # Its training, parked: stopped, not resumed alone beside ranks still paused.
+        assert job.ranks[1].done.wait(20)
+        error = job.ranks[1].error
+        assert isinstance(error, TrainingStopped), error
+        assert "the agent on rank 1 stopped (SIGTERM received) while training was parked" in str(error)
     finally:
         hang.set()
+
+
+def test_a_leader_stopped_mid_switch_stops_every_ranks_training(sim: Simulator, make_job: Any) -> None:
+    """The switch hook runs on rank 2 when the leader goes away: the links may have moved, and no
+    rank resumes training on them (the operator hears false)."""
+    hang = threading.Event()
+    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        messages: list[str] = []
+        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
+        operator.start()
+        assert job.hooks[2].entered.wait(20)
+        job.ranks[0].agent.stop("SIGTERM received")
+        hang.set()
+        operator.join(60)
+        assert messages == ["switch nic failed, switch nic failed"]
+        for rank in job.ranks:
+            assert rank.done.wait(20), f"rank {rank.rank} was neither stopped nor ended"
+            assert isinstance(rank.error, TrainingStopped), (rank.rank, rank.error)
+            assert "the job's leader stopped (SIGTERM received) during a switch" in str(rank.error)
+    finally:
+        hang.set()
+
+
+@pytest.mark.parametrize("fan_out", sorted(FAN_OUTS))
+def test_a_leader_stopped_while_the_job_is_parked_before_any_order_lets_every_rank_train_on(fan_out: str) -> None:
+    """Parked, no order out yet (the list is late): nothing moved, so the leader's stop releases
+    every rank to go on together."""
+    late_list = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("dump",))],
+                          settings=dataclasses.replace(FAST, list_delay_s=60.0))
+    late_list.start()
+    job = Job(late_list, **FAN_OUTS[fan_out])
+    try:
+        assert late_list.wait_until(streams_ready, 10)
+        switch(late_list, "node-1", ["0"], [True], wait=False)
+        assert support.poll(lambda: all(rank.agent.status()["parked"] for rank in job.ranks), 20)
+        parked = [rank.step for rank in job.ranks]
+        job.ranks[0].agent.stop("SIGTERM received")
+        for rank, step in zip(job.ranks, parked, strict=True):
+            assert rank.wait_step(step + 3), f"rank {rank.rank} did not train on (error: {rank.error!r})"
+        assert not any(isinstance(rank.error, TrainingStopped) for rank in job.ranks)
+        assert job.calls == []
+    finally:
+        job.close()
+        late_list.stop()
 
 
 def test_a_member_that_is_gone_makes_the_pause_fail_and_no_rank_stays_parked(sim: Simulator,

@@ -6,6 +6,7 @@ import threading
 from typing import Any
 
 import pytest
+import support
 
 from nicswitch_agent.coordination.parking import ParkingLot, TrainingStopped
 
@@ -112,6 +113,22 @@ def test_stop_while_not_parked_raises_at_the_next_step() -> None:
         assert trainer.finished.wait(10)
     assert isinstance(trainer.error, TrainingStopped)
     assert trainer.step == 1
+
+
+def test_let_go_stops_a_parked_thread_and_leaves_one_that_is_not_parked_training() -> None:
+    """The agent's stop: a parked thread raises TrainingStopped, one that is not parked trains on."""
+    lot = ParkingLot()
+    with Trainer(lot) as trainer:
+        assert lot.let_go(stop_reason_if_parked="the agent on rank 1 stopped") is False
+        assert not lot.pending  # nothing armed for the next step: it trains on
+        step = trainer.step
+        assert support.poll(lambda: trainer.step > step + 1000, 10)
+        assert trainer.error is None
+        assert lot.wait_parked(lot.request(), 10)
+        assert lot.let_go(stop_reason_if_parked="the agent on rank 1 stopped") is True
+        assert trainer.finished.wait(10)
+    assert isinstance(trainer.error, TrainingStopped)
+    assert "the agent on rank 1 stopped" in str(trainer.error)
 
 
 def test_idle_step_check_is_a_plain_comparison() -> None:

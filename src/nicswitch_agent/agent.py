@@ -440,10 +440,12 @@ class SwitchAgent:
             self._coordinator.wake()  # ... including the one it blocks in now
         if session is not None:
             session.end_process_manage()  # only now: ClusterD resets the job when that stream ends
+        # Parked training stops (alone it would step beside paused ranks), but as every rank where the leader is.
+        stop_training: str | None = (f"the agent on rank {self.rank} stopped ({reason}) while training was "
+                                     "parked for a switch: training cannot resume on this rank alone")
         if self._coordinator is not None:
             try:
-                if self._coordinator.paused:
-                    self._coordinator.release(stop_reason=None)  # never leave a rank parked behind the leader
+                stop_training = self._coordinator.release_at_stop(reason)  # a stop if links may have moved
                 self._coordinator.drain()  # a release (or a stop) taken by every rank before our Store may go
             except Exception:
                 logger.warning("could not release the members", exc_info=True)
@@ -451,10 +453,9 @@ class SwitchAgent:
             self._member.stop()
         if self._fan_out is not None:
             self._fan_out.stop()  # after the member: the release above still reaches the node's ranks
-        self._parking.release()  # never leave training parked behind a stopped agent
+        self._parking.let_go(stop_reason_if_parked=stop_training)
         if not self._parking.wait_unparked(self.config.stop_timeout_s):
-            logger.warning("training still parked %.1f s after stop (a hook is running on it)",
-                           self.config.stop_timeout_s)
+            logger.warning("training still parked %.1f s after stop (a hook runs on it)", self.config.stop_timeout_s)
         self._executor.stop()
 
     def _describe_layout(self) -> str:

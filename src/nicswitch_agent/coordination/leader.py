@@ -99,6 +99,9 @@ class Coordinator:
         self._n = 0  # events published (each member's queue index)
         self._epoch = 0
         self._paused = False
+        # In this pause, an order that moves links (switch, rollback) ran and did not end OK, or
+        # is running: ranks resumed now would train on links in an unknown state (release_at_stop).
+        self._links_unsettled = False
         self._garbage: list[str] = []  # keys of the last epoch, deleted when the next one starts
         # Go keys live one epoch longer: a rank still in its switch hook when the leader decided
         # without it answers later and must find its wake (pause mode external: an epoch per order).
@@ -175,7 +178,7 @@ class Coordinator:
             if count < self.world_size:
                 missing = self._missing(parked_keys)
                 return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target))
-            self._paused = True
+            self._paused, self._links_unsettled = True, False
             outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
             self.last_pause = outcome
             logger.info("all %s parked at step %d in %.1f ms", self._who(), target, outcome.duration_s * 1000)
@@ -245,6 +248,9 @@ class Coordinator:
             text = p.encode_order(order)
             self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
             go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
+            moves_links = not session and kind in (p.KIND_SWITCH, p.KIND_ROLLBACK)
+            if moves_links:  # from its publication on (an error out of this run leaves it set): unknown links
+                self._links_unsettled = True
             self._name_in_flight(epoch, name)
             # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
             # (a process restarted since the pause) must not run it next to a running step.
@@ -261,6 +267,8 @@ class Coordinator:
             elif go:  # no verify round: the ranks that switched go back to their queues
                 self._go(epoch, name, p.encode({"t": p.WAKE}))
             self._name_in_flight(None, None)
+            if moves_links:  # switched (and verified) on every rank, or rolled back: settled
+                self._links_unsettled = not outcome.ok
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -374,9 +382,27 @@ class Coordinator:
             if not self._paused and stop_reason is None:
                 self._flush_outcome()
                 return
-            self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
-            self._paused = False
-            self._undrained = self._n
+            self._release(stop_reason)
+
+    def release_at_stop(self, why: str) -> str | None:
+        """The agent stops while every rank is parked (``why``: the stop's reason): release them,
+        to stop training (TrainingStopped) when an order that moves links ran in this pause and did
+        not end OK (or still runs, cut short by the stop), else to go on: nothing moved, or what
+        moved was switched on every rank or rolled back. Returns the stop reason given (None: go on).
+        """
+        with self._lock:
+            if not self._paused:
+                return None
+            stop = (f"the job's leader stopped ({why}) during a switch that had not ended: the links may have "
+                    "moved, and training must not resume on them") if self._links_unsettled else None
+            self._release(stop)
+            return stop
+
+    def _release(self, stop_reason: str | None) -> None:
+        """Publish the release (the caller holds the lock); the pause is over."""
+        self._publish({"t": p.RELEASE, "e": self._epoch, "stop": stop_reason, "cancel": False})
+        self._paused, self._links_unsettled = False, False
+        self._undrained = self._n
 
     def drain(self) -> None:
         """Wait (up to ``drain_s``) until every member (or relay) has taken the last release from its

@@ -160,6 +160,14 @@ class ParkingLot:
             self._cond.notify_all()
             return was_parked
 
+    def let_go(self, *, stop_reason_if_parked: str | None) -> bool:
+        """The agent goes away: never leave the training thread parked behind it. A parked thread
+        leaves to raise TrainingStopped(``stop_reason_if_parked``) when one is given (the rest of
+        the job is still paused, or its links may have moved) instead of resuming; a thread that is
+        not parked trains on (a request it has not reached is cancelled). True if it was parked."""
+        with self._cond:  # parked or not, decided with the release (the Condition's lock is an RLock)
+            return self.release(stop_reason=stop_reason_if_parked if self._parked else None)
+
     def wait_unparked(self, timeout: float) -> bool:
         """Wait (bounded) until the training thread has left its parking spot, its ``resumed``
         event emitted; True if it is not parked. Never waits when called by that thread."""
