@@ -9,6 +9,7 @@ from typing import Any
 
 import grpc
 import pytest
+import support
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd import channel as transport
@@ -283,8 +284,58 @@ def test_the_gate_starts_nothing_while_closed_and_its_close_cancels_what_it_star
     assert result is not None and result == (started[0], 1)
     gate.close()
     assert started[0].cancels == 1 and gate.cancelled(started[0])
+    assert gate.lost_with(started[0]) is None  # a clean end: nothing was lost
     gate.finish(started[0])
     assert not gate.cancelled(started[0])
     gate.open()
     gate.close()
     assert started[0].cancels == 1  # finished calls are not cancelled again
+    gate.open()
+    second = gate.start(open_call)
+    assert second is not None
+    gate.close("UNAVAILABLE: Socket closed")  # the process-manage stream failed: the connection went
+    assert gate.cancelled(started[1]) and gate.lost_with(started[1]) == "UNAVAILABLE: Socket closed"
+    assert gate.lost_with(started[0]) is None
+
+
+class EndOnCueServer(Server):
+    """The first signal stream is held until ``end`` is set, then fails with ``failure`` (None: ends
+    cleanly, as a reset does); later ones are held open."""
+
+    def __init__(self, failure: tuple[grpc.StatusCode, str] | None) -> None:
+        super().__init__([], [])
+        self.failure = failure
+        self.end = threading.Event()
+        self.first = True
+
+    def _subscribe(self, request: pb.ClientInfo, context: Any) -> Iterator[pb.ProcessManageSignal]:
+        first, self.first = self.first, False
+        if first:
+            self.end.wait(10)
+            if self.failure is not None:
+                context.abort(*self.failure)
+            return
+        yield from super()._subscribe(request, context)
+
+
+@pytest.mark.parametrize("failure", [(grpc.StatusCode.UNAVAILABLE, "Socket closed"), None])
+def test_a_failed_stream_closes_the_gate_with_its_error_and_a_clean_end_without(
+        failure: tuple[grpc.StatusCode, str] | None) -> None:
+    """The notify stream the gate cancels was lost with the connection only when the process-manage
+    stream failed: the gate's close carries the error then (the notify side counts it), not on a reset."""
+    server = EndOnCueServer(failure)
+    client, channel = make_client(server, lambda s: None)
+    try:
+        client.start()
+        assert client.gate.wait_open(10)
+        notify = _Call()
+        assert client.gate.start(lambda: notify) is not None
+        server.end.set()
+        assert support.wait_until(lambda: notify.cancels == 1, 10)
+        expected = None if failure is None else f"{failure[0].name}: {failure[1]}"
+        assert client.gate.lost_with(notify) == expected
+    finally:
+        client.stop()
+        channel.close()
+        server.stop()
+

@@ -7,6 +7,7 @@ import threading
 
 import grpc
 import pytest
+import support
 from scripted import End, Fail, ScriptedClusterD, Send, rank_list
 
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -59,6 +60,30 @@ def test_closing_the_gate_ends_the_notify_stream_opened_under_it(clusterd: Scrip
         gate.open()
         assert clusterd.wait_for(lambda s: s.opens == 2 and s.open_now == 1)
         assert (subscriber.errors, subscriber.healthy, subscriber.last_error) == (0, True, "")
+    finally:
+        stop(subscriber)
+
+
+def test_a_gate_closed_by_a_lost_connection_counts_the_notify_stream_lost_too(clusterd: ScriptedClusterD) -> None:
+    """Both streams share one connection: when it goes, whichever end sees it first closes the
+    gate, and the notify stream it cancels was lost all the same (the agent's STREAM_LOST, the
+    status's error count): the gate's close passes the process-manage stream's error on."""
+    channel = open_channel(ChannelSettings(target=clusterd.address))
+    gate = StreamGate()
+    gate.open()
+    health: list[tuple[bool, str]] = []
+    subscriber = NotifySubscriber(RecoverStub(channel), SubscriberSettings(job_id="job-1", role="r"),
+                                  lambda message: None, gate=gate, on_health=lambda ok, why: health.append((ok, why)))
+    subscriber.start()
+    try:
+        assert clusterd.wait_for(lambda s: s.open_now == 1)
+        gate.close("UNAVAILABLE: keepalive watchdog timeout")
+        assert clusterd.wait_for(lambda s: s.open_now == 0), "the notify stream outlived the gate"
+        assert support.wait_until(lambda: not subscriber.healthy, 10)
+        assert subscriber.errors == 1 and "keepalive watchdog timeout" in subscriber.last_error
+        assert health == [(False, "UNAVAILABLE: keepalive watchdog timeout")]
+        gate.open()
+        assert clusterd.wait_for(lambda s: s.opens == 2 and s.open_now == 1)
     finally:
         stop(subscriber)
 

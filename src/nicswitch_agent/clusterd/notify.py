@@ -293,8 +293,16 @@ class NotifySubscriber(StreamThread):
                 if gate is not None and gate.cancelled(call):
                     # Our process-manage stream ended (ClusterD reset the job, or the connection
                     # went): the gate cancelled this stream. Reopen after the next subscribe.
-                    logger.debug("notify stream closed with the process-manage stream")
                     ended_cleanly = True
+                    lost = gate.lost_with(call)
+                    if lost is None:
+                        logger.debug("notify stream closed with the process-manage stream")
+                        continue
+                    # The connection went: this stream was lost with it, whichever end saw it first.
+                    with self._lock:
+                        self.errors += 1
+                        self._error(lost)
+                    self._set_health(False, lost)
                     continue
                 unreachable = explain_connect_failure(exc, settings_of(self._stub.channel))
                 text = unreachable or describe(exc)

@@ -117,24 +117,27 @@ class StreamGate:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()  # guards _open, generation, _dependent and _cancelled
+        self._cond = threading.Condition()  # guards _open, generation, _dependent and _cancelled*
         self._open = False
         self.generation = 0
         self._dependent: grpc.RpcContext | None = None  # the notify call started under this gate
         self._cancelled: grpc.RpcContext | None = None  # the call close() cancelled, until finish()
+        self._cancel_error: str | None = None  # the error close() was given when it cancelled that call
 
     def open(self) -> None:
         with self._cond:
             self._open, self.generation = True, self.generation + 1
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Close, and cancel the stream started under the gate; both are done when this returns."""
+    def close(self, error: str | None = None) -> None:
+        """Close, and cancel the stream started under the gate; both are done when this returns.
+        ``error``: why the process-manage stream failed (None: it ended cleanly, a reset, or stop):
+        the cancelled stream was lost with it (:meth:`lost_with`)."""
         with self._cond:
             self._open = False
             call, self._dependent = self._dependent, None
             if call is not None:
-                self._cancelled = call
+                self._cancelled, self._cancel_error = call, error
             self._cond.notify_all()
         if call is not None:
             call.cancel()  # outside the lock: no new call can start, the gate is closed
@@ -150,9 +153,15 @@ class StreamGate:
             return call, self.generation
 
     def cancelled(self, call: grpc.RpcContext) -> bool:
-        """Whether :meth:`close` cancelled ``call`` (its end is the gate's, not an error)."""
+        """Whether :meth:`close` cancelled ``call`` (its end is the gate's, not its own error)."""
         with self._cond:
             return self._cancelled is call
+
+    def lost_with(self, call: grpc.RpcContext) -> str | None:
+        """The process-manage stream's error when :meth:`close` cancelled ``call``: the connection
+        went, and ``call`` with it (None: not cancelled, or closed by a clean end)."""
+        with self._cond:
+            return self._cancel_error if self._cancelled is call else None
 
     def finish(self, call: grpc.RpcContext) -> None:
         """``call`` has ended: forget it."""
@@ -475,6 +484,7 @@ class ProcessManageClient(StreamThread):
             delay = 0.0
             fighting = False  # the delay is a conflict backoff
             opened = False
+            lost: str | None = None  # why the stream failed (the gate's close says so); None: a clean end
             try:
                 if not self.registered:
                     self._register(wait_for_ready=not fail_fast)
@@ -533,7 +543,7 @@ class ProcessManageClient(StreamThread):
                 if not opened and fail_fast and nothing_sent(exc):
                     # Nothing reached ClusterD: say why at once, then wait for the connection (gRPC
                     # keeps dialing with its own backoff) in a call that stop() can cancel.
-                    text = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe(exc)
+                    text = lost = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe(exc)
                     self._record_error(text)
                     if failing != text:
                         logger.warning("cannot connect to ClusterD, waiting for it: %s", text)
@@ -543,7 +553,7 @@ class ProcessManageClient(StreamThread):
                 fail_fast = True
                 if waited and not opened and classify(exc).kind is Kind.DEADLINE and not self._watch.ready:
                     continue  # the wait for a connection ran out: fail fast again, which says why
-                text = self._describe(exc)
+                text = lost = self._describe(exc)
                 self._record_error(text)
                 if is_terminal(exc):
                     logger.error("process-manage stream failed for good: %s", text)
@@ -561,7 +571,7 @@ class ProcessManageClient(StreamThread):
                 delay = next(delays)
             finally:
                 self._stream_live = False  # no report for this stream from now on
-                self.gate.close()
+                self.gate.close(lost)
                 self._set_call(None)
             if opened and self._on_stream_end is not None and not self._stop.is_set():
                 try:
