@@ -203,3 +203,37 @@ def test_interpreter_exit_with_a_running_agent_does_not_hang(run) -> None:  # ty
     assert "RETURNING" in child.lines, child.output()
     assert "EVENT agent_stopped" in child.lines, child.output()
     assert sim.job_view(JOB).violations == []
+
+
+SIGNAL_DURING_INSTALL = """
+import os, signal, sys
+from nicswitch_agent import process_hooks
+
+chained, stopped = [], []
+signal.signal(signal.SIGINT, lambda signum, frame: chained.append(signum))  # a program's own (demo --server's)
+real = signal.signal
+
+
+def install_then_deliver(signum, handler):
+    previous = real(signum, handler)
+    if signum == signal.SIGINT and handler == process_hooks._stopper._handle:
+        os.kill(os.getpid(), signal.SIGINT)  # Python runs the handler at once: inside install()
+    return previous
+
+
+process_hooks.signal.signal = install_then_deliver
+names = process_hooks.install(lambda why: stopped.append(why))
+process_hooks.signal.signal = real
+process_hooks._stopper._stopping.join(10)
+print("DONE", sorted(names), chained == [signal.SIGINT], stopped)
+"""
+
+
+def test_a_signal_that_lands_while_the_handlers_are_installed_is_handled_not_deadlocked() -> None:
+    """Ctrl-C as `demo --server` started its agents hung the command: the handler ran on the main
+    thread inside install(), which held the stopper's lock, and waited for that lock for ever."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent / "src")}
+    done = subprocess.run([sys.executable, "-c", SIGNAL_DURING_INSTALL], capture_output=True, text=True, env=env,
+                          timeout=20, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "DONE ['SIGINT', 'SIGTERM'] True ['SIGINT']", done.stdout + done.stderr

@@ -113,7 +113,10 @@ class SignalStopper:
     """The process's one set of agent signal handlers (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()  # guards the fields below
+        # Guards the fields below. Reentrant: a signal that lands while install() holds it runs
+        # _handle on the same (main) thread, inside install (a plain Lock deadlocked there: Ctrl-C
+        # as `demo --server` started its agents hung it).
+        self._lock = threading.RLock()
         self._previous: dict[int, Any] = {}
         self._pid = 0
         self._stop_all: StopAll | None = None
@@ -132,6 +135,7 @@ class SignalStopper:
                 return ()
             self._previous = {}
             self._stopping = None
+            self._pid = os.getpid()  # before a handler is in place: the signal can come at once
             for sig in HANDLED_SIGNALS:
                 current = signal.getsignal(sig)
                 if current is signal.SIG_IGN or current is None:
@@ -140,9 +144,8 @@ class SignalStopper:
                     continue  # Ctrl-C's KeyboardInterrupt, raised where it interrupts (module docstring)
                 if current == self._handle:  # inherited across fork: chain to what was before
                     continue
+                self._previous[sig] = current  # first: _handle may run right after the next line
                 signal.signal(sig, self._handle)
-                self._previous[sig] = current
-            self._pid = os.getpid()
             return tuple(signal.Signals(s).name for s in self._previous)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
