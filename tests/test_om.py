@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import RecoverStub
+from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, settings_of
 from nicswitch_agent.ops.om import (
     FAILURE_MESSAGES,
     SWITCH_FINISH,
@@ -835,3 +835,14 @@ def test_cli_switch_clusterd_lost_while_waiting_exits_6(serve: Serve, capsys: py
     assert err.count("ClusterD unreachable since ") == 1, err
     assert "gave up after " in err and "the switch may still be running on ClusterD's side" in err
     assert f"nicswitch-agent watch --server {target} --job {JOB} --count 1" in err
+
+
+def test_the_operator_channel_has_no_transparent_retries_and_the_agents_has() -> None:
+    """A stream opened as a simulator stopped could hang for good inside gRPC's transparent retry
+    (about 1 in 130 such opens here; ChannelSettings.transparent_retries): the operator tools retry
+    on their own and turn it off. The agent keeps it for its replies."""
+    with OmClient("127.0.0.1:1") as client:
+        settings = settings_of(client._channel)
+        assert settings is not None and not settings.transparent_retries
+        assert ("grpc.enable_retries", 0) in settings.options()
+    assert ("grpc.enable_retries", 0) not in ChannelSettings(target="127.0.0.1:1").options()

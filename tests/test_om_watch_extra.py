@@ -94,8 +94,9 @@ class Lines:
 class ClusterD:
     """``nicswitch-agent sim`` in its own process, whose job never registers (a watch is answered
     "not registed" at once, and says so), killed with SIGKILL as the tester killed ClusterD: its
-    connections just drop. An in-process Simulator's stop() sends GOAWAY instead, and a call racing
-    it can hang in gRPC's transparent retry (about 1 in 12 here), which is not what these test."""
+    connections just drop. An in-process Simulator's stop() sends GOAWAY instead, which is not what
+    these test (a call racing it could hang in gRPC's transparent retry, which the operator client
+    now turns off: ChannelSettings.transparent_retries)."""
 
     def __init__(self, port: int = 0) -> None:
         self.process = subprocess.Popen(

@@ -106,6 +106,12 @@ class ChannelSettings:
     max_send_bytes: int = 4 * 1024 * 1024
     tls: TlsSettings | None = None
     """None: plaintext (ClusterD's own way, and a local sidecar's)."""
+    transparent_retries: bool = True
+    """gRPC core resends a call that a GOAWAY shows the server never took. False (the operator
+    tools, whose loops retry on their own): grpcio 1.85 can lose such a call for good when the
+    server goes away with it: a call without a deadline then never returns, not even once the
+    server is back (3 of about 380 stream opens racing a simulator's stop here, none of 250
+    without). The agent keeps them: a reply racing a GOAWAY is delivered, not left uncertain."""
     single_threaded_streams: bool = False
     """Server streams are read on the reading thread alone, blocked in gRPC core (grpcio's
     experimental ``SingleThreadedUnaryStream``), instead of through grpcio's channel thread and
@@ -140,6 +146,8 @@ class ChannelSettings:
         ]
         if self.tls is not None and self.tls.server_name:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name))
+        if not self.transparent_retries:
+            options.append(("grpc.enable_retries", 0))
         if self.single_threaded_streams:
             options.append((grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1))
         return options

@@ -112,7 +112,10 @@ class OmClient:
         self.target = target
         self.rpc_timeout_s = rpc_timeout_s
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(ChannelSettings(target=target, tls=tls))
+        # Without transparent retries (ChannelSettings): follow and watch retry on their own, and a
+        # stream lost in gRPC's retry would hang them for good (and --max-unreachable with them).
+        self._channel = channel if channel is not None else open_channel(
+            ChannelSettings(target=target, tls=tls, transparent_retries=False))
         self._stub = RecoverStub(self._channel)
         self._closed = threading.Event()
         # SubscribeSwitchNicSignal: the in-flight call, cancelled by close().
