@@ -127,3 +127,20 @@ def test_a_closed_pipe_ends_the_command_quietly(argv: tuple[str, ...], tmp_path:
         os.close(write_end)
     assert result.returncode == 141, result.stderr  # 128 + SIGPIPE, as a shell tool that met a closed pipe
     assert result.stderr == ""
+
+
+def test_a_ctrl_c_after_the_command_decided_its_result_does_not_change_the_exit_code() -> None:
+    """The command's code is its answer (doctor's 1, switch's 6). A SIGINT landing during the
+    interpreter's teardown (half a second after doctor imported torch) printed a traceback from an
+    exit handler, or killed the process by the signal (doctor: 31 of 32 late Ctrl-Cs). Here an exit
+    handler gets the late Ctrl-C after `status` of a missing file decided its 4."""
+    code = "\n".join([
+        "import atexit, os, signal, sys, time",
+        "import nicswitch_agent.ops.cli as cli",
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))",
+        "sys.argv = ['nicswitch-agent', 'status', '--file', '/nonexistent/nicswitch-status.json']",
+        "sys.exit(cli.console())",
+    ])
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
+    assert "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert result.returncode == 4, (result.returncode, result.stdout, result.stderr)

@@ -171,6 +171,20 @@ def test_grpc_core_lines_stay_off_the_terminal_unless_the_user_sets_grpc_verbosi
         assert ("Handshake failed" in said) is raw_lines, said
 
 
+@pytest.mark.timeout(90)
+def test_the_operator_commands_keep_grpc_core_lines_off_too(sim: Simulator) -> None:
+    """`switch` with TLS against the plaintext simulator says "Is the server plaintext?" itself; the
+    raw handshake line gRPC core logs at INFO is noise beside it, unless the user asked for it."""
+    switch = [sys.executable, "-m", "nicswitch_agent", "switch", "--server", sim.address, "--job", JOB,
+              "--node", "node-0", "--dev", "0", "--op", "standby"]
+    for verbosity, raw_lines in ((None, False), ("INFO", True)):
+        env = clean_env(NICSWITCH_TLS="true", **({"GRPC_VERBOSITY": verbosity} if verbosity else {}))
+        done = subprocess.run(switch, capture_output=True, text=True, timeout=60, env=env, check=False)
+        assert done.returncode == 6, done.stdout + done.stderr
+        assert "Is the server plaintext?" in done.stderr, done.stderr
+        assert bool(RAW_GRPC_LINE.search(done.stderr)) is raw_lines, (verbosity, done.stderr)
+
+
 def rank_environ(parent: int) -> dict[str, str] | None:
     """The environment a rank process of ``parent`` was started with, once one has exec'd (None: none yet)."""
     for children in glob.glob(f"/proc/{parent}/task/*/children"):
@@ -298,3 +312,43 @@ def test_ctrl_c_before_the_joined_jobs_switches_says_how_many_and_exits_130(sim:
         assert proc.wait(60) == 130, out.text() + err.text()
         text = out.text()
     assert f"job {JOB}: SIGINT after 0 of 2 switch(es); stopped" in text, text
+
+
+# -- 5. the thread job stopped while parked -----------------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_a_thread_job_stopped_while_its_ranks_are_parked_ends_every_rank_without_a_traceback(tmp_path: Path) -> None:
+    """Ctrl-C to `demo --server` while a switch has parked the ranks: a member whose agent stops
+    while parked stops its training (TrainingStopped); the demo's rank threads end on it quietly
+    instead of printing "Exception in thread demo-rank1" (a stranger saw it in 37 runs)."""
+    from nicswitch_agent.demo.common import Timeline
+    from nicswitch_agent.demo.run import ThreadJob
+    from nicswitch_agent.ops.om import OmClient
+    from nicswitch_agent.sim import SimSettings
+
+    job_id = "job-parked"
+    sim = Simulator(jobs=[SimJob(job_id=job_id, nodes={"node-0": ["0", "1"]})],
+                    settings=SimSettings(list_delay_s=60.0))  # the ranks stay parked, no list comes
+    sim.start()
+    escaped: list[BaseException | None] = []
+    previous_hook = threading.excepthook
+    threading.excepthook = lambda args: escaped.append(args.exc_value)
+    try:
+        job = ThreadJob(2, Timeline(), str(tmp_path), job_id=job_id)
+        job.start(sim.address)
+        try:
+            assert poll(lambda: sim.job_view(job_id).open_streams["SubscribeNotifySwitch"] >= 1, 30)
+            with OmClient(sim.address) as client:
+                client.switch(job_id, {"node-0": (("0",), (True,))})
+            assert poll(lambda: all(rank.agent.status()["parked"] for rank in job._ranks), 30)
+            job._ranks[1].agent.stop("SIGINT received")  # a member's stop first, as when every rank gets it
+            assert job._ranks[1].thread is not None
+            job._ranks[1].thread.join(10)
+        finally:
+            job.stop()
+        assert all(rank.thread is not None and not rank.thread.is_alive() for rank in job._ranks)
+        assert escaped == [], escaped
+    finally:
+        threading.excepthook = previous_hook
+        sim.stop()

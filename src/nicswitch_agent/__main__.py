@@ -2,6 +2,6 @@
 
 import sys
 
-from nicswitch_agent.ops.cli import main
+from nicswitch_agent.ops.cli import console
 
-sys.exit(main())
+sys.exit(console())

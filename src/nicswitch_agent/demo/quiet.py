@@ -1,4 +1,5 @@
-"""Keep gRPC core's own log lines (``I0000 ... chttp2_transport.cc ... Got goaway``) off the demo's terminal.
+"""Keep gRPC core's own log lines (``I0000 ... chttp2_transport.cc ... Got goaway``) off the terminal of
+the demo and the operator commands.
 
 With ``GRPC_VERBOSITY`` unset, grpcio leaves absl's defaults alone, and absl writes INFO and up to
 stderr (everything before ``absl::InitializeLog()``, which nothing calls): a goaway or a failed TLS
@@ -27,8 +28,15 @@ def quiet_grpc(env: MutableMapping[str, str] | None = None) -> bool:
     return True
 
 
-def is_demo_command(argv: Sequence[str]) -> bool:
-    """Whether ``argv`` (without the program name) runs ``demo``: the first word that is not an
-    option is the command (the top-level options, -v, --version and -h, take no value)."""
+# The commands whose terminal output is ours alone: each says in its own words what gRPC core would
+# log (a failed TLS handshake: "Is the server plaintext?"). Not `launch`: its child, the training
+# job, inherits the environment, and its gRPC logging is the job's own business.
+QUIET_COMMANDS = ("demo", "switch", "watch", "doctor", "sim")
+
+
+def is_quiet_command(argv: Sequence[str]) -> bool:
+    """Whether ``argv`` (without the program name) runs one of :data:`QUIET_COMMANDS`: the first
+    word that is not an option is the command (the top-level options, -v, --version and -h, take
+    no value)."""
     command = next((arg for arg in argv if not arg.startswith("-")), None)
-    return command == "demo"
+    return command in QUIET_COMMANDS

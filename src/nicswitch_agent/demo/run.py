@@ -37,6 +37,7 @@ from typing import Any, TextIO
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.demo.common import (
     _LEADER_EVENTS,
     DEFAULT_RANKS,
@@ -141,7 +142,7 @@ class ThreadJob:
                 step += 1
                 rank.agent.step(step)
                 rank.progress.advance(step)
-        except threading.BrokenBarrierError:
+        except (threading.BrokenBarrierError, TrainingStopped):  # the job stops (a rank parked then: stopped too)
             return
 
     def leader_links(self, switches: int) -> list[bool]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -186,15 +187,16 @@ def _demo_misuse(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _quiet_grpc_for_demo(argv: Sequence[str]) -> None:
-    """The demo's output is the first a user sees: no raw gRPC core lines in it (demo/quiet.py).
+def _quiet_grpc(argv: Sequence[str]) -> None:
+    """No raw gRPC core lines in the output of the demo (the first a user sees) and the operator
+    commands, which say the same in their own words (demo/quiet.py has which and why).
 
     Here, before the parser is built, because building it imports grpc, which reads
     GRPC_VERBOSITY only then; the demo's child processes inherit the value.
     """
-    from nicswitch_agent.demo.quiet import is_demo_command, quiet_grpc
+    from nicswitch_agent.demo.quiet import is_quiet_command, quiet_grpc
 
-    if is_demo_command(argv):
+    if is_quiet_command(argv):
         quiet_grpc()
 
 
@@ -223,15 +225,34 @@ def _run_version(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (for programs and tests: the process lives on)."""
+    return _run(argv, exiting=False)
+
+
+def console() -> int:
+    """The ``nicswitch-agent`` command and ``python -m nicswitch_agent``: :func:`main`, and once the
+    command has its result, Ctrl-C is ignored for the rest of the process's life. The interpreter's
+    teardown takes tens of ms (half a second after torch was imported, as ``doctor`` does); a
+    SIGINT landing there made CPython die of the signal and the command's own code (1, 6, ...) was
+    lost, or printed a KeyboardInterrupt traceback from an exit handler."""
+    return _run(None, exiting=True)
+
+
+def _run(argv: Sequence[str] | None, *, exiting: bool) -> int:
     # Ctrl-C at any moment, the imports that building the parser and running a command take
     # included (hundreds of ms: grpc, the agent), ends the command with 130 and no traceback.
     # (Importing this module costs only the package's first lines: nicswitch_agent/__init__.py.)
+    code: int | None = None
     try:
         code = _main(argv)
         sys.stdout.flush()  # here, not at exit: a closed pipe is then ours to handle, below
+        if exiting:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # the result is decided: only the exit is left
         return code
     except KeyboardInterrupt:
-        return 130
+        if exiting:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return 130 if code is None else code  # a Ctrl-C after the result does not change it
     except BrokenPipeError:
         return _reader_gone()
 
@@ -250,7 +271,7 @@ def _reader_gone() -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    _quiet_grpc_for_demo(sys.argv[1:] if argv is None else argv)  # before _build_parser imports grpc
+    _quiet_grpc(sys.argv[1:] if argv is None else argv)  # before _build_parser imports grpc
     parser = _build_parser()
     args = parser.parse_args(argv)
     configure_logging = getattr(args, "configure_logging", None)

@@ -61,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rank whose file to read when the path has {rank}, or 'leader' for the leader "
                              "that nicswitch-agent launch hosts (default: $RANK, else 0)")
     parser.add_argument("--max-age", type=_positive_seconds, default=None, metavar="S",
-                        help="call the file stale past this age, seconds (default: 3 x the agent's interval)")
+                        help="call the file stale past this age, seconds "
+                             "(default: 3 x the agent's interval, at least the interval + 5 s)")
     parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
                         help="call a running leader not connected past this many seconds (default: "
                              f"{DEFAULT_MAX_DISCONNECTED_S:g}; it is briefly not connected after every switch)")
