@@ -311,3 +311,31 @@ def test_in_a_session_an_unparked_member_runs_the_order() -> None:
         assert outcome.ok and len(calls) == 1, outcome
     finally:
         member.stop()
+
+
+def test_a_stop_that_cuts_an_order_or_a_pause_short_says_so_not_that_the_budget_ran_out() -> None:
+    """The leader's stop wakes its wait: the ranks it then lacks did not answer 'before the agent
+    stopped', not 'within the budget' (a stranger read a budget timeout into a 2 s old switch)."""
+    store = InProcessStore()
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_switch(order: SwitchOrder) -> bool:
+        entered.set()
+        return release.wait(30)
+
+    rank = _Rank(store, switch_ok=slow_switch)
+    leader = Coordinator(KV(store, "t"), 1)
+    try:
+        assert leader.pause(30).ok
+        threading.Thread(target=lambda: (entered.wait(10), leader.wake()), daemon=True).start()
+        outcome = leader.run(SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,)), kind=p.KIND_SWITCH,
+                             budget_s=60)
+        assert not outcome.ok and outcome.reason == "1 rank(s) did not answer before the agent stopped"
+        assert leader.stopping
+    finally:
+        release.set()
+        rank.member.stop()
+    alone = Coordinator(KV(InProcessStore(), "t"), 1)  # nobody to answer its pause
+    threading.Timer(0.05, alone.wake).start()
+    pause = alone.pause(60)
+    assert not pause.ok and pause.reason.startswith("the agent stopped before the pause completed ("), pause.reason

@@ -122,6 +122,11 @@ class Coordinator:
         return self._paused
 
     @property
+    def stopping(self) -> bool:
+        """The agent's stop has cut (or will cut) the operation under way short (:meth:`wake`)."""
+        return self._stop.is_set()
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 
@@ -231,6 +236,8 @@ class Coordinator:
         return [k for k in keys if not self.kv.check([k])]
 
     def _abandon(self, epoch: int, started: float, reason: str) -> PauseOutcome:
+        if self.stopping:  # cut short by the agent's stop, not a timeout
+            reason = f"the agent stopped before the pause completed ({reason})"
         self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": True})
         outcome = PauseOutcome(False, None, reason, time.monotonic() - started)
         self.last_pause = outcome
@@ -369,10 +376,9 @@ class Coordinator:
                                   interrupted=result.rank if result.interrupted else None,
                                   unsafe=result.unsafe)
         if seen < self.world_size:
-            silent = self.world_size - seen
-            who = f"{silent} {self.layout.unit}(s)"
-            return RunOutcome(False, f"{who} did not answer within the budget",
-                              attempted=True, duration_s=time.monotonic() - started)
+            who = f"{self.world_size - seen} {self.layout.unit}(s)"
+            why = f"{who} did not answer {'before the agent stopped' if self.stopping else 'within the budget'}"
+            return RunOutcome(False, why, attempted=True, duration_s=time.monotonic() - started)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started, verify_s=verify_s)
 
