@@ -229,9 +229,16 @@ class Setup:
         return reader
 
     def start_switch(self, nic_ops: Mapping[str, tuple[Sequence[str], Sequence[bool]]] = NIC_OPS) -> StreamReader:
+        """SwitchNicTrack, then the result stream, waited for until the server has taken it: the
+        call goes out on gRPC's thread, and under load it reached the simulator after the test had
+        driven the whole switch ("not swtiching nic")."""
         status = self.om.track(nic_ops)
         assert (status.code, status.info) == (0, P.DISTRIBUTED)
-        return self.om.subscribe_result()
+        before = self.view().stream_opens[P.SUBSCRIBE_SWITCH_NIC_SIGNAL]
+        reader = self.om.subscribe_result()
+        assert self.sim.wait_until(lambda s: s.job_view(JOB).stream_opens[P.SUBSCRIBE_SWITCH_NIC_SIGNAL] > before,
+                                   WAIT), "the result stream never reached the simulator"
+        return reader
 
     def ready(self) -> tuple[StreamReader, StreamReader]:
         """Agent subscribed first, then the worker: the order a correct client uses."""
