@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
                 if step >= stop_after:
                     break
     except TrainingStopped as exc:
-        print(f"rank {rank}: ClusterD stopped training at step {step}: {exc}", flush=True)
+        print(f"rank {rank}: training stopped at step {step}: {exc}", flush=True)
         return EXIT_STOPPED
     steps = logging_switch.switched_at if logging_switch is not None else "(torch_npu)"
     print(f"rank {rank}: done after {step} steps, loss {loss_avg:.4f}, switches at steps {steps}", flush=True)

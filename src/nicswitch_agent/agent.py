@@ -373,7 +373,7 @@ class SwitchAgent:
         ClusterD lets it go on.
 
         Raises:
-            TrainingStopped: ClusterD's recovery decided that training must stop.
+            TrainingStopped: training must stop (ClusterD's recovery, or an agent stopped mid-switch).
         """
         if step is None:
             self._steps += 1

@@ -38,7 +38,9 @@ WAIT_SLICE_S = 0.1
 
 
 class TrainingStopped(NicSwitchError):
-    """Raised from ``agent.step()`` when ClusterD's recovery decided that training must stop."""
+    """Raised from ``agent.step()`` when training must stop: ClusterD's recovery decided so (dump,
+    exit), or an agent stopped while this rank was parked for a switch that had not ended (the links
+    may have moved, or the rest of the job is still paused). The message says which."""
 
 
 class ParkingLot:
