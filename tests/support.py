@@ -1,6 +1,6 @@
-"""Helpers the tests share: a free port, polling with a bound, JSON lines, an event collector, a
-training loop, the simulator predicates that say an agent is connected, a watch on its open
-streams, and an operator's switch request.
+"""Helpers the tests share: a free port, polling with a bound, JSON lines, a child's output read
+line by line, an event collector, a training loop, the simulator predicates that say an agent is
+connected, a watch on its open streams, and an operator's switch request.
 
 Imported as ``support`` (tests/conftest.py puts tests/ on sys.path, as for ``scripted``). It imports
 neither grpc nor torch when imported, so any test may use it.
@@ -9,12 +9,14 @@ neither grpc nor torch when imported, so any test may use it.
 from __future__ import annotations
 
 import json
+import queue
+import re
 import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from nicswitch_agent import SwitchAgent
@@ -60,6 +62,49 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
+
+
+class Lines:
+    """A child's output stream read line by line on a thread, so that a test waits for a line with a
+    bound, not a sleep."""
+
+    def __init__(self, stream: IO[str] | None) -> None:
+        assert stream is not None
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for(self, needle: str | re.Pattern[str], timeout: float = 30) -> str | None:
+        """The first line from now on that holds ``needle`` (a pattern: matches it whole); None at
+        the end of the stream or the deadline."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if line is None:
+                return None
+            self.lines.append(line)
+            if needle.fullmatch(line) if isinstance(needle, re.Pattern) else needle in line:
+                return line
+
+    def rest(self, timeout: float = 10) -> list[str]:
+        """Every line read, once the child has closed the stream (waited for up to ``timeout``)."""
+        self._thread.join(timeout)
+        while True:
+            try:
+                line = self._queue.get_nowait()
+            except queue.Empty:
+                return self.lines
+            if line is not None:
+                self.lines.append(line)
 
 
 def streams_ready(sim: Simulator, job: str) -> bool:

@@ -13,7 +13,6 @@ import functools
 import json
 import logging
 import os
-import queue
 import shlex
 import subprocess
 import sys
@@ -21,11 +20,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pytest
 import support
+from support import Lines
 
 from nicswitch_agent import SwitchAgent, SwitchOrder, __version__
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -57,45 +57,6 @@ def child_env(**extra: str) -> dict[str, str]:
 def nicswitch(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "nicswitch_agent", *args], capture_output=True, text=True,
                           timeout=timeout, check=False, env=env or child_env(), cwd=ROOT)
-
-
-class Lines:
-    """A child's output stream read line by line on a thread, to wait for a line with a bound."""
-
-    def __init__(self, stream: TextIO) -> None:
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: TextIO) -> None:
-        for line in stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, needle: str, timeout: float) -> str | None:
-        """The first line (from now on) containing ``needle``, or None at the end or the deadline."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
-            if line is None:
-                return None
-            self.lines.append(line)
-            if needle in line:
-                return line
-
-    def rest(self, timeout: float = 10) -> list[str]:
-        self._thread.join(timeout)
-        while True:
-            try:
-                line = self._queue.get_nowait()
-            except queue.Empty:
-                return self.lines
-            if line is not None:
-                self.lines.append(line)
 
 
 # --------------------------------------------------------------------------------------------

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import re
 import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
-from typing import IO, Any
+from typing import Any
 
 import grpc
 import pytest
+from support import Lines
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.ops.om import DEFAULT_MAX_UNREACHABLE_S, SWITCH_FINISH
@@ -50,45 +49,6 @@ def nicswitch_run(*args: str) -> subprocess.CompletedProcess[str]:
     """The CLI as the operator runs it, to its end."""
     return subprocess.run([sys.executable, "-m", "nicswitch_agent", *args], capture_output=True, text=True,
                           timeout=45, check=False, env=child_env())
-
-
-class Lines:
-    """A child's stream read on a thread, so that a test waits for a line with a bound, not a sleep."""
-
-    def __init__(self, stream: IO[str] | None) -> None:
-        assert stream is not None
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self._thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self._queue.put(line.rstrip("\n"))
-        self._queue.put(None)
-
-    def wait_for(self, needle: str | re.Pattern[str], timeout: float = 30) -> str | None:
-        """The first line from now on that holds ``needle`` (a pattern: matches it whole); None at the end."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                line = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                return None
-            if line is None:
-                return None
-            self.lines.append(line)
-            if needle.fullmatch(line) if isinstance(needle, re.Pattern) else needle in line:
-                return line
-
-    def rest(self) -> list[str]:
-        """Every line, once the child has closed the stream."""
-        self._thread.join(10)
-        while not self._queue.empty():
-            line = self._queue.get_nowait()
-            if line is not None:
-                self.lines.append(line)
-        return self.lines
 
 
 class ClusterD:
