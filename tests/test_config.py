@@ -643,6 +643,7 @@ def test_local_world_size_comes_from_torchruns_env_and_nicswitch_wins() -> None:
 
 @pytest.mark.parametrize(("overrides", "match"), [
     ({"fan_out": "tree"}, "fan_out='tree' is not supported; choose one of auto, group, node, flat"),
+    ({"node_transport": "tcp"}, "node_transport='tcp' is not supported; choose one of auto, socket, store"),
     ({"nodes_per_group": 1}, "nodes_per_group=1 must be an integer of at least 2"),
     ({"nodes_per_group": "8"}, "nodes_per_group='8' must be an integer of at least 2"),
     ({"local_world_size": 0}, "local_world_size=0 must be a positive integer"),

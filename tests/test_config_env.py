@@ -33,6 +33,7 @@ BAD_TEXT = {
     "pause": "extrnal",
     "leader": "rank",
     "fan_out": "nod",
+    "node_transport": "unix",
     "framework": "mindsp0re",
     "store_address": "storehost",
     "status_file": "/tmp/{oops}.json",

@@ -20,6 +20,7 @@ import support
 
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, InProcessStore, queues
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.node_link import NodeHub, NodeLink
 from nicswitch_agent.coordination.relay import NodeRelay
 from nicswitch_agent.orders import SwitchOrder
 
@@ -30,49 +31,55 @@ ORDER = SwitchOrder(seq=1, job_id="job-relay", ranks=(2, 3), ops=(True, True))
 
 
 class Node:
-    """One node: its relay, and its ranks' keys on the node's Store, written by the test."""
+    """One node: its relay, and its ranks' answers on the node's Store, written by the test: on
+    keys, on queues, or through the node link (node_link.py: slot 0 on the relay's hub, as local
+    rank 0's member, every other slot through a link of its own over a real Unix socket)."""
 
-    def __init__(self, job_store: InProcessStore, node: int, ranks: list[int], *, queues: bool = False) -> None:
-        self.local = KV(InProcessStore(), PREFIX, queues=queues)  # the node's Store: keys, or queues (queues.py)
+    def __init__(self, job_store: InProcessStore, node: int, ranks: list[int], *, way: str = "keys") -> None:
+        hub = NodeHub() if way == "link" else InProcessStore()
+        self.local = KV(hub, PREFIX, queues=way != "keys")
         self.relay = NodeRelay(KV(job_store, PREFIX), KV(job_store, PREFIX), self.local, node, ranks,
                                stop_timeout_s=2.0, local_wake=self.local)
         self.ranks = ranks
         self.read = [0] * len(ranks)  # the local queue index each rank has read
+        self.views = [self.local] + [  # where each slot reads and answers
+            KV(NodeLink(hub.address, self.local.prefix + queues.queue_name(slot), 5.0), PREFIX, queues=True)
+            if isinstance(hub, NodeHub) else self.local for slot in range(1, len(ranks))]
 
     @classmethod
     def played_on(cls, local: KV, ranks: list[int]) -> Node:
         """The ranks of a node whose Store and relay exist already (tests/test_fan_out.py's)."""
         node = cls.__new__(cls)
         node.local, node.ranks, node.read = local, ranks, [0] * len(ranks)
+        node.views = [local] * len(ranks)
         return node
 
     def next_event(self, slot: int, timeout: float = 10.0) -> dict[str, Any]:
         """What the relay published to local rank ``slot`` next (as a member reads it)."""
         self.read[slot] += 1
-        text = queues.read(self.local, slot, self.read[slot], timeout)
+        text = queues.read(self.views[slot], slot, self.read[slot], timeout)
         assert text is not None, f"no event {self.read[slot]} for slot {slot}"
         return p.decode(text)
 
     def completed(self, slot: int, epoch: int, step: int) -> None:
         # As a member: on keys the last one sets the done key; on a Store with queues, a push.
-        queues.answer_pause(self.local, epoch, slot, step, len(self.ranks))
+        queues.answer_pause(self.views[slot], epoch, slot, step, len(self.ranks))
 
     def parked(self, slot: int, epoch: int, step: int) -> None:
-        queues.answer_parked(self.local, epoch, slot, step, len(self.ranks))
+        queues.answer_parked(self.views[slot], epoch, slot, step, len(self.ranks))
 
     def result(self, slot: int, event: dict[str, Any], ok: bool, reason: str = "ok") -> None:
         epoch, name = int(event["e"]), str(event["key"])
-        queues.answer_result(self.local, epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
+        queues.answer_result(self.views[slot], epoch, name, p.MemberResult(self.ranks[slot], ok, reason, attempted=True,
                                                                      guard_ok=ok), int(event["n"]))
 
 
-@pytest.fixture(params=["keys", "queues"])
+@pytest.fixture(params=["keys", "queues", "link"])
 def job(request: pytest.FixtureRequest) -> Iterator[tuple[InProcessStore, Coordinator, list[Node], ThreadPoolExecutor]]:
-    """The leader on the job's Store and two node relays, each node's Store with keys or with
-    queues (as the agent hosts them): every test holds for both."""
+    """The leader on the job's Store and two node relays, each node's Store with keys, with
+    queues, or the node link (as the agent hosts them): every test holds for each."""
     store = InProcessStore()
-    on_queues = request.param == "queues"
-    nodes = [Node(store, 0, [0, 1], queues=on_queues), Node(store, 1, [2, 3], queues=on_queues)]
+    nodes = [Node(store, 0, [0, 1], way=request.param), Node(store, 1, [2, 3], way=request.param)]
     for node in nodes:
         node.relay.start()
     leader = Coordinator(KV(store, PREFIX), 2, ranks_per_node=2)
@@ -211,9 +218,16 @@ def test_the_leaders_drain_returns_only_once_every_rank_behind_every_relay_took_
             queues.done(node.local, slot, node.read[slot])  # as a member does once it read it
             taken.append(node.ranks[slot])
     assert taken == [0, 1, 2]
+    node = nodes[1]
+    if isinstance(node.local.store, NodeHub):
+        # Over the node link an event is the rank's once sent: it is in the rank's socket, which
+        # keeps it after the relay's process (the hub) is gone. So the drain need not wait for rank 3.
+        draining.result(10)
+        node.local.store.close()
+        assert node.next_event(1)["stop"] == "ClusterD is killing the job"
+        return
     with pytest.raises(TimeoutError):
         draining.result(0.3)  # node 1's relay still waits for rank 3, so the leader's key is still there
-    node = nodes[1]
     node.next_event(1)
     queues.done(node.local, 1, node.read[1])
     draining.result(10)

@@ -281,7 +281,7 @@ class SwitchAgent:
             return self._start_leader(kv)
         # This rank's keys live on its node's Store with fan-out; local rank 0 relays for the node.
         self._fan_out = RankFanOut(kv, self._layout, self.rank, node_store_timeout_s=cfg.node_store_timeout_s,
-                                   stop_timeout_s=cfg.stop_timeout_s)
+                                   stop_timeout_s=cfg.stop_timeout_s, node_transport=cfg.node_transport)
         self._fan_out.start()
         member_kv, slot = self._fan_out.member_kv, self._fan_out.slot
         rank_map = RankMap.from_env(rank=self.rank)

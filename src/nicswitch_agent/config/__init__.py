@@ -39,6 +39,7 @@ LOCAL_PROXY_ADDRESS = f"127.0.0.1:{CLUSTERD_PORT}"
 PAUSE_MODES = ("auto", "agent", "external")
 LEADER_PLACES = ("rank0", "launcher")
 FAN_OUTS = ("auto", "group", "node", "flat")
+NODE_TRANSPORTS = ("auto", "socket", "store")
 AUTO_GROUP_NODES = 128  # fan_out auto: above this many nodes, nodes answer through group relays
 ENV_PREFIX = "NICSWITCH_"
 
@@ -197,6 +198,9 @@ class AgentConfig:
     """With fan_out ``group``: nodes per group (the last group may have fewer); by default the
     square root of the number of nodes, rounded up, so the job's Store and each group's see about
     as many answers."""
+    node_transport: str = "auto"
+    """With node-local fan-out, how a node's ranks reach their relay: ``socket`` (coordination/node_link.py,
+    Linux), ``store`` (a TCPStore local rank 0 hosts), ``auto`` (socket on Linux). Local rank 0 decides."""
     node_store_timeout_s: float = 60.0
     """With node-local fan-out, at start: how long a rank waits for its node's local rank 0 to
     publish the node-local Store it hosts."""
@@ -259,7 +263,7 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         for name, choices in (("pause", PAUSE_MODES), ("leader", LEADER_PLACES), ("fan_out", FAN_OUTS),
-                               ("framework", FRAMEWORKS)):
+                               ("framework", FRAMEWORKS), ("node_transport", NODE_TRANSPORTS)):
             value = getattr(self, name)  # enumerations: any case (NICSWITCH_PAUSE=External)
             if isinstance(value, str) and value != value.lower() and value.lower() in choices:
                 object.__setattr__(self, name, value.lower())
@@ -429,8 +433,8 @@ class AgentConfig:
             raise _invalid(f"rank={self.rank!r} must be a non-negative integer", "rank")
         if self.rank is not None and self.world_size is not None and self.rank >= self.world_size:
             raise _invalid(f"rank={self.rank!r} is outside world_size={self.world_size!r}", "rank", "world_size")
-        _check_choice("fan_out", self.fan_out, FAN_OUTS)
-        _check_choice("framework", self.framework, FRAMEWORKS)
+        for name, choices in (("fan_out", FAN_OUTS), ("node_transport", NODE_TRANSPORTS), ("framework", FRAMEWORKS)):
+            _check_choice(name, getattr(self, name), choices)
         if self.local_world_size is not None and (
                 isinstance(self.local_world_size, bool) or not isinstance(self.local_world_size, int)
                 or self.local_world_size < 1):

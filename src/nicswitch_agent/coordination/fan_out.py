@@ -25,7 +25,7 @@ class RankFanOut:
     """
 
     def __init__(self, kv: KV, layout: Layout, rank: int, *, node_store_timeout_s: float,
-                 stop_timeout_s: float) -> None:
+                 stop_timeout_s: float, node_transport: str = "auto") -> None:
         self.layout, self.rank = layout, rank
         self.member_kv, self.slot = kv, None
         self.node_relay: NodeRelay | None = None
@@ -49,7 +49,8 @@ class RankFanOut:
                         kv.clone(), kv, upstream.clone(), group, [n * per_node for n in nodes],
                         stop_timeout_s=stop_timeout_s, label=f"group {group}", local_wake=upstream,
                         names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in nodes])
-            self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s, per_node)
+            self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s, per_node,
+                                                             transport=node_transport)
             if server is not None:
                 self._servers.append(server)
             if self.slot == 0:

@@ -31,9 +31,10 @@ from typing import Any
 
 from nicswitch_agent.config import AUTO_GROUP_NODES, AgentConfig, job_framework
 from nicswitch_agent.config.frameworks import in_msrun, rank_names, world_names
-from nicswitch_agent.coordination import fd_budget, ms_store
+from nicswitch_agent.coordination import fd_budget, ms_store, node_link
 from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
+from nicswitch_agent.coordination.queues import queue_name
 from nicswitch_agent.errors import ConfigError
 
 
@@ -227,15 +228,34 @@ def _in_process_store(job: InProcessStore, prefix: str, index: int) -> InProcess
         return _in_process_node_stores.setdefault(job, {}).setdefault((prefix, index), InProcessStore())
 
 
-def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float, ranks: int = 1) -> tuple[KV, Any]:
-    """(the node-local Store's KV, the server object to keep alive or None).
+def node_kv(kv: KV, node: int, local_rank: int, timeout_s: float, ranks: int = 1, *,
+            transport: str = "auto") -> tuple[KV, Any]:
+    """(the node-local Store's KV, the object to keep alive with it or None).
 
-    Local rank 0 hosts it on 127.0.0.1 and publishes its address on the job's Store; the node's
-    other ranks wait for the address (bounded) and connect to it.
+    Local rank 0 hosts it and publishes its address on the job's Store; the node's other ranks
+    wait for the address (bounded) and connect to it. With ``transport`` ``socket`` (``auto`` on
+    Linux) it is a :class:`~node_link.NodeHub` the others reach over Unix sockets (node_link.py),
+    else a TCPStore on 127.0.0.1. A joining rank follows the address its host published, whatever
+    its own setting. Ranks as threads of one process (an in-process job Store) share an in-process
+    Store; MindSpore's jobs a MindSpore TCPStore.
     """
+    if local_rank == 0 and use_node_link(transport) and not isinstance(kv.store, InProcessStore) \
+            and not isinstance(kv.store, ms_store.MindSporeStore):
+        hub = node_link.NodeHub(local_queue=kv.prefix + queue_name(0))
+        kv.set(node_store_key(node), hub.address)
+        return KV(hub, kv.prefix, queues=True), hub
     return _hosted_or_joined(kv, node_store_key(node), node, hosts=local_rank == 0, listen="127.0.0.1",
                              advertise=lambda: "127.0.0.1", timeout_s=timeout_s, clients=ranks,
-                             absent=f"node {node}'s relay (its local rank 0) did not publish the node-local Store")
+                             absent=f"node {node}'s relay (its local rank 0) did not publish the node-local Store",
+                             queue=queue_name(local_rank))
+
+
+def use_node_link(transport: str) -> bool:
+    """Whether a node's host serves its node over the node link (node_link.py) rather than a TCPStore."""
+    if transport == "socket" and not node_link.supported():
+        raise ConfigError(f"node_transport='socket' needs Linux (abstract Unix socket names); this is "
+                          f"{sys.platform}: use 'store' or 'auto'", settings=("node_transport",))
+    return transport == "socket" or (transport == "auto" and node_link.supported())
 
 
 def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -> tuple[KV, Any]:
@@ -252,7 +272,7 @@ def group_kv(kv: KV, group: int, nodes: int, *, hosts: bool, timeout_s: float) -
 
 
 def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str, advertise: Callable[[], str],
-                      timeout_s: float, clients: int, absent: str) -> tuple[KV, Any]:
+                      timeout_s: float, clients: int, absent: str, queue: str | None = None) -> tuple[KV, Any]:
     """Host a Store and publish its address at ``key`` on the job's Store, or wait for that
     address (bounded) and connect to it. In process (ranks as threads) one store per ``index``."""
     # The Stores hosted here have queues (queues.py) unless they are MindSpore's: every rank of
@@ -274,7 +294,11 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
         return KV(server, kv.prefix, queues=True), server
     if kv.poll_all([key], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
         raise ConfigError(f"{absent} within node_store_timeout_s={timeout_s:g} s")
-    host, _, port = kv.get(key).rpartition(":")
+    address = kv.get(key)
+    if node_link.is_address(address) and queue is not None:  # the node's host serves it without a Store
+        link = _dial(kv, key, address, kv.prefix + queue, time.monotonic() + timeout_s, timeout_s)
+        return KV(link, kv.prefix, queues=True), link
+    host, _, port = address.rpartition(":")
     if mindspore:
         return KV(ms_store.MindSporeStore(host.strip("[]"), int(port), max(timeout_s, 30.0),
                                           poll_max_s=poll_s), kv.prefix), None
@@ -282,6 +306,21 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
     # must not be the first to dial a host that may be gone by then.
     return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True,
                                     libuv=True), kv.prefix, queues=True), None
+
+
+def _dial(kv: KV, key: str, address: str, queue: str, deadline: float, timeout_s: float) -> node_link.NodeLink:
+    """A link to the node's hub at ``address``; if it refuses (the address of a hub that is gone:
+    a node restarted under a launcher, whose keys outlive restarts), the address its successor
+    publishes, until ``deadline``."""
+    while True:
+        try:
+            return node_link.NodeLink(address, queue, max(1.0, deadline - time.monotonic()))
+        except node_link.LinkLost as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"{exc} (within node_store_timeout_s={timeout_s:g} s)",
+                                  settings=("node_store_timeout_s",)) from None
+            time.sleep(0.05)  # a poll of the job's Store, bounded by the deadline
+            address = kv.get(key)
 
 
 def advertised_host(store: Any) -> str:

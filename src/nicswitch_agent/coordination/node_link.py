@@ -1,0 +1,571 @@
+"""The node's Store without a server: the relay's process holds it, the node's ranks a copy.
+
+With node-local fan-out the node's traffic is one writer (the relay) and a few readers (the
+node's ranks), each reading its own queue and pushing its answers back. Over a TCPStore every one
+of those messages is a request that the Store's server thread, in the relay's process, wakes up
+for, parses and answers: 220-310 us per rank per switch on this project's benchmark machine, more
+than flat coordination's whole Store bill (docs/performance.md, "One rank per process").
+
+Here nothing serves requests. :class:`NodeHub` (local rank 0's process) is the Store: the relay
+and its own member use it in process. Every other rank holds a :class:`NodeLink`: one Unix stream
+socket to the hub, and a copy of what the hub sent it. Messages go one way each and nobody
+answers them:
+
+- the hub's ``set``/``multi_set``/``delete_key`` go to every rank's copy (an order, a go key);
+- a push to rank ``r``'s queue goes to rank ``r`` only (the hub learned the queue's name from the
+  rank's hello); a push to any other queue (the answers) stays in the hub;
+- a rank's push to a queue that is not its own (an answer) goes to the hub; its own ``set`` and a
+  push to its own queue stay in its copy (only its stop writes them: to wake its own wait).
+
+Whoever waits reads the sockets itself (one thread at a time: a ``poll`` on the sockets and on a
+pipe that a local change writes to), so a wait costs a kernel wake-up and no thread hand-off. A
+message written to a Unix socket is in the reader's queue once ``send`` returns: the hub holds
+nothing for a rank that it could lose by exiting. A rank that starts late gets what the hub sends
+from then on (its queue starts empty, as :func:`queues.start` expects). The hub's process ending
+closes every rank's socket: each rank's next wait raises a RuntimeError (coordination lost) at
+once, where a Store client would find out at its next request. A rank's socket closing is the
+rank gone: the hub drops it and sends it nothing more.
+
+The socket's name is in Linux's abstract namespace (no file to clean up; it lives and dies with
+the hub's socket), so ranks reach it from the same network namespace, as they reached the
+node's TCPStore on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime
+import math
+import os
+import secrets
+import select
+import socket
+import struct
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from nicswitch_agent.coordination.kv import StoreTimeout
+
+T = TypeVar("T")
+Frame = tuple[int, str, bytes]  # (operation, key, value)
+SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
+_HEADER = struct.Struct("!IB")  # payload length, operation
+_SET, _DELETE, _PUSH, _HELLO = b"S"[0], b"D"[0], b"P"[0], b"H"[0]
+_RECV_BYTES = 1 << 18
+HELLO_TIMEOUT_S = 2.0  # a rank sends its hello right after it dialled
+SEND_TIMEOUT_S = 10.0  # a rank that does not read for this long is taken for gone (its socket is full)
+GET_TIMEOUT_S = 300.0  # a get of a key that never comes (as InProcessStore's)
+
+
+def supported() -> bool:
+    """Abstract Unix socket names are Linux's."""
+    return sys.platform.startswith("linux")
+
+
+def is_address(address: str) -> bool:
+    return address.startswith(SCHEME)
+
+
+def _frame(op: int, key: str, value: bytes = b"") -> bytes:
+    payload = key.encode() + b"\0" + value
+    return _HEADER.pack(len(payload), op) + payload
+
+
+def _poller(fds: tuple[int, ...]) -> select.poll:
+    """A poll() object for reading ``fds``. poll(), not select(): a training process may hold more
+    than select()'s 1,024 descriptors."""
+    poller = select.poll()
+    for fd in fds:
+        if fd < 0:
+            raise ValueError("a closed socket")
+        poller.register(fd, select.POLLIN)
+    return poller
+
+
+def _poll(poller: select.poll, timeout_s: float) -> list[int]:
+    """The descriptors that can be read (or have ended) within ``timeout_s``."""
+    return [fd for fd, _ in poller.poll(max(0, math.ceil(timeout_s * 1000)))]
+
+
+def _bound_sends(sock: socket.socket) -> None:
+    """Blocking reads (made only once poll() said there is something: no poll of Python's own
+    before each), sends bounded by the kernel (SO_SNDTIMEO): a send that cannot finish within
+    SEND_TIMEOUT_S raises, and its rank is taken for gone."""
+    sock.settimeout(None)
+    seconds = int(SEND_TIMEOUT_S)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                    struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _as_bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+class _Peer:
+    """One socket and what arrived on it that is not a whole message yet."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.buffer = b""
+        self.send_lock = threading.Lock()
+        self.queue: str | None = None  # (the hub's side) the queue this peer reads, from its hello
+
+    def send(self, data: bytes) -> None:
+        with self.send_lock:
+            self.sock.sendall(data)
+
+    def frames(self, data: bytes) -> list[Frame]:
+        """The whole messages in what arrived so far (the rest waits for more)."""
+        buffer = self.buffer + data
+        out, at = [], 0
+        while len(buffer) - at >= _HEADER.size:
+            size, op = _HEADER.unpack_from(buffer, at)
+            end = at + _HEADER.size + size
+            if end > len(buffer):
+                break
+            key, _, value = buffer[at + _HEADER.size:end].partition(b"\0")
+            out.append((op, key.decode(), value))
+            at = end
+        self.buffer = buffer[at:]
+        return out
+
+
+class _Copy:
+    """Keys and queues in memory, with waits that read the sockets while they wait (see the module doc)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._queues: dict[str, collections.deque[bytes]] = {}
+        self._cond = threading.Condition()
+        self._reading = False  # a thread is in poll() on the sockets (only one may be)
+        self._polled: tuple[tuple[int, ...], Any] = ((), None)  # (descriptors, their poll object): the reader's
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        self.lost = ""  # why this side cannot go on (set once): every wait raises it
+
+    # -- what the subclasses say ---------------------------------------------------------------
+
+    def _readable(self) -> list[_Peer]:
+        raise NotImplementedError
+
+    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+        """Apply what ``peer`` sent (under the lock)."""
+        raise NotImplementedError
+
+    def _closed(self, peer: _Peer, why: str) -> None:
+        """``peer``'s socket ended (under the lock)."""
+        raise NotImplementedError
+
+    def _listening(self) -> socket.socket | None:
+        """A listening socket the reading thread accepts on (the hub's), under no lock."""
+        return None
+
+    def _accept(self) -> None:
+        raise NotImplementedError
+
+    # -- local state ---------------------------------------------------------------------------
+
+    def _changed(self) -> None:
+        """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
+        self._cond.notify_all()
+        if self._reading:
+            with contextlib.suppress(BlockingIOError):  # the pipe is full of wakes already
+                os.write(self._wake_w, b"x")
+
+    def _apply(self, op: int, key: str, value: bytes) -> None:
+        if op == _SET:
+            self._data[key] = value
+        elif op == _DELETE:
+            self._data.pop(key, None)
+        elif op == _PUSH:
+            self._queues.setdefault(key, collections.deque()).append(value)
+
+    # -- waiting -------------------------------------------------------------------------------
+
+    def _wait_for(self, take: Callable[[], T | None], timeout_s: float, *, read: bool = True) -> T | None:
+        """What ``take()`` gives (called under the lock) once it gives something, or None after
+        ``timeout_s``; reads the sockets meanwhile unless another thread does, or ``read`` is
+        False (what it waits for comes from this process only: reading would only hand what
+        arrives to another thread). Raises :class:`LinkLost` once this side is lost (after what
+        arrived before)."""
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        with self._cond:
+            while True:
+                got = take()
+                if got is not None:
+                    return got
+                if self.lost:
+                    raise LinkLost(self.lost)
+                remaining = deadline - time.monotonic()
+                if self._reading or not read:
+                    if remaining <= 0:
+                        return None
+                    self._cond.wait(remaining)
+                    continue
+                self._reading = True
+                peers = self._readable()
+                self._cond.release()
+                try:
+                    arrived = self._read(peers, max(0.0, remaining))
+                finally:
+                    self._cond.acquire()
+                    self._reading = False
+                for peer, frames, why in arrived:
+                    if frames:
+                        self._receive(peer, frames)
+                    if why is not None:
+                        self._closed(peer, why)
+                self._cond.notify_all()
+                if remaining <= 0:  # one look at what had arrived, then the answer
+                    got = take()
+                    if got is None and self.lost:
+                        raise LinkLost(self.lost)
+                    return got
+
+    def _refresh(self) -> None:
+        """Take in what has arrived (no wait), so a look at the copy sees it."""
+        self._wait_for(lambda: None, 0.0)
+
+    def _read(self, peers: list[_Peer], timeout_s: float) -> list[tuple[_Peer, list[Frame], str | None]]:
+        """One ``poll`` over the peers and the wake pipe (no lock held): what each peer sent,
+        and why its socket ended (None while it is open)."""
+        by_fd = {peer.sock.fileno(): peer for peer in peers}
+        listener = self._listening()
+        listening = [] if listener is None else [listener.fileno()]
+        fds = (*by_fd, *listening, self._wake_r)
+        try:
+            if fds != self._polled[0]:  # kept while the sockets stay the same (one reader at a time)
+                self._polled = (fds, _poller(fds))
+            ready = _poll(self._polled[1], timeout_s)
+        except (OSError, ValueError):  # a socket closed under us (stop): the caller looks again
+            self._polled = ((), None)
+            return []
+        out: list[tuple[_Peer, list[Frame], str | None]] = []
+        for fd in ready:
+            if fd in listening:
+                self._accept()  # takes the lock: this thread holds none here
+                continue
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                continue
+            peer = by_fd[fd]
+            try:
+                data = peer.sock.recv(_RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                out.append((peer, [], f"{type(exc).__name__}: {exc}"))
+                continue
+            out.append((peer, peer.frames(data), None if data else "closed by the other side"))
+        return out
+
+    # -- the Store calls the coordination makes (kv.KV) ----------------------------------------
+
+    def _remote(self, key: str) -> bool:
+        """Whether a wait for ``key`` needs what the sockets bring."""
+        return True
+
+    def _remote_queue(self, key: str) -> bool:
+        """Whether a wait on queue ``key`` needs what the sockets bring."""
+        return True
+
+    def get(self, key: str) -> bytes:
+        value = self._wait_for(lambda: self._data.get(key), GET_TIMEOUT_S, read=self._remote(key))
+        if value is None:
+            raise StoreTimeout(f"get timeout: {key}")
+        return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        if not self._wait_for(lambda: all(k in self._data for k in keys) or None, timeout.total_seconds(),
+                              read=any(map(self._remote, keys))):
+            raise StoreTimeout(f"wait timeout, keys: {keys}")
+
+    def check(self, keys: list[str]) -> bool:
+        self._refresh()
+        with self._cond:
+            return all(k in self._data for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self._wait_for(lambda: [self._data[k] for k in keys] if all(k in self._data for k in keys) else None,
+                                GET_TIMEOUT_S, read=any(map(self._remote, keys)))
+        if values is None:
+            raise StoreTimeout(f"multi_get timeout: {keys}")
+        return values
+
+    def add(self, key: str, value: int) -> int:
+        raise NotImplementedError("the node link has queues, not counters (coordination/queues.py)")
+
+    def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
+        """The oldest value of queue ``key``, taken out; None if none came within ``timeout_s``."""
+        return self._wait_for(lambda: self._take(key), timeout_s, read=self._remote_queue(key))
+
+    def _take(self, key: str) -> bytes | None:
+        queue = self._queues.get(key)
+        return queue.popleft() if queue else None
+
+    def queue_len(self, key: str) -> int:
+        self._refresh()
+        with self._cond:
+            return len(self._queues.get(key, ()))
+
+    def clone(self) -> _Copy:
+        return self  # every thread's: the lock is inside
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LinkLost(RuntimeError):
+    """The other side of the node link is gone (a RuntimeError, as a lost Store's DistNetworkError)."""
+
+
+class NodeHub(_Copy):
+    """The node's Store in local rank 0's process (see the module doc). ``address`` is what the
+    node's other ranks dial (:class:`NodeLink`). ``local_queue``: the queue of local rank 0's own
+    member, which only this process pushes to: its wait never reads the sockets (the relay,
+    waiting for the answers, does: had the idle member read them, every answer would cost a
+    thread hand-off to the relay). Keys are only ever set here: their waits never read either."""
+
+    def __init__(self, backlog: int = 64, *, local_queue: str | None = None) -> None:
+        if not supported():
+            raise OSError("the node link needs Linux (abstract Unix socket names)")
+        super().__init__()
+        self._name = f"nicswitch-{os.getpid()}-{secrets.token_hex(8)}"
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind("\0" + self._name)
+        self._listener.listen(backlog)
+        self._listener.setblocking(False)
+        self._peers: dict[str, _Peer] = {}  # by the queue each reads
+        self._local_queue = local_queue
+        self._accept_lock = threading.Lock()
+        self.address = f"{SCHEME}@{self._name}"
+        self._shut = False
+
+    def _readable(self) -> list[_Peer]:
+        return list(self._peers.values())
+
+    def _listening(self) -> socket.socket | None:
+        return None if self._shut else self._listener
+
+    def _remote(self, key: str) -> bool:
+        return False  # keys are set here only
+
+    def _remote_queue(self, key: str) -> bool:
+        return key != self._local_queue
+
+    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+        for op, key, value in frames:
+            if op == _PUSH:  # an answer; anything else from a rank is not the hub's
+                self._apply(op, key, value)
+
+    def _closed(self, peer: _Peer, why: str) -> None:
+        if peer.queue is not None and self._peers.get(peer.queue) is peer:
+            del self._peers[peer.queue]
+        peer.sock.close()
+
+    def _accept(self) -> None:
+        """Take the ranks that dialled since the last look, each with its hello (sent right after
+        its connect: read with a short bound). A rank's earlier connection is replaced."""
+        with self._accept_lock:
+            while True:
+                try:
+                    sock, _ = self._listener.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    return  # closed (stop)
+                peer = _Peer(sock)
+                _bound_sends(sock)
+                hello, after = self._hello(peer)
+                if hello is None:
+                    sock.close()
+                    continue
+                with self._cond:
+                    old = self._peers.get(hello)
+                    if old is not None:
+                        old.sock.close()
+                    self._peers[hello] = peer
+                    peer.queue = hello
+                    self._queues.pop(hello, None)  # a reader starting now starts empty (queues.start)
+                    if self._data:  # what is set now is in every copy
+                        self._send(peer, b"".join(_frame(_SET, key, value) for key, value in self._data.items()))
+                    self._receive(peer, after)
+                    self._changed()  # the thread reading the sockets reads this one too from now on
+
+    @staticmethod
+    def _hello(peer: _Peer) -> tuple[str | None, list[Frame]]:
+        """The queue a rank that just dialled reads (its hello, the first message it sends), and
+        what it sent after it; None if it sent none within HELLO_TIMEOUT_S."""
+        deadline = time.monotonic() + HELLO_TIMEOUT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                data = peer.sock.recv(_RECV_BYTES) if _poll(_poller((peer.sock.fileno(),)), remaining) else b""
+            except OSError:
+                break
+            if not data:
+                break
+            frames = peer.frames(data)
+            if frames:
+                op, key, _ = frames[0]
+                return (key if op == _HELLO else None), frames[1:]
+        return None, []
+
+    def _to_every_rank(self, data: bytes) -> None:
+        """Under the lock: ``data`` to every connected rank; a rank that cannot take it is dropped."""
+        for peer in list(self._peers.values()):
+            self._send(peer, data)
+
+    def _send(self, peer: _Peer, data: bytes) -> None:
+        try:
+            peer.send(data)
+        except OSError as exc:
+            self._closed(peer, f"{type(exc).__name__}: {exc}")
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.multi_set([key], [value])
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        self._accept()
+        with self._cond:
+            data = b""
+            for key, value in zip(keys, values, strict=True):
+                self._data[key] = _as_bytes(value)
+                data += _frame(_SET, key, self._data[key])
+            self._to_every_rank(data)
+            self._changed()
+
+    def delete_key(self, key: str) -> bool:
+        return self.delete_keys([key]) > 0
+
+    def delete_keys(self, keys: Iterable[str]) -> int:
+        """Delete every key, in every copy: one message per rank for them all."""
+        with self._cond:
+            gone = [key for key in keys if self._data.pop(key, None) is not None]
+            if gone:
+                self._to_every_rank(b"".join(_frame(_DELETE, key) for key in gone))
+            return len(gone)
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        peer = self._peers.get(key)
+        if peer is None:
+            self._accept()  # a rank that dialled since: its queue is this one
+        with self._cond:
+            peer = self._peers.get(key)
+            if peer is not None:
+                self._send(peer, _frame(_PUSH, key, _as_bytes(value)))
+                return
+            self._apply(_PUSH, key, _as_bytes(value))
+            self._changed()
+
+    def queue_len(self, key: str) -> int:
+        """A rank's queue is in that rank's socket once sent: nothing of it is held here."""
+        return 0 if key in self._peers else super().queue_len(key)
+
+    def close(self) -> None:
+        """Close the listener and every rank's socket (each rank's next wait: coordination lost)."""
+        with self._cond:
+            if self._shut:
+                return
+            self._shut = True
+            self.lost = "the node hub closed"
+            self._listener.close()
+            for peer in list(self._peers.values()):
+                peer.sock.close()
+            self._peers.clear()
+            self._changed()
+
+    @property
+    def ranks_connected(self) -> int:
+        self._accept()
+        return len(self._peers)
+
+
+class NodeLink(_Copy):
+    """A rank's end of its node's link (see the module doc): reads queue ``queue`` (its own)."""
+
+    def __init__(self, address: str, queue: str, timeout_s: float) -> None:
+        if not is_address(address):
+            raise ValueError(f"not a node link address: {address!r}")
+        super().__init__()
+        self._queue = queue
+        self.address = address
+        name = address[len(SCHEME):]
+        path = "\0" + name[1:] if name.startswith("@") else name
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(path)
+            sock.sendall(_frame(_HELLO, queue))
+        except OSError as exc:
+            sock.close()
+            raise LinkLost(f"could not reach the node's relay at {address}: {type(exc).__name__}: {exc}") from exc
+        _bound_sends(sock)
+        self._peer = _Peer(sock)
+
+    def _readable(self) -> list[_Peer]:
+        return [] if self.lost else [self._peer]
+
+    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+        for op, key, value in frames:
+            self._apply(op, key, value)
+
+    def _closed(self, peer: _Peer, why: str) -> None:
+        if not self.lost:
+            self.lost = f"the node's relay (local rank 0) is gone: its link {why}"
+        peer.sock.close()
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """In this copy only (a rank's stop wakes its own wait for a go key)."""
+        with self._cond:
+            self._data[key] = _as_bytes(value)
+            self._changed()
+
+    def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            self.set(key, value)
+
+    def delete_key(self, key: str) -> bool:
+        with self._cond:
+            return self._data.pop(key, None) is not None
+
+    def queue_push(self, key: str, value: str | bytes) -> None:
+        """To the hub (an answer); to this copy if ``key`` is this rank's own queue (its stop's wake)."""
+        if key == self._queue:
+            with self._cond:
+                self._apply(_PUSH, key, _as_bytes(value))
+                self._changed()
+            return
+        if self.lost:
+            raise LinkLost(self.lost)
+        try:
+            self._peer.send(_frame(_PUSH, key, _as_bytes(value)))
+        except OSError as exc:
+            with self._cond:
+                self._closed(self._peer, f"{type(exc).__name__}: {exc}")
+                self._changed()
+            raise LinkLost(self.lost) from exc
+
+    def close(self) -> None:
+        with self._cond:
+            if not self.lost:
+                self.lost = "the node link closed"
+            self._peer.sock.close()
+            self._changed()
+
+
+__all__ = ["SCHEME", "LinkLost", "NodeHub", "NodeLink", "is_address", "supported"]

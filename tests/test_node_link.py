@@ -1,0 +1,321 @@
+"""The node link (coordination/node_link.py): the node's Store without a server thread.
+
+Real Unix sockets throughout, and real processes where a side's death is the point. What the
+coordination relies on: a key the hub sets reaches every rank before any event pushed after it;
+a push to a rank's queue reaches that rank alone, a rank's answer the hub; a rank starting late
+starts with an empty queue; a rank's stop wakes its own waits without the hub; whichever thread
+reads the sockets, the thread waiting for an answer gets it; a hub that dies is coordination
+lost at once for its ranks, after what it sent them; a rank that dies or stops reading is dropped.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import support
+
+from nicswitch_agent.coordination import KV, node_link, topology
+from nicswitch_agent.coordination.node_link import LinkLost, NodeHub, NodeLink
+from nicswitch_agent.errors import ConfigError
+
+pytestmark = [pytest.mark.timeout(60),
+              pytest.mark.skipif(not node_link.supported(), reason="the node link needs Linux")]
+
+PREFIX = "nicswitch/job-link/0"
+
+
+def queue(slot: int) -> str:
+    return f"{PREFIX}/q/{slot}"
+
+
+@pytest.fixture
+def hub() -> Iterator[NodeHub]:
+    hub = NodeHub()
+    yield hub
+    hub.close()
+
+
+def link(hub: NodeHub | str, slot: int) -> NodeLink:
+    return NodeLink(hub if isinstance(hub, str) else hub.address, queue(slot), 5.0)
+
+
+def test_a_key_set_on_the_hub_reaches_every_rank_before_the_events_pushed_after_it(hub: NodeHub) -> None:
+    ranks = [link(hub, slot) for slot in (1, 2, 3)]
+    hub.set(f"{PREFIX}/order/x", "the order")
+    for slot in (1, 2, 3):
+        hub.queue_push(queue(slot), f"event for {slot}")
+    for slot, rank in enumerate(ranks, 1):
+        assert rank.queue_pop_within(queue(slot), 5.0) == f"event for {slot}".encode()
+        assert rank.check([f"{PREFIX}/order/x"]) and rank.get(f"{PREFIX}/order/x") == b"the order"
+        assert rank.queue_len(queue(slot)) == 0  # its own event only: nobody else's reached it
+    hub.delete_keys([f"{PREFIX}/order/x"])
+    hub.queue_push(queue(1), "after the delete")
+    assert ranks[0].queue_pop_within(queue(1), 5.0) == b"after the delete"
+    assert not ranks[0].check([f"{PREFIX}/order/x"])  # the delete came first, on the same socket
+
+
+def test_answers_reach_the_hub_and_a_ranks_queue_is_held_by_that_rank_alone(hub: NodeHub) -> None:
+    one, two = link(hub, 1), link(hub, 2)
+    one.queue_push(f"{PREFIX}/a/1/c", "from 1")
+    two.queue_push(f"{PREFIX}/a/1/c", "from 2")
+    got = {hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0), hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0)}
+    assert got == {b"from 1", b"from 2"}
+    assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 0.05) is None
+    hub.queue_push(queue(2), "for 2")
+    assert hub.queue_len(queue(2)) == 0  # sent: in rank 2's socket, which outlives the hub
+    assert one.queue_pop_within(queue(2), 0.1) is None  # rank 1 never sees rank 2's queue
+    assert two.queue_pop_within(queue(2), 5.0) == b"for 2"
+    hub.queue_push(queue(0), "for local rank 0")  # no link reads it: the hub's own member does
+    assert hub.queue_len(queue(0)) == 1 and hub.queue_pop_within(queue(0), 1.0) == b"for local rank 0"
+
+
+def test_a_rank_that_joins_late_starts_with_an_empty_queue_and_every_key_set_before(hub: NodeHub) -> None:
+    hub.set(f"{PREFIX}/go/1", "set before it dialled")
+    hub.queue_push(queue(1), "published before it dialled")  # held for no one: dropped when it comes
+    late = link(hub, 1)
+    hub.queue_push(queue(1), "published after")
+    assert late.queue_pop_within(queue(1), 5.0) == b"published after"
+    assert late.get(f"{PREFIX}/go/1") == b"set before it dialled"
+
+
+def test_a_ranks_stop_wakes_its_own_waits_and_the_hub_hears_nothing_of_it(hub: NodeHub) -> None:
+    rank = link(hub, 1)
+    kv = KV(rank, PREFIX, queues=True)
+    with ThreadPoolExecutor(2) as pool:
+        popping = pool.submit(kv.pop, "q/1", 3600.0)
+        waiting = pool.submit(kv.get_when_set, "go/7", 3600.0)
+        assert support.wait_until(lambda: rank._reading, 10)
+        kv.clone().push("q/1", "wake")  # as Member.stop(): through its wake KV (the same copy)
+        kv.clone().set("go/7", "woken")
+        assert popping.result(10) == "wake" and waiting.result(10) == "woken"
+    assert hub.queue_len(queue(1)) == 0 and not hub.check([f"{PREFIX}/go/7"])
+
+
+def test_whichever_thread_reads_the_sockets_the_one_waiting_for_an_answer_gets_it(hub: NodeHub) -> None:
+    """Another thread of the hub's process waits an hour for a queue the ranks may push to, and so
+    reads the sockets; the relay waiting for the answers is handed them, also from a rank that
+    dialled after that read began."""
+    early = link(hub, 1)
+    with ThreadPoolExecutor(2) as pool:
+        idle = pool.submit(hub.queue_pop_within, f"{PREFIX}/a/9/c", 3600.0)
+        assert support.wait_until(lambda: hub._reading, 10)
+        answers = pool.submit(lambda: [hub.queue_pop_within(f"{PREFIX}/a/2/parked", 30.0) for _ in range(2)])
+        late = link(hub, 2)
+        early.queue_push(f"{PREFIX}/a/2/parked", "1 parked")
+        late.queue_push(f"{PREFIX}/a/2/parked", "2 parked")
+        assert sorted(answers.result(20)) == [b"1 parked", b"2 parked"]  # long before the hour
+        assert not idle.done()
+        hub.queue_push(f"{PREFIX}/a/9/c", "the end")
+        assert idle.result(10) == b"the end"
+
+
+def test_local_rank_0s_member_waiting_idle_leaves_the_sockets_to_the_relay() -> None:
+    """Its queue is pushed to from its own process only: were its idle wait the one reading the
+    sockets, every answer would reach the relay through a thread hand-off."""
+    hub = NodeHub(local_queue=queue(0))
+    try:
+        rank = link(hub, 1)
+        with ThreadPoolExecutor(2) as pool:
+            idle = pool.submit(hub.queue_pop_within, queue(0), 3600.0)
+            waiting = pool.submit(hub.get, f"{PREFIX}/go/0")  # keys too are set in this process only
+            assert support.wait_until(lambda: len(hub._cond._waiters) == 2, 10)  # type: ignore[attr-defined]
+            assert not hub._reading
+            rank.queue_push(f"{PREFIX}/a/1/c", "an answer")
+            assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0) == b"an answer"  # this thread read it
+            hub.queue_push(queue(0), "release")
+            hub.set(f"{PREFIX}/go/0", "go")
+            assert idle.result(10) == b"release" and waiting.result(10) == b"go"
+    finally:
+        hub.close()
+
+
+HUB = """
+import sys
+from nicswitch_agent.coordination.node_link import NodeHub
+hub = NodeHub()
+print(hub.address, flush=True)
+for line in sys.stdin:
+    target, _, value = line.strip().partition(" ")
+    hub.queue_push(target, value)
+    print("sent", flush=True)
+"""
+
+
+def test_a_hub_killed_is_coordination_lost_at_once_for_its_ranks_after_what_it_sent() -> None:
+    process = subprocess.Popen([sys.executable, "-c", HUB], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdin is not None
+        rank = link(process.stdout.readline().strip(), 1)
+        process.stdin.write(f"{queue(1)} training must stop\n")
+        process.stdin.flush()
+        assert process.stdout.readline().strip() == "sent"
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        assert rank.queue_pop_within(queue(1), 3600.0) == b"training must stop"  # sent before it died
+        started = time.monotonic()
+        with pytest.raises(LinkLost, match=r"the node's relay \(local rank 0\) is gone"):
+            rank.queue_pop_within(queue(1), 3600.0)
+        assert time.monotonic() - started < 600  # not the hour: a bound, not a timing
+        with pytest.raises(LinkLost):
+            rank.queue_push(f"{PREFIX}/a/1/c", "an answer nobody reads")
+        assert isinstance(LinkLost("x"), RuntimeError)  # what the member and relay take for a lost Store
+    finally:
+        process.kill()
+        process.wait()
+
+
+RANK = """
+import sys, time
+from nicswitch_agent.coordination.node_link import NodeLink
+link = NodeLink(sys.argv[1], sys.argv[2], 5.0)
+print("dialled", flush=True)
+time.sleep(3600)
+"""
+
+
+def test_a_rank_that_dies_is_dropped_and_its_successor_takes_its_queue(hub: NodeHub) -> None:
+    process = subprocess.Popen([sys.executable, "-c", RANK, hub.address, queue(1)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout is not None and process.stdout.readline().strip() == "dialled"
+        assert hub.ranks_connected == 1
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        assert support.wait_until(lambda: (hub.queue_len(queue(0)), hub.ranks_connected)[1] == 0, 10)
+        hub.queue_push(queue(1), "for nobody")  # no error: the rank is gone
+        successor = link(hub, 1)
+        hub.queue_push(queue(1), "for the successor")
+        assert successor.queue_pop_within(queue(1), 5.0) == b"for the successor"
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_rank_that_stops_reading_is_dropped_once_a_send_to_it_cannot_finish(
+        hub: NodeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node_link, "SEND_TIMEOUT_S", 0.2)
+    stuck, reading = link(hub, 1), link(hub, 2)
+    assert hub.ranks_connected == 2
+    block = "x" * (1 << 20)
+    for _ in range(16):  # far more than a Unix socket buffers: the sends to rank 1 time out
+        hub.queue_push(queue(1), block)
+        if hub.ranks_connected == 1:
+            break
+    assert hub.ranks_connected == 1
+    hub.set(f"{PREFIX}/k", "still reaches the others")
+    assert reading.get(f"{PREFIX}/k") == b"still reaches the others"
+    del stuck
+
+
+def test_the_node_store_is_the_link_on_linux_and_a_tcpstore_when_asked() -> None:
+    torch_distributed = pytest.importorskip("torch.distributed")
+    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                        wait_for_workers=False)
+    job = KV(server, PREFIX)
+    hosted, hub = topology.node_kv(job, 0, 0, 10.0, 2)
+    joined, kept = topology.node_kv(job, 0, 1, 10.0, 2, transport="store")  # follows its host
+    assert isinstance(hub, NodeHub) and isinstance(kept, NodeLink) and hosted.queues and joined.queues
+    hosted.push("q/1", "over the link")
+    assert joined.pop("q/1", 5.0) == "over the link"
+    stored, keep = topology.node_kv(job, 1, 0, 10.0, 2, transport="store")
+    assert not isinstance(stored.store, NodeHub | NodeLink) and stored.queues
+    hub.close()
+    del keep
+
+
+def test_socket_is_refused_where_abstract_unix_names_do_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(node_link, "supported", lambda: False)
+    with pytest.raises(ConfigError, match=r"node_transport='socket' needs Linux"):
+        topology.use_node_link("socket")
+    assert not topology.use_node_link("auto") and not topology.use_node_link("store")
+
+
+def test_a_thread_blocked_reading_wakes_when_another_thread_changes_the_copy(hub: NodeHub) -> None:
+    """The reading thread sleeps in select(); a local push from another thread must end it (the
+    wake pipe), or a stop would wait for the reader's whole timeout."""
+    done = threading.Event()
+
+    def reader() -> None:
+        hub.queue_pop_within(queue(0), 3600.0)
+        done.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    assert support.wait_until(lambda: hub._reading, 10)
+    hub.queue_push(queue(0), "wake")
+    assert done.wait(20)
+
+
+def test_a_tcpstore_client_is_not_taken_for_a_store_with_the_links_calls() -> None:
+    """fd_budget.StoreClient answers any attribute (it forwards to torch's client): the KV must
+    ask the type, or it calls the link's ``queue_pop_within``/``delete_keys`` on a TCPStore."""
+    torch_distributed = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.coordination.fd_budget import StoreClient
+
+    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                        wait_for_workers=False, use_libuv=True)
+    kv = KV(StoreClient("127.0.0.1", server.port, 10.0, 1, libuv=True), PREFIX, queues=True)
+    kv.push("q/1", "an event")
+    assert kv.pop("q/1", 5.0) == "an event"
+    kv.set("k", "v")
+    kv.delete(["k"])
+    assert not kv.check(["k"])
+
+
+def test_the_link_works_in_a_process_holding_more_than_1024_descriptors(hub: NodeHub) -> None:
+    """select() cannot watch a descriptor above 1,023 (a training process with data loaders and
+    collectives often holds more): seen as dead members at 1,024 ranks in benchmarks/store_scale.py."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"the descriptor limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY
+                                                else min(hard, max(soft, 1200)), hard))
+    held = [os.pipe() for _ in range(560)]  # 1,120 descriptors
+    try:
+        rank = link(hub, 1)
+        assert rank._peer.sock.fileno() > 1024
+        hub.queue_push(queue(1), "past select()'s limit")
+        assert rank.queue_pop_within(queue(1), 5.0) == b"past select()'s limit"
+        rank.queue_push(f"{PREFIX}/a/1/c", "and back")
+        assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0) == b"and back"
+    finally:
+        for r, w in held:
+            os.close(r)
+            os.close(w)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_rank_that_finds_a_gone_hubs_address_dials_its_successor_or_says_so() -> None:
+    """Under a launcher the keys outlive a restart: a restarting rank may read the address of its
+    node's previous hub before the new one is published."""
+    torch_distributed = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.coordination.messages import node_store_key
+
+    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
+                                        wait_for_workers=False)
+    job = KV(server, PREFIX)
+    gone, successor = NodeHub(), NodeHub()
+    job.set(node_store_key(0), gone.address)
+    gone.close()
+    with pytest.raises(ConfigError, match=r"could not reach the node's relay at unix:@.* \(within "
+                                          r"node_store_timeout_s=0.3 s\)"):
+        topology.node_kv(job, 0, 1, 0.3, 2)
+    publisher = threading.Timer(0.2, lambda: job.clone().set(node_store_key(0), successor.address))
+    publisher.start()
+    try:
+        joined, _ = topology.node_kv(job, 0, 1, 30.0, 2)
+        successor.queue_push(f"{joined.prefix}q/1", "from the successor")
+        assert joined.pop("q/1", 5.0) == "from the successor"
+    finally:
+        publisher.join()
+        successor.close()
