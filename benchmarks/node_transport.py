@@ -26,6 +26,10 @@ invocation, in interleaved rounds:
   thread writes to that member's socket itself; a member's ``push`` of an answer is one frame (no
   reply), which the Store's thread (a ``selectors`` loop in the relay's process) queues and hands
   to the relay's thread, waiting on a condition.
+- ``link``: the agent's node link (coordination/node_link.py, ``node_transport`` ``auto`` on
+  Linux) through the agent's own calls (``KV.push``/``KV.pop``): the relay's process holds the
+  node's queues (``NodeHub``), each member one Unix socket and a copy (``NodeLink``); the relay's
+  thread reads the members' sockets itself while it waits for their answers. No server thread.
 
 Reported per rank per switch: CPU of the members, of the relay's thread, and of the rest of the
 relay's process (the Store's server thread; about nothing with sockets), and the relay's wall time
@@ -50,7 +54,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-WAYS = ("store-queues", "store-wait", "sockets", "py-store")
+WAYS = ("store-queues", "store-wait", "sockets", "py-store", "link")
+PREFIX = "nicswitch/bench/0"
 EVENTS = (  # about the size of the agent's events (coordination/messages.py)
     b'{"t":"pause","e":7,"n":8,"d":1733400000.123,"m":"agent"}',
     b'{"t":"target","e":7,"n":8,"s":1234,"d":1733400000.456}',
@@ -83,6 +88,19 @@ def _member(way: str, address: str, slot: int, switches: int, out: Any) -> None:
         def answer(switch: int, event: int) -> None:
             text = _answer(slot, event)
             sock.sendall(FRAME.pack(len(text)) + text)
+    elif way == "link":
+        from nicswitch_agent.coordination import KV
+        from nicswitch_agent.coordination.node_link import NodeLink
+
+        kv = KV(NodeLink(address, f"{PREFIX}/q/{slot}", 60.0), PREFIX, queues=True)
+
+        def read() -> bytes:
+            text = kv.pop(f"q/{slot}", 60.0)
+            assert text is not None
+            return text.encode()
+
+        def answer(switch: int, event: int) -> None:
+            kv.push(f"a/{switch}/{event}", _answer(slot, event).decode())
     elif way == "py-store":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.connect(address)
@@ -222,7 +240,13 @@ def _run_node(way: str, members: int, switches: int, ready: Any, go: Any, out: A
     ctx = mp.get_context("spawn")
     pipes, procs = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        if way in ("sockets", "py-store"):
+        if way == "link":
+            from nicswitch_agent.coordination import KV
+            from nicswitch_agent.coordination.node_link import NodeHub
+
+            hub = NodeHub(local_queue=f"{PREFIX}/q/none")
+            address = hub.address
+        elif way in ("sockets", "py-store"):
             address = os.path.join(tmp, "relay.sock")
             listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             listener.bind(address)
@@ -239,7 +263,19 @@ def _run_node(way: str, members: int, switches: int, ready: Any, go: Any, out: A
             proc.start()
             pipes.append(mine)
             procs.append(proc)
-        if way == "py-store":
+        if way == "link":
+            hub_kv = KV(hub, PREFIX, queues=True)
+            while hub.ranks_connected < members:
+                time.sleep(0.01)
+
+            def publish(switch: int, event: int) -> None:
+                for slot in range(members):
+                    hub_kv.push(f"q/{slot}", EVENTS[event].decode())
+
+            def gather(switch: int, event: int) -> None:
+                for _ in range(members):
+                    assert hub_kv.pop(f"a/{switch}/{event}", 60.0) is not None
+        elif way == "py-store":
             py_store = _PyQueueStore([listener.accept()[0] for _ in range(members)])
 
             def publish(switch: int, event: int) -> None:

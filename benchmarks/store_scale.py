@@ -45,8 +45,9 @@ Thousands of ranks in one interpreter need two adjustments that touch no Store k
 :func:`hosted_slices`; ``--as-is`` turns them off): the library's short wait slices and the
 interpreter's 5 ms switch interval are raised in the node processes, or GIL hand-offs eat the cores.
 
-``--ranks-per-node P`` measures node-local fan-out (a relay and a 127.0.0.1 TCPStore per node, in
-its node process); ``--nodes-per-group G`` (``auto``: as ``fan_out=group`` picks) adds groups of
+``--ranks-per-node P`` measures node-local fan-out (a relay per node and the node's Store, in its
+node process: the node link by default, a 127.0.0.1 TCPStore with ``--node-transport store``;
+``--compare`` runs both); ``--nodes-per-group G`` (``auto``: as ``fan_out=group`` picks) adds groups of
 nodes: each group's Store is a TCPStore in the node process hosting the group's first node, reached
 over loopback TCP from the others, and its requests and its server thread's CPU are counted per
 switch (counter polls apart: their number follows the wait, so this machine's load).
@@ -552,8 +553,9 @@ class NodeProcess:
 
     def __init__(self, port: int, node: int, nodes: int, world: int, timeout_s: float, *,
                  as_is: bool = False, per_node: int | None = None, per_group: int | None = None,
-                 step_s: float = 0.0) -> None:
+                 step_s: float = 0.0, transport: str = "auto") -> None:
         self.slices = {} if as_is else hosted_slices()
+        self.transport = transport  # node_transport: how a node's ranks reach their relay
         self.step_s = step_s
         self.per_node = per_node  # node-local fan-out: this process hosts several nodes of this many ranks
         self.per_group = per_group  # groups of this many nodes (None: nodes answer on the job's Store)
@@ -610,7 +612,8 @@ class NodeProcess:
             layout = Layout(self.world, self.per_node, self.per_group)
             # Hosts first (slot 0 of a node), so the others find the address at once.
             for rank in sorted(self.ranks, key=lambda r: r % self.per_node != 0):
-                fan_out = RankFanOut(kv, layout, rank, node_store_timeout_s=self.timeout_s, stop_timeout_s=1.0)
+                fan_out = RankFanOut(kv, layout, rank, node_store_timeout_s=self.timeout_s, stop_timeout_s=1.0,
+                                     **_transport(RankFanOut, self.transport))
                 fan_out.start()
                 fan_outs[rank] = fan_out
                 self.relays += [relay for relay in (fan_out.group_relay, fan_out.node_relay) if relay is not None]
@@ -621,13 +624,21 @@ class NodeProcess:
 
             upstream = self._groups(kv) if self.per_group else {}
             for first in range(self.ranks[0], self.ranks[-1] + 1, self.per_node):
-                # As SwitchAgent._start on local rank 0: host the node's Store on 127.0.0.1, relay for it.
-                server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
-                                  wait_for_workers=False)
-                self.local_servers.append(server)
-                # Counted: every request on the node's Store (its members' and its relay's).
-                local_kv[first] = KV(CountingStore(server, self.node_registry), key_prefix(JOB, "0"),
-                                     **_queues(KV, True))
+                if self._link():  # as topology.node_kv on local rank 0: the node link's hub
+                    from nicswitch_agent.coordination.node_link import NodeHub
+                    from nicswitch_agent.coordination.queues import queue_name
+
+                    hub = NodeHub(local_queue=key_prefix(JOB, "0") + "/" + queue_name(0))
+                    self.local_servers.append(hub)
+                    local_kv[first] = KV(hub, key_prefix(JOB, "0"), queues=True)  # messages, not requests: uncounted
+                else:
+                    # As SwitchAgent._start on local rank 0: host the node's Store on 127.0.0.1, relay for it.
+                    server = TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=self.timeout_s),
+                                      wait_for_workers=False)
+                    self.local_servers.append(server)
+                    # Counted: every request on the node's Store (its members' and its relay's).
+                    local_kv[first] = KV(CountingStore(server, self.node_registry), key_prefix(JOB, "0"),
+                                         **_queues(KV, True))
                 node = first // self.per_node
                 # As RankFanOut: with groups the node relay answers on its group's Store, at its index there.
                 up, index = (upstream[node // self.per_group], node % self.per_group) if self.per_group \
@@ -641,13 +652,22 @@ class NodeProcess:
         def start_rank(rank: int) -> tuple[RankThread, Any]:
             r = RankThread(rank, self)
             base, slot = kv, None
-            if rank in fan_outs:  # its node's Store as RankFanOut connected it (counted from here on)
+            if rank in fan_outs and self._link():  # the node link as RankFanOut made it (messages: uncounted)
+                base, slot = fan_outs[rank].member_kv, fan_outs[rank].slot
+            elif rank in fan_outs:  # its node's Store as RankFanOut connected it (counted from here on)
                 fan_out = fan_outs[rank]
                 base, slot = KV(CountingStore(fan_out.member_kv.store, self.node_registry), fan_out.member_kv.prefix,
                                 **_queues(KV, bool(getattr(fan_out.member_kv, "queues", False)))), fan_out.slot
             elif self.per_node is not None:  # its keys on its node's Store, at its local slot
                 slot = rank % self.per_node
                 base = local_kv[rank - slot]
+                if slot and self._link():  # as topology.node_kv on the node's other ranks: a link to the hub
+                    from nicswitch_agent.coordination.node_link import NodeLink
+                    from nicswitch_agent.coordination.queues import queue_name
+
+                    link = NodeLink(base.store.address, base.prefix + queue_name(slot), self.timeout_s)
+                    self.local_servers.append(link)
+                    base = KV(link, base.prefix, queues=True)
             member = Member(base.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of its store
                             MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=60.0,
                                         switch_timeout_s=60.0, dry_run=False, local_ranks=rank_map.local_ranks),
@@ -668,6 +688,14 @@ class NodeProcess:
                 "connect_s": connected - started, "slices": self.slices,
                 "since_exec_s": time.monotonic() - EXEC_STARTED,
                 "connections": self.registry.totals()["connections"], "threads": threading.active_count()}
+
+    def _link(self) -> bool:
+        """The node's ranks reach their relay over the node link (as ``node_transport`` picks)."""
+        try:
+            from nicswitch_agent.coordination.topology import use_node_link
+        except ImportError:  # the code before the node link
+            return False
+        return use_node_link(self.transport)
 
     def _groups(self, kv: Any) -> dict[int, Any]:
         """Each group of this process's nodes: its Store's KV (counted per group), as RankFanOut
@@ -774,6 +802,13 @@ def _queues(kv_class: Any, queues: bool) -> dict[str, Any]:
     return {"queues": queues} if "queues" in inspect.signature(kv_class).parameters else {}
 
 
+def _transport(fan_out_class: Any, transport: str) -> dict[str, Any]:
+    """``node_transport=...`` where RankFanOut takes it (nothing for the code before the node link)."""
+    import inspect
+
+    return {"node_transport": transport} if "node_transport" in inspect.signature(fan_out_class).parameters else {}
+
+
 def _local_wake(relay_class: Any, kv: Any) -> dict[str, Any]:
     """``local_wake=kv`` where NodeRelay takes it (as RankFanOut passes it); nothing for a
     NodeRelay of an earlier version (a before/after run of the code before it)."""
@@ -783,10 +818,10 @@ def _local_wake(relay_class: Any, kv: Any) -> dict[str, Any]:
 
 
 def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as_is: bool,
-              per_node: int | None, per_group: int | None = None, step_s: float = 0.0) -> None:
+              per_node: int | None, per_group: int | None = None, step_s: float = 0.0, transport: str = "auto") -> None:
     _child_setup()
     proc = NodeProcess(port, node, nodes, world, timeout_s, as_is=as_is, per_node=per_node, per_group=per_group,
-                       step_s=step_s)
+                       step_s=step_s, transport=transport)
     _reply(proc.start())
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -958,11 +993,12 @@ class SizeRun:
 
 def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
              timeout_s: float, idle_s: float, log_dir: Path, per_node: int | None = None,
-             per_group: int | None = None, step_s: float = DEFAULT_STEP_S) -> SizeRun:
+             per_group: int | None = None, step_s: float = DEFAULT_STEP_S, transport: str = "auto") -> SizeRun:
     """Start server, nodes and leader for ``ranks``; one warm-up switch, then ``switches`` measured."""
     result = SizeRun(ranks, nodes, per_group=per_group or 0)
     fan_out = [*(["--ranks-per-node", str(per_node)] if per_node else []),
                *(["--nodes-per-group", str(per_group)] if per_group else [])]
+    node_transport = ["--node-transport", transport] if per_node else []
     children: list[Child] = []
     try:
         listener = listening_socket(dual_stack)
@@ -974,7 +1010,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         # Nodes and leader start with the server: their connections wait in the listen backlog.
         node_children = [Child(["--role", "node", "--port", str(port), "--node", str(i), "--nodes", str(nodes),
                                 "--world", str(ranks), "--timeout", str(timeout_s), "--step-ms", str(step_s * 1e3),
-                                *(["--as-is"] if as_is else []), *fan_out],
+                                *(["--as-is"] if as_is else []), *fan_out, *node_transport],
                                f"node{i}-{ranks}", log_dir)
                          for i in range(nodes)]
         children += node_children
@@ -1319,12 +1355,23 @@ def _per_rank_calls(calls: dict[str, float], ranks: int) -> str:
     return ", ".join(f"{k} {v / ranks:.2g}" for k, v in sorted(calls.items(), key=lambda kv: -kv[1]) if v)
 
 
+def _suffix(transport: str) -> str:
+    """The result's name: the library's default way unmarked, the TCPStore way marked."""
+    return "_tcpstore" if transport == "store" else ""
+
+
+def _over(transport: str) -> str:
+    return "the node's ranks over a TCPStore per node" if transport == "store" else \
+        "the node's ranks over the node link (Unix sockets, no Store server)"
+
+
 def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: int | None = None,
         switches: int | None = None, listed: int = 16, dual_stack: bool = False, as_is: bool = False,
         timeout_s: float = 600.0, per_node: int | None = None, per_group: int | str | None = None,
-        step_s: float = DEFAULT_STEP_S) -> BenchResult:
+        step_s: float = DEFAULT_STEP_S, transport: str = "auto") -> BenchResult:
     """``per_group``: nodes per group (``"auto"``: as ``fan_out=group`` picks them, ceil(sqrt(nodes)));
-    None or 0: no groups. Groups need ``per_node``."""
+    None or 0: no groups. Groups need ``per_node``. ``transport``: how a node's ranks reach their
+    relay (``node_transport``: ``auto`` is the node link on Linux, ``store`` a TCPStore per node)."""
     if per_group and per_node is None:
         raise ValueError("groups of nodes need ranks per node (per_node)")
     if per_node is None:
@@ -1332,12 +1379,14 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
                                             "TCPStore, every rank on it (fan_out flat): phases, Store requests, bytes, "
                                             "server CPU, sockets")
     elif per_group:
-        result = BenchResult("store_scale_group", f"7c. the same with groups of nodes ({per_node} ranks per node, "
-                                                  f"{per_group} nodes per group, a relay and a Store per group): the "
-                                                  "job's Store sees groups, each group's Store its nodes")
+        result = BenchResult("store_scale_group" + _suffix(transport),
+                             f"7c. the same with groups of nodes ({per_node} ranks per node, {per_group} nodes per "
+                             f"group, a relay and a Store per group; {_over(transport)}): the job's Store sees groups, "
+                             "each group's Store its nodes")
     else:
-        result = BenchResult("store_scale_node", f"7b. the same with node-local fan-out ({per_node} ranks per node, "
-                                                 "a relay per node): the job's Store sees nodes")
+        result = BenchResult("store_scale_node" + _suffix(transport),
+                             f"7b. the same with node-local fan-out ({per_node} ranks per node, a relay per node; "
+                             f"{_over(transport)}): the job's Store sees nodes")
     sizes = tuple(sizes or settings.pick(QUICK_SIZES, FULL_SIZES))
     nodes = processes or settings.pick(1, 4)
     limits_fd = raise_fd_limit()
@@ -1362,7 +1411,8 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
             runs.append(run_size(n, k, m, listed, dual_stack=dual_stack, as_is=as_is,
                                  timeout_s=timeout_s, idle_s=idle_s,
                                  log_dir=Path(tmp), per_node=per_node,
-                                 per_group=layout.nodes_per_group if layout is not None else None, step_s=step_s))
+                                 per_group=layout.nodes_per_group if layout is not None else None, step_s=step_s,
+                                 transport=transport))
             print(f"   store_scale: {n:,} ranks in {k} processes: {time.monotonic() - t0:.1f} s"
                   f"{' ERROR ' + runs[-1].error if runs[-1].error else ''}", file=sys.stderr, flush=True)
     errors = [f"{r.ranks} ranks: {r.error}" for r in runs if r.error]
@@ -1525,6 +1575,8 @@ def _cli() -> None:
     parser.add_argument("--step-ms", type=float, default=DEFAULT_STEP_S * 1e3,
                         help="the training threads' step period in ms, for the steps' lateness (0: step only when a "
                              "pause arms them, the coordination alone)")
+    parser.add_argument("--node-transport", choices=("auto", "socket", "store"), default="auto",
+                        help="how a node's ranks reach their relay (node_transport; auto: the node link on Linux)")
     parser.add_argument("--compare", action="store_true",
                         help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
@@ -1540,7 +1592,7 @@ def _cli() -> None:
         server_main(args.fd, args.timeout)
     elif args.role == "node":
         node_main(args.port, args.node, args.nodes, args.world, args.timeout, args.as_is, args.ranks_per_node or None,
-                  int(args.nodes_per_group) or None, args.step_ms / 1e3)
+                  int(args.nodes_per_group) or None, args.step_ms / 1e3, args.node_transport)
     elif args.role == "leader":
         leader_main(args.port, args.world, args.listed, args.timeout, args.ranks_per_node or None,
                     int(args.nodes_per_group) or None)
@@ -1564,14 +1616,16 @@ def main_standalone(args: argparse.Namespace) -> None:
     common = {"sizes": sizes, "processes": args.processes, "switches": args.switches or None, "listed": args.listed,
               "dual_stack": args.dual_stack, "as_is": args.as_is, "timeout_s": args.timeout,
               "step_s": args.step_ms / 1e3}
-    if args.compare:
+    if args.compare:  # flat, then node and group fan-out, each over a TCPStore per node and over the node link
         per_node = args.ranks_per_node or 8
-        results = [run(Settings(quick=args.quick), **common),
-                   run(Settings(quick=args.quick), per_node=per_node, **common),
-                   run(Settings(quick=args.quick), per_node=per_node, per_group=per_group or "auto", **common)]
+        results = [run(Settings(quick=args.quick), **common)]
+        for groups in (None, per_group or "auto"):
+            for transport in ("store", "socket"):
+                results.append(run(Settings(quick=args.quick), per_node=per_node, per_group=groups,
+                                   transport=transport, **common))
     else:
         results = [run(Settings(quick=args.quick), per_node=args.ranks_per_node or None, per_group=per_group,
-                       **common)]
+                       transport=args.node_transport, **common)]
     duration = time.monotonic() - started
     for result in results:
         result.duration_s = duration / len(results)
