@@ -925,8 +925,12 @@ class _ModeRun:
             # No soak hook hangs longer than its budget plus the leader's slack: a rank that does
             # not answer at all is wedged, and would fail every later switch too.
             self._problem(index, fault, f"a rank answered nothing: {last.get('reason')}")
+        # Each rank's first hook call of the switch. Where a hook fault failed it, a rank that reads
+        # the switch order after the leader decided it (the rollback already waiting behind it)
+        # skips it and runs the rollback only (coordination/member.py): its first call is the
+        # rollback's. The list of ranks is the same in every call.
         calls = self.plan.calls.get(index, [])
-        if len({(c[1], c[2]) for c in calls}) > 1:
+        if len({c[1] for c in calls}) > 1 or (len({c[2] for c in calls}) > 1 and fault not in HOOK_FAULTS):
             self._problem(index, fault, f"ranks ran the switch hook with different lists: {calls}")
         if training == "running":
             outcome = OUTCOME_OK if "switchNicRecvContinue" in flow else OUTCOME_RECOVERED
