@@ -50,7 +50,7 @@ class RankFanOut:
                         stop_timeout_s=stop_timeout_s, label=f"group {group}", local_wake=upstream,
                         names=[f"{n} (ranks {n * per_node}-{(n + 1) * per_node - 1})" for n in nodes])
             self.member_kv, server = topology.node_kv(kv, node, self.slot, node_store_timeout_s, per_node,
-                                                             transport=node_transport)
+                                                      transport=node_transport)
             if server is not None:
                 self._servers.append(server)
             if self.slot == 0:
