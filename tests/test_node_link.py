@@ -319,3 +319,29 @@ def test_a_rank_that_finds_a_gone_hubs_address_dials_its_successor_or_says_so() 
     finally:
         publisher.join()
         successor.close()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to dial as another user")
+def test_a_process_of_another_user_cannot_join_the_node(hub: NodeHub) -> None:
+    """Any process of the network namespace can dial an abstract name: only the job's user's are ranks."""
+    dial = ("import socket, struct, sys; s = socket.socket(socket.AF_UNIX); s.connect('\\0' + sys.argv[1]); "
+            "body = sys.argv[2].encode() + b'\\0'; s.sendall(struct.pack('!IB', len(body), 72) + body); "
+            "\ntry:\n    print(s.recv(10) == b'', flush=True)\n"
+            "except ConnectionResetError:\n    print(True, flush=True)")
+    python = "/usr/bin/python3"  # the venv's may be under a directory another user cannot enter
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"no {python} to run as another user")
+    intruder = subprocess.Popen([python, "-c", dial, hub.address[len("unix:@"):], queue(1)], cwd="/",
+                                preexec_fn=lambda: os.setuid(65534), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        assert support.wait_until(lambda: (hub.ranks_connected, intruder.poll())[1] is not None, 20)
+        out, err = intruder.communicate(timeout=10)
+        assert out.strip() == "True", err  # its connection was closed at once
+        assert hub.ranks_connected == 0
+    finally:
+        intruder.kill()
+        intruder.wait()
+    rank = link(hub, 1)  # the job's own user is let in
+    assert hub.ranks_connected == 1
+    del rank

@@ -255,3 +255,56 @@ def test_the_leaders_wake_ends_a_wait_for_results(job: Any) -> None:
     leader.wake()
     outcome = running.result(20)
     assert not outcome.ok and "did not answer" in outcome.reason
+
+
+# -- the node link knows a rank is gone (its link closed): its node fails the phase at once ----------
+
+
+@pytest.fixture
+def linked() -> Iterator[tuple[Coordinator, list[Node], ThreadPoolExecutor]]:
+    store = InProcessStore()
+    nodes = [Node(store, 0, [0, 1], way="link"), Node(store, 1, [2, 3], way="link")]
+    for node in nodes:
+        node.relay.start()
+    pool = ThreadPoolExecutor(2)
+    yield Coordinator(KV(store, PREFIX), 2, ranks_per_node=2), nodes, pool
+    pool.shutdown(wait=False, cancel_futures=True)
+    for node in nodes:
+        node.relay.stop()
+
+
+def test_a_rank_gone_during_the_pause_makes_its_relay_say_why_at_once(linked: Any) -> None:
+    """The relay stops waiting for a rank whose link closed and writes why (the leader, which has
+    no early failure for a pause, reads it when its own time is up: that wait is its timeout)."""
+    leader, nodes, pool = linked
+    pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
+    epoch = 0
+    for node in nodes:
+        for slot, rank in enumerate(node.ranks):
+            event = node.next_event(slot)
+            epoch = int(event["e"])
+            if rank != 3:
+                node.completed(slot, epoch, 10)
+    hub = nodes[1].local.store
+    # Rank 2's answer taken, node 1's relay reads the sockets for rank 3's: only the link's end can wake it.
+    assert support.wait_until(lambda: hub._reading and not hub._queues.get(queues.answers(epoch, "c")), 20)
+    nodes[1].views[1].store.close()  # rank 3's process ends: its socket closes
+    job = KV(nodes[1].relay.job.store, PREFIX)
+    assert support.wait_until(lambda: job.check([p.why_key(epoch, 1)]), 20)  # not the hour
+    assert job.get(p.why_key(epoch, 1)) == ("no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to "
+                                             "the relay closed (the process ended)")
+    leader.wake()
+    assert not pausing.result(20).ok
+
+
+def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: Any) -> None:
+    leader, nodes, pool = linked
+    nodes[1].views[1].store.close()  # rank 3 is gone before the order comes
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=3600.0)
+    events = [[node.next_event(slot) for slot in range(2)] for node in nodes[:1]] + [[nodes[1].next_event(0)]]
+    for slot in range(2):
+        nodes[0].result(slot, events[0][slot], True)
+    nodes[1].result(0, events[1][0], True)
+    outcome = running.result(30)
+    assert not outcome.ok
+    assert outcome.reason == "rank 3: are gone: their link to the relay closed (1 rank(s) of node 1: 3)"

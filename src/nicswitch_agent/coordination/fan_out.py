@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from nicswitch_agent.coordination import topology
-from nicswitch_agent.coordination.kv import KV
+from nicswitch_agent.coordination import node_link, topology
+from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.relay import NodeRelay
 from nicswitch_agent.coordination.topology import Layout
 
@@ -82,6 +82,11 @@ class RankFanOut:
         if self.group_relay is not None:
             role += " and its group"
         text = f"; node-local fan-out: node {node} of {layout.nodes}, {role}"
+        store = self.member_kv.store
+        if isinstance(store, node_link.NodeHub | node_link.NodeLink):
+            text += ", over the node link"
+        elif not isinstance(store, InProcessStore):
+            text += ", over a TCPStore"
         if layout.nodes_per_group:
             text += f"; group {node // layout.nodes_per_group} of {layout.groups}"
         return text

@@ -363,6 +363,7 @@ class Wake:
 
 
 WOKEN = "woken"  # what a Wake writes (a done key's value, or an entry of a queue of answers)
+GONE = "gone"  # what a wait for answers on the node link returns when a rank's link closed meanwhile
 
 
 def timed_out(exc: RuntimeError) -> bool:

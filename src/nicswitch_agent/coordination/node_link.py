@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
+import logging
 import math
 import os
 import secrets
@@ -49,8 +50,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from nicswitch_agent.coordination.kv import StoreTimeout
+from nicswitch_agent.coordination.kv import GONE, StoreTimeout
 
+logger = logging.getLogger("nicswitch_agent.coordination")
 T = TypeVar("T")
 Frame = tuple[int, str, bytes]  # (operation, key, value)
 SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
@@ -352,6 +354,8 @@ class NodeHub(_Copy):
         self._listener.setblocking(False)
         self._peers: dict[str, _Peer] = {}  # by the queue each reads
         self._local_queue = local_queue
+        self._gone: set[str] = set()  # the queues of ranks whose link closed (and did not come back)
+        self._gone_count = 0
         self._accept_lock = threading.Lock()
         self.address = f"{SCHEME}@{self._name}"
         self._shut = False
@@ -376,7 +380,29 @@ class NodeHub(_Copy):
     def _closed(self, peer: _Peer, why: str) -> None:
         if peer.queue is not None and self._peers.get(peer.queue) is peer:
             del self._peers[peer.queue]
+            self._gone.add(peer.queue)
+            self._gone_count += 1
+            self._cond.notify_all()
         peer.sock.close()
+
+    def gone_queues(self) -> frozenset[str]:
+        """The queues of the ranks whose link closed: their process is gone (a rank that dials
+        again is back)."""
+        with self._cond:
+            return frozenset(self._gone)
+
+    def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
+        """As a Store's; a wait for the ranks' answers also ends, with ``GONE``, when a rank's link
+        closes meanwhile, so the relay can stop waiting for a rank that will never answer."""
+        if not self._remote_queue(key):
+            return super().queue_pop_within(key, timeout_s)
+        seen, gone = self._gone_count, GONE.encode()
+
+        def take() -> bytes | None:
+            value = self._take(key)
+            return value if value is not None or self._gone_count == seen else gone
+
+        return self._wait_for(take, timeout_s)
 
     def _accept(self) -> None:
         """Take the ranks that dialled since the last look, each with its hello (sent right after
@@ -389,6 +415,9 @@ class NodeHub(_Copy):
                     return
                 except OSError:
                     return  # closed (stop)
+                if not self._same_user(sock):
+                    sock.close()
+                    continue
                 peer = _Peer(sock)
                 _bound_sends(sock)
                 hello, after = self._hello(peer)
@@ -400,12 +429,24 @@ class NodeHub(_Copy):
                     if old is not None:
                         old.sock.close()
                     self._peers[hello] = peer
+                    self._gone.discard(hello)
                     peer.queue = hello
                     self._queues.pop(hello, None)  # a reader starting now starts empty (queues.start)
                     if self._data:  # what is set now is in every copy
                         self._send(peer, b"".join(_frame(_SET, key, value) for key, value in self._data.items()))
                     self._receive(peer, after)
                     self._changed()  # the thread reading the sockets reads this one too from now on
+
+    @staticmethod
+    def _same_user(sock: socket.socket) -> bool:
+        """Whether the process that dialled runs as this one's user (SO_PEERCRED): an abstract
+        name can be dialled by any process of the network namespace, a rank is one of the job's."""
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                              struct.calcsize("3i")))
+        if uid == os.getuid():
+            return True
+        logger.warning("node link: refused a connection from uid %d (the job's ranks run as uid %d)", uid, os.getuid())
+        return False
 
     @staticmethod
     def _hello(peer: _Peer) -> tuple[str | None, list[Frame]]:

@@ -36,7 +36,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.kv import KV, WOKEN, Wake, timed_out
+from nicswitch_agent.coordination.kv import GONE, KV, WOKEN, Wake, timed_out
 
 logger = logging.getLogger("nicswitch_agent.coordination")
 
@@ -148,40 +148,66 @@ def answer_result(kv: KV, epoch: int, name: str, result: p.MemberResult, expecte
     p.publish_result(kv, epoch, name, result, expected)
 
 
+def gone(kv: KV, slots: int) -> set[int]:
+    """The slots whose rank is gone for good: its link to the node's relay closed (the node link
+    knows it at once, node_link.py; on a Store nobody knows, and a silent slot is waited for)."""
+    if not hasattr(type(kv.store), "gone_queues"):
+        return set()
+    names = kv.store.gone_queues()  # type: ignore[attr-defined]
+    return {slot for slot in range(slots) if kv.prefix + queue_name(slot) in names} if names else set()
+
+
+def _only_gone_left(kv: KV, slots: int, answered: set[int] | dict[int, Any]) -> bool:
+    """Every slot that has not answered is gone: waiting longer cannot complete the phase."""
+    left = set(range(slots)).difference(answered)
+    return bool(left) and left <= gone(kv, slots)
+
+
 def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wake | None) -> dict[int, dict[str, Any]]:
     """Queues only: the answers to a pause or target phase by slot, once every slot answered, or
-    what came before ``deadline`` (monotonic) or ``wake``."""
+    what came before ``deadline`` (monotonic), ``wake``, or the end of every slot left (gone)."""
     got: dict[int, dict[str, Any]] = {}
     for text in _popped(kv, answers(epoch, phase), deadline, wake):
+        if text == GONE:
+            if _only_gone_left(kv, slots, got):
+                break
+            continue
         try:
             answer = p.decode(text)
             got[int(answer["s"])] = answer
         except (ValueError, KeyError, TypeError):
             logger.error("ignoring a malformed answer to %s of epoch %d: %r", phase, epoch, text[:200])
             continue
-        if len(got) >= slots:
+        if len(got) >= slots or _only_gone_left(kv, slots, got):
             break
     return got
 
 
 def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: float,
-                     wake: Wake | None) -> Iterator[p.MemberResult]:
+                     wake: Wake | None, ranks: Sequence[int] = ()) -> Iterator[p.MemberResult]:
     """The results of order ``name`` in arrival order (messages.arriving_results on keys): on a
-    queue each as it arrives, until ``expected`` came, or ``deadline`` or ``wake``; the caller
-    stops at the first failure."""
+    queue each as it arrives, until ``expected`` came, or ``deadline`` or ``wake``, or every slot
+    left is gone (``ranks``: the slots' ranks, which the results name); the caller stops at the
+    first failure."""
     if not kv.queues:
         yield from p.arriving_results(kv, epoch, name, expected, deadline, wake)
         return
-    seen = 0
+    seen, answered = 0, set[int]()
+    slot_of = {rank: slot for slot, rank in enumerate(ranks)}
     for text in _popped(kv, answers(epoch, f"res/{name}"), deadline, wake):
+        if text == GONE:
+            if ranks and _only_gone_left(kv, expected, answered):
+                return
+            continue
         try:
             result = p.MemberResult.decode(text)
         except (ValueError, KeyError, TypeError):
             logger.error("ignoring a malformed result of order %s: %r", name, text[:200])
             continue
         seen += 1
+        answered.add(slot_of.get(result.rank, -1))
         yield result
-        if seen >= expected:
+        if seen >= expected or (ranks and _only_gone_left(kv, expected, answered)):
             return
 
 

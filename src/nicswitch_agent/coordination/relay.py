@@ -230,7 +230,8 @@ class NodeRelay:
             if len(got) < self.size:
                 self._left_unread(epoch, "c")
                 missing = [name for slot, name in enumerate(self._names) if slot not in got]
-                self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
+                self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}"
+                          f"{self._gone_note(got)}", missing)
                 return
             steps = [int(got[slot]["v"]) for slot in range(self.size)]
         else:
@@ -264,6 +265,8 @@ class NodeRelay:
             missing = [] if complete else self._missing(keys)
         if missing:
             reason = f"{self._slots_are} {_listed(missing)} did not park at step {target}"
+            if self.local.queues:
+                reason += self._gone_note(got)
             nostep = [self._names[slot] for slot in self._never_stepped(epoch)]
             if nostep:
                 reason += f"; step() was never called on {self._slots_are} {_listed(nostep)}"
@@ -280,7 +283,8 @@ class NodeRelay:
                               *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
         attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
-        for result in queues.arriving_results(self.local, epoch, name, self.size, deadline, self._wake):
+        for result in queues.arriving_results(self.local, epoch, name, self.size, deadline, self._wake,
+                                              ranks=self.ranks):
             seen += 1
             answered.add(result.rank)
             attempted = attempted or result.attempted
@@ -293,13 +297,22 @@ class NodeRelay:
         if seen < self.size:
             self._left_unread(epoch, f"res/{name}")
             silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
+            gone = queues.gone(self.local, self.size)
+            reason = "are gone: their link to the relay closed" if silent and set(silent) <= gone else \
+                "did not answer within the budget"
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
-                f"did not answer within the budget ({len(silent)} {self._slots_are} of {self._label}: "
+                f"{reason} ({len(silent)} {self._slots_are} of {self._label}: "
                 f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify), above)
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size, verify_s=verify_s), above)
+
+    def _gone_note(self, answered: dict[int, Any]) -> str:
+        """For a phase's failure: which of the silent slots are gone (the node link knows)."""
+        gone = sorted(queues.gone(self.local, self.size).difference(answered))
+        return f"; {self._slots_are} {_listed([self._names[slot] for slot in gone])} gone: their link to the " \
+               "relay closed (the process ended)" if gone else ""
 
     def _left_unread(self, epoch: int, phase: str) -> None:
         """A phase decided before every slot's answer was read: on queues, empty it at the release."""
