@@ -307,4 +307,4 @@ def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: An
     nodes[1].result(0, events[1][0], True)
     outcome = running.result(30)
     assert not outcome.ok
-    assert outcome.reason == "rank 3: are gone: their link to the relay closed (1 rank(s) of node 1: 3)"
+    assert outcome.reason == "rank 3: gone, the link to the relay closed (1 rank(s) of node 1: 3)"

@@ -298,7 +298,7 @@ class NodeRelay:
             self._left_unread(epoch, f"res/{name}")
             silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
             gone = queues.gone(self.local, self.size)
-            reason = "are gone: their link to the relay closed" if silent and set(silent) <= gone else \
+            reason = "gone, the link to the relay closed" if silent and set(silent) <= gone else \
                 "did not answer within the budget"
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
