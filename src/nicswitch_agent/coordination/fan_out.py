@@ -82,13 +82,13 @@ class RankFanOut:
         if self.group_relay is not None:
             role += " and its group"
         text = f"; node-local fan-out: node {node} of {layout.nodes}, {role}"
-        store = self.member_kv.store
-        if isinstance(store, node_link.NodeHub | node_link.NodeLink):
-            text += ", over the node link"
-        elif not isinstance(store, InProcessStore):
-            text += ", over a TCPStore"
         if layout.nodes_per_group:
             text += f"; group {node // layout.nodes_per_group} of {layout.groups}"
+        store = self.member_kv.store
+        if isinstance(store, node_link.NodeHub | node_link.NodeLink):
+            text += "; over the node link"
+        elif not isinstance(store, InProcessStore):
+            text += "; over a TCPStore"
         return text
 
 
