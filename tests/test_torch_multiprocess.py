@@ -388,7 +388,8 @@ def test_a_switch_mid_training_parks_checkpoints_switches_and_training_goes_on(
     assert all(not job.result(r)["agent"]["parked"] for r in ranks)
     if env is GROUPS:
         for rank, group in ((0, 0), (2, 1)):
-            assert f"relays for its node and its group; group {group} of 2" in job.log(rank), job.log(rank)[-2000:]
+            assert f"relays for its node and its group; group {group} of 2; over the node link" in job.log(rank), \
+                job.log(rank)[-2000:]
         assert "and its group" not in job.log(1) + job.log(3)
 
 
