@@ -24,7 +24,9 @@ nothing for a rank that it could lose by exiting. A rank that starts late gets w
 from then on (its queue starts empty, as :func:`queues.start` expects). The hub's process ending
 closes every rank's socket: each rank's next wait raises a RuntimeError (coordination lost) at
 once, where a Store client would find out at its next request. A rank's socket closing is the
-rank gone: the hub drops it and sends it nothing more.
+rank gone: the hub drops it, and a wait for the ranks' answers ends (``GONE``) so the relay need
+not wait out the phase for it (queues.gone). Only processes of the hub's own user may join
+(SO_PEERCRED), and a rank that does not read for SEND_TIMEOUT_S is dropped.
 
 The socket's name is in Linux's abstract namespace (no file to clean up; it lives and dies with
 the hub's socket), so ranks reach it from the same network namespace, as they reached the

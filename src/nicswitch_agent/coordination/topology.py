@@ -8,11 +8,12 @@ a member-only process that never needs it never loads it). A TCPStore is reached
 ``store_connect_timeout_s`` and a refused one says why (most often: the Store's host is out of
 file descriptors).
 
-With node-local fan-out (relay.py) local rank 0 of each node hosts the node-local Store (a
-TCPStore on 127.0.0.1, or an in-process one when the job's Store is in process: ranks as threads)
-and publishes its address on the job's Store; the node's other ranks wait for it at start. With
-groups of nodes (:class:`Layout`, fan_out.py) the local rank 0 of each group's first node also
-hosts the group's Store, on all interfaces, for the group's node relays.
+With node-local fan-out (relay.py) local rank 0 of each node hosts the node-local Store (the
+node link, node_link.py; with ``node_transport`` ``store`` a TCPStore; an in-process one when the
+job's Store is in process: ranks as threads) and publishes its address on the job's Store; the
+node's other ranks wait for it at start. With groups of nodes (:class:`Layout`, fan_out.py) the
+local rank 0 of each group's first node also hosts the group's Store, on all interfaces, for the
+group's node relays.
 """
 
 from __future__ import annotations
