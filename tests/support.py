@@ -8,6 +8,7 @@ neither grpc nor torch when imported, so any test may use it.
 
 from __future__ import annotations
 
+import datetime
 import json
 import queue
 import re
@@ -264,3 +265,12 @@ class StreamWatch:
         self._stop.set()
         self._thread.join(5)
         return dict(self.max_open)
+
+
+def tcp_store(timeout_s: float = 10.0) -> Any:
+    """A torch TCPStore server (libuv) on an ephemeral port of 127.0.0.1; skips the test without torch."""
+    import pytest
+
+    torch_distributed = pytest.importorskip("torch.distributed")
+    return torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s),
+                                      wait_for_workers=False)

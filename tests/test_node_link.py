@@ -10,7 +10,6 @@ lost at once for its ranks, after what it sent them; a rank that dies or stops r
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
@@ -216,10 +215,7 @@ def test_a_rank_that_stops_reading_is_dropped_once_a_send_to_it_cannot_finish(
 
 
 def test_the_node_store_is_the_link_on_linux_and_a_tcpstore_when_asked() -> None:
-    torch_distributed = pytest.importorskip("torch.distributed")
-    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                                        wait_for_workers=False)
-    job = KV(server, PREFIX)
+    job = KV(support.tcp_store(), PREFIX)
     hosted, hub = topology.node_kv(job, 0, 0, 10.0, 2)
     joined, kept = topology.node_kv(job, 0, 1, 10.0, 2, transport="store")  # follows its host
     assert isinstance(hub, NodeHub) and isinstance(kept, NodeLink) and hosted.queues and joined.queues
@@ -257,11 +253,9 @@ def test_a_thread_blocked_reading_wakes_when_another_thread_changes_the_copy(hub
 def test_a_tcpstore_client_is_not_taken_for_a_store_with_the_links_calls() -> None:
     """fd_budget.StoreClient answers any attribute (it forwards to torch's client): the KV must
     ask the type, or it calls the link's ``queue_pop_within``/``delete_keys`` on a TCPStore."""
-    torch_distributed = pytest.importorskip("torch.distributed")
     from nicswitch_agent.coordination.fd_budget import StoreClient
 
-    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                                        wait_for_workers=False, use_libuv=True)
+    server = support.tcp_store()
     kv = KV(StoreClient("127.0.0.1", server.port, 10.0, 1, libuv=True), PREFIX, queues=True)
     kv.push("q/1", "an event")
     assert kv.pop("q/1", 5.0) == "an event"
@@ -298,12 +292,9 @@ def test_the_link_works_in_a_process_holding_more_than_1024_descriptors(hub: Nod
 def test_a_rank_that_finds_a_gone_hubs_address_dials_its_successor_or_says_so() -> None:
     """Under a launcher the keys outlive a restart: a restarting rank may read the address of its
     node's previous hub before the new one is published."""
-    torch_distributed = pytest.importorskip("torch.distributed")
     from nicswitch_agent.coordination.messages import node_store_key
 
-    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                                        wait_for_workers=False)
-    job = KV(server, PREFIX)
+    job = KV(support.tcp_store(), PREFIX)
     gone, successor = NodeHub(), NodeHub()
     job.set(node_store_key(0), gone.address)
     gone.close()

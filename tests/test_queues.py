@@ -8,7 +8,6 @@ published before it, and the hosted Stores (and only they) say they have queues.
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import pytest
@@ -159,10 +158,7 @@ def test_a_relays_stop_never_loses_the_release_it_has_not_passed_on_yet(on_queue
 
 
 def test_the_node_and_group_stores_the_agent_hosts_have_queues_and_the_job_store_keeps_keys() -> None:
-    torch_distributed = pytest.importorskip("torch.distributed")
-    server = torch_distributed.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=10),
-                                        wait_for_workers=False)
-    job = KV(server, PREFIX)
+    job = KV(support.tcp_store(), PREFIX)
     hosted, keep = topology.node_kv(job, 0, 0, 10.0, 2)
     joined, _ = topology.node_kv(job, 0, 1, 10.0, 2)
     group, keep_group = topology.group_kv(job, 0, 2, hosts=True, timeout_s=10.0)
