@@ -339,3 +339,31 @@ def test_a_stop_that_cuts_an_order_or_a_pause_short_says_so_not_that_the_budget_
     threading.Timer(0.05, alone.wake).start()
     pause = alone.pause(60)
     assert not pause.ok and pause.reason.startswith("the agent stopped before the pause completed ("), pause.reason
+
+
+def test_a_member_thread_that_fails_unexpectedly_lets_training_go_on_and_says_why() -> None:
+    """Safety net: an error no handler foresaw (a bug, not a lost Store) must not end the member
+    thread silently with training parked, waiting for a word nobody will read."""
+
+    class Broken(InProcessStore):
+        armed = False
+
+        def delete_key(self, key: str) -> bool:
+            if self.armed:
+                raise TypeError("a bug in the member's bookkeeping")
+            return super().delete_key(key)
+
+    store = Broken()
+    rank = _Rank(store, switch_ok=True)
+    leader = Coordinator(KV(store, "t"), 1)
+    try:
+        assert leader.pause(30).ok
+        assert support.wait_until(lambda: rank.lot.parked, 10)
+        store.armed = True  # the order is answered, then the member's delete of its queue key fails
+        assert leader.run(SwitchOrder(seq=3, job_id="j", ranks=(0,), ops=(True,)), kind=p.KIND_SWITCH, budget_s=10).ok
+        assert support.wait_until(lambda: bool(rank.member.lost), 10)
+        assert "TypeError: a bug in the member's bookkeeping" in rank.member.lost
+        assert support.wait_until(lambda: not rank.lot.parked, 10)
+        assert support.wait_until(lambda: not rank.member.running, 10)
+    finally:
+        rank.member.stop()

@@ -308,3 +308,63 @@ def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: An
     outcome = running.result(30)
     assert not outcome.ok
     assert outcome.reason == "rank 3: gone, the link to the relay closed (1 rank(s) of node 1: 3)"
+
+
+_STORE_SERVER = """\
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.parametrize("way", ["queues", "link"])
+def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> None:
+    """The job's Store is gone (its host died): the node's members, which read only the node's
+    Store, hear it from their relay at once and let training go on, as flat members do; parked,
+    they would otherwise wait out max_parked_s (30 min)."""
+    import datetime
+    import subprocess
+    import sys
+
+    from nicswitch_agent.coordination import Member, MemberHooks
+    from nicswitch_agent.coordination.parking import ParkingLot
+
+    dist = pytest.importorskip("torch.distributed")
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    started: list[int] = []
+    relay: NodeRelay | None = None
+    members: list[Member] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+
+        def job_kv() -> KV:
+            return KV(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)), PREFIX)
+
+        hub = NodeHub() if way == "link" else InProcessStore()
+        local = KV(hub, PREFIX, queues=True)
+        views = [local, KV(NodeLink(hub.address, local.prefix + queues.queue_name(1), 5.0), PREFIX, queues=True)
+                 if isinstance(hub, NodeHub) else local]
+        relay = NodeRelay(job_kv(), job_kv(), local, 0, [0, 1], stop_timeout_s=2.0, local_wake=local)
+        hooks = MemberHooks(switch_hook=None, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
+                            dry_run=False)
+        members = [Member(views[slot], slot, ParkingLot(), hooks, lambda: 1, slot=slot,
+                          on_started=lambda slot=slot: started.append(slot)) for slot in range(2)]
+        for member in members:
+            member.start()
+        relay.start()
+        assert support.wait_until(lambda: len(started) == 2, 20)  # both read their queue: they will see the event
+        server.kill()
+        server.wait(10)
+        assert support.wait_until(lambda: all(member.lost for member in members), 20)
+        for member in members:
+            assert member.lost.startswith("LevelLost: the relay of node 0 lost the Store above it: "), member.lost
+        assert relay.lost and not relay.running
+    finally:
+        server.kill()
+        for member in members:
+            member.stop()
+        if relay is not None:
+            relay.stop()

@@ -176,6 +176,13 @@ class Member:
     # -- the loop ----------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as exc:  # a bug or an error nobody foresaw: never leave training parked, silently
+            logger.exception("rank %d: the member thread failed", self.rank)
+            self._coordination_lost(f"the member thread failed: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
         kv = self.kv
         try:
             self._next = queues.start(kv, self.slot)  # joining a leader that already published: after it
@@ -288,6 +295,8 @@ class Member:
             stop = message.get("stop")
             if released is not None or stop:
                 self.lot.release(stop_reason=str(stop) if stop else None)
+        elif kind == p.LOST:
+            raise p.LevelLost(str(message.get("why", "the relay above lost its Store")))
         else:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 

@@ -100,7 +100,14 @@ KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 # The second round of a switch, once the switch hook succeeded on every rank: an order event of its
 # own (its own result keys), so relays forward and aggregate it as they do any order.
 KIND_VERIFY = "verify"
+# A relay that lost the level above (its Store gone, or its thread failed) tells the level below, so
+# that a parked rank lets training go on at once, as a rank that loses its own Store does.
+LOST = "lost"
 GO_SLACK_S = 5.0  # a go key is awaited this much past the switch's budget (the leader waits 2 s past it)
+
+
+class LevelLost(RuntimeError):
+    """The level above this one is lost (a relay's ``LOST`` event): raised where a lost Store is."""
 
 
 def order_name(message: dict[str, Any]) -> str:

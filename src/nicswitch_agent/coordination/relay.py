@@ -130,36 +130,55 @@ class NodeRelay:
 
     def _run(self) -> None:
         try:
-            self._next = queues.start(self.job, self.node)  # joining a leader that already published
-            while not self._stop.is_set():
-                n = self._next
-                text = queues.read(self.job, self.node, n, IDLE_WAIT_S)
-                if text is None:
-                    continue
-                self._next += 1
-                try:
-                    message = p.decode(text)
-                except ValueError as exc:
-                    queues.done(self.job, self.node, n)
-                    logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
-                    continue
-                if message["t"] == p.WAKE:
-                    queues.done(self.job, self.node, n)
-                    continue
-                self._relay(message, text)
-                self.events_relayed += 1
-                # The key goes once the event is relayed and answered (off the phase's critical
-                # path). Training must stop: the key (what the leader waits on before its process
-                # may end, and the Store with it) goes only once the slots have taken the stop.
-                # (On a queue the event left it when it was read: the leader above waits for that.)
-                if message["t"] == p.RELEASE and message.get("stop") is not None:
-                    queues.untaken(self.local, range(self.size), self._local_n,
-                                   time.monotonic() + self._stop_timeout_s, self._stop)
-                queues.done(self.job, self.node, n)
-        except RuntimeError as exc:  # DistNetworkError and friends: a Store is gone
+            self._loop()
+        except Exception as exc:  # RuntimeError: DistNetworkError and friends, a Store is gone; else a bug
             self.lost = f"{type(exc).__name__}: {exc}"
-            if not self._stop.is_set():
+            if self._stop.is_set():
+                return
+            if isinstance(exc, RuntimeError):
                 logger.error("%s: coordination store lost (%s); switches cannot run there", self._label, self.lost)
+            else:
+                logger.exception("%s: the relay thread failed; switches cannot run there", self._label)
+            self._tell_below(self.lost)
+
+    def _tell_below(self, why: str) -> None:
+        """The level below hears of the loss at once: its parked ranks let training go on (each
+        says why), as ranks do that lose their own Store, instead of waiting out ``max_parked_s``."""
+        try:
+            why = f"the relay of {self._label} lost the Store above it: {why}"
+            self._publish_local(p.encode({"t": p.LOST, "why": why}))
+        except Exception:  # the Store below is gone too: its readers see that themselves
+            logger.debug("%s: could not tell the level below", self._label, exc_info=True)
+
+    def _loop(self) -> None:
+        self._next = queues.start(self.job, self.node)  # joining a leader that already published
+        while not self._stop.is_set():
+            n = self._next
+            text = queues.read(self.job, self.node, n, IDLE_WAIT_S)
+            if text is None:
+                continue
+            self._next += 1
+            try:
+                message = p.decode(text)
+            except ValueError as exc:
+                queues.done(self.job, self.node, n)
+                logger.error("%s: ignoring a malformed coordination message: %s", self._label, exc)
+                continue
+            if message["t"] == p.WAKE:
+                queues.done(self.job, self.node, n)
+                continue
+            if message["t"] == p.LOST:  # the group relay above lost the job's Store: so did this level
+                raise p.LevelLost(str(message.get("why", "the relay above lost its Store")))
+            self._relay(message, text)
+            self.events_relayed += 1
+            # The key goes once the event is relayed and answered (off the phase's critical
+            # path). Training must stop: the key (what the leader waits on before its process
+            # may end, and the Store with it) goes only once the slots have taken the stop.
+            # (On a queue the event left it when it was read: the leader above waits for that.)
+            if message["t"] == p.RELEASE and message.get("stop") is not None:
+                queues.untaken(self.local, range(self.size), self._local_n,
+                               time.monotonic() + self._stop_timeout_s, self._stop)
+            queues.done(self.job, self.node, n)
 
     def _relay(self, message: dict[str, Any], text: str) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
