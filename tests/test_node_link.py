@@ -336,3 +336,28 @@ def test_a_process_of_another_user_cannot_join_the_node(hub: NodeHub) -> None:
     rank = link(hub, 1)  # the job's own user is let in
     assert hub.ranks_connected == 1
     del rank
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses (hex, as /proc/net/tcp{,6} spell them) listening on ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                local, state = line.split()[1], line.split()[3]
+                address, _, hex_port = local.partition(":")
+                if state == "0A" and int(hex_port, 16) == port:
+                    found.add(address)
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's socket tables")
+def test_a_node_tcpstore_listens_on_127_0_0_1_only() -> None:
+    """torch binds a TCPStore server on every interface whatever host it is given; a node's Store
+    is the node's alone (docs/security.md)."""
+    job = KV(support.tcp_store(), PREFIX)
+    stored, server = topology.node_kv(job, 0, 0, 10.0, 2, transport="store")
+    assert _listening_addresses(server.port) == {"0100007F"}  # 127.0.0.1, and nothing else
+    joined, _ = topology.node_kv(job, 0, 1, 10.0, 2, transport="store")
+    stored.push("q/1", "over 127.0.0.1")
+    assert joined.pop("q/1", 5.0) == "over 127.0.0.1"

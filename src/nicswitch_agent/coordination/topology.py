@@ -290,7 +290,11 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
         from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
         timeout = datetime.timedelta(seconds=max(timeout_s, 30.0))
-        server: Any = TCPStore(listen, 0, None, True, timeout, wait_for_workers=False, use_libuv=True)
+        # torch binds a server on every interface whatever host it is given; a node's Store is
+        # for the node alone, so it gets a socket bound to 127.0.0.1 (the server owns the fd).
+        fd, bound = _loopback_listener() if listen == "127.0.0.1" else (None, 0)
+        server: Any = TCPStore(listen, bound, None, True, timeout, wait_for_workers=False, use_libuv=True,
+                               master_listen_fd=fd)
         kv.set(key, f"{advertise()}:{server.port}")
         return KV(server, kv.prefix, queues=True), server
     if kv.poll_all([key], time.monotonic() + timeout_s, interval_s=0.01, max_interval_s=0.2):
@@ -307,6 +311,19 @@ def _hosted_or_joined(kv: KV, key: str, index: int, *, hosts: bool, listen: str,
     # must not be the first to dial a host that may be gone by then.
     return KV(fd_budget.StoreClient(host.strip("[]"), int(port), max(timeout_s, 30.0), clients, connect=True,
                                     libuv=True), kv.prefix, queues=True), None
+
+
+def _loopback_listener() -> tuple[int, int]:
+    """A listening TCP socket on 127.0.0.1 (an ephemeral port), detached for TCPStore: (fd, port)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(socket.SOMAXCONN)
+        port = int(sock.getsockname()[1])
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach(), port
 
 
 def _dial(kv: KV, key: str, address: str, queue: str, deadline: float, timeout_s: float) -> node_link.NodeLink:
