@@ -267,15 +267,17 @@ def linked() -> Iterator[tuple[Coordinator, list[Node], ThreadPoolExecutor]]:
     for node in nodes:
         node.relay.start()
     pool = ThreadPoolExecutor(2)
-    yield Coordinator(KV(store, PREFIX), 2, ranks_per_node=2), nodes, pool
+    leader = Coordinator(KV(store, PREFIX), 2, ranks_per_node=2)
+    yield leader, nodes, pool
+    leader.wake()  # a wait a failed test left behind ends now, not in an hour
     pool.shutdown(wait=False, cancel_futures=True)
     for node in nodes:
         node.relay.stop()
 
 
-def test_a_rank_gone_during_the_pause_makes_its_relay_say_why_at_once(linked: Any) -> None:
-    """The relay stops waiting for a rank whose link closed and writes why (the leader, which has
-    no early failure for a pause, reads it when its own time is up: that wait is its timeout)."""
+def test_a_rank_gone_during_the_pause_fails_the_pause_at_once_naming_the_rank(linked: Any) -> None:
+    """The relay stops waiting for a rank whose link closed, writes why, and ends the leader's
+    wait (queues.fail_early): the pause fails now, not at its timeout (an hour here)."""
     leader, nodes, pool = linked
     pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
     epoch = 0
@@ -293,8 +295,28 @@ def test_a_rank_gone_during_the_pause_makes_its_relay_say_why_at_once(linked: An
     assert support.wait_until(lambda: job.check([p.why_key(epoch, 1)]), 20)  # not the hour
     assert job.get(p.why_key(epoch, 1)) == ("no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to "
                                              "the relay closed (the process ended)")
-    leader.wake()
-    assert not pausing.result(20).ok
+    outcome = pausing.result(20)
+    assert not outcome.ok
+    assert outcome.reason == ("node 1: no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to the relay "
+                              "closed (the process ended)")
+
+
+def test_a_rank_gone_before_it_parked_fails_the_pause_at_once_naming_the_rank(linked: Any) -> None:
+    leader, nodes, pool = linked
+    pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
+    for node in nodes:
+        for slot in range(2):
+            node.completed(slot, int(node.next_event(slot)["e"]), 10)
+    for node in nodes:
+        for slot, rank in enumerate(node.ranks):
+            event = node.next_event(slot)
+            assert event["t"] == p.TARGET and event["S"] == 11
+            if rank != 3:
+                node.parked(slot, int(event["e"]), 11)
+    nodes[1].views[1].store.close()  # rank 3's process ends before it parked
+    outcome = pausing.result(20)
+    assert not outcome.ok
+    assert outcome.reason.startswith("node 1: rank(s) 3 did not park at step 11"), outcome.reason
 
 
 def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: Any) -> None:
@@ -368,3 +390,32 @@ def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> 
             member.stop()
         if relay is not None:
             relay.stop()
+
+
+def test_a_node_relays_early_failure_reaches_the_leader_through_its_group_relay() -> None:
+    """A node relay that knows its pause cannot complete says so on its group's Store
+    (queues.fail_early); the group relay passes it on at once, with the node's why."""
+    from nicswitch_agent.coordination.topology import Layout
+
+    store = InProcessStore()
+    group = KV(InProcessStore(), PREFIX, queues=True)  # the group's Store; its two node relays played here
+    relay = NodeRelay(KV(store, PREFIX), KV(store, PREFIX), group, 0, [0, 2], stop_timeout_s=2.0, local_wake=group,
+                      names=["0 (ranks 0-1)", "1 (ranks 2-3)"], label="group 0")
+    relay.start()
+    leader = Coordinator(KV(store, PREFIX), 1, layout=Layout(4, 2, 2))
+    pool = ThreadPoolExecutor(1)
+    try:
+        pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
+        events = [p.decode(queues.read(group, slot, 1, 10.0) or "") for slot in range(2)]
+        epoch = int(events[0]["e"])
+        queues.answer_pause(group, epoch, 0, 10, int(events[0]["n"]))
+        group.set(p.why_key(epoch, 1), "no answer to the pause from rank(s) 3; rank(s) 3 gone")
+        queues.fail_early(group, epoch, "c", 1)
+        outcome = pausing.result(20)
+        assert not outcome.ok
+        assert outcome.reason == ("group 0: no answer to the pause from node(s) 1 (ranks 2-3) (node 1 (ranks 2-3): "
+                                  "no answer to the pause from rank(s) 3; rank(s) 3 gone)")
+    finally:
+        leader.wake()
+        pool.shutdown(wait=False, cancel_futures=True)
+        relay.stop()

@@ -36,12 +36,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.kv import GONE, KV, WOKEN, Wake, timed_out
+from nicswitch_agent.coordination.kv import GONE, KV, WOKEN, Wake, done_key, timed_out
 
 logger = logging.getLogger("nicswitch_agent.coordination")
 
 WAKE = p.encode({"t": p.WAKE})
 ANSWER = "a"  # an answer to a pause or target on a queue: {"t": "a", "s": slot, "v": step [, "nostep": 1]}
+# ... or a relay's word that it cannot answer, for good (fail_early): {"t": "a", "s": slot, "fail": 1}
 
 
 def queue_name(reader: int) -> str:
@@ -141,6 +142,17 @@ def answer_parked(kv: KV, epoch: int, slot: int, step: int | None, expected: int
     kv.arrive(p.parked_counter_key(epoch), expected)
 
 
+def fail_early(kv: KV, epoch: int, phase: str, slot: int) -> None:
+    """Slot ``slot`` (a relay) cannot answer phase ``phase`` (``c`` or ``parked``) of ``epoch``,
+    for good (a rank below is gone, or a relay below said so): end its waiter's wait now rather
+    than at its deadline. After the relay's why: the waiter reads it once woken. On keys the
+    waiter blocks on the counter's done key (kv.wait_count), set here with no count in it."""
+    if kv.queues:
+        kv.push(answers(epoch, phase), p.encode({"t": ANSWER, "s": slot, "fail": 1}))
+        return
+    kv.set(done_key(p.c_counter_key(epoch) if phase == "c" else p.parked_counter_key(epoch)), "failed")
+
+
 def answer_result(kv: KV, epoch: int, name: str, result: p.MemberResult, expected: int | None) -> None:
     if kv.queues:
         kv.push(answers(epoch, f"res/{name}"), result.encode())
@@ -165,7 +177,8 @@ def _only_gone_left(kv: KV, slots: int, answered: set[int] | dict[int, Any]) -> 
 
 def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wake | None) -> dict[int, dict[str, Any]]:
     """Queues only: the answers to a pause or target phase by slot, once every slot answered, or
-    what came before ``deadline`` (monotonic), ``wake``, or the end of every slot left (gone)."""
+    what came before ``deadline`` (monotonic), ``wake``, a slot's word that it cannot answer
+    (:func:`fail_early`), or the end of every slot left (gone)."""
     got: dict[int, dict[str, Any]] = {}
     for text in _popped(kv, answers(epoch, phase), deadline, wake):
         if text == GONE:
@@ -174,10 +187,14 @@ def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wa
             continue
         try:
             answer = p.decode(text)
-            got[int(answer["s"])] = answer
+            slot = int(answer["s"])
         except (ValueError, KeyError, TypeError):
             logger.error("ignoring a malformed answer to %s of epoch %d: %r", phase, epoch, text[:200])
             continue
+        if answer.get("fail"):  # the phase cannot complete: no use waiting for the others
+            got.pop(slot, None)
+            break
+        got[slot] = answer
         if len(got) >= slots or _only_gone_left(kv, slots, got):
             break
     return got

@@ -251,6 +251,7 @@ class NodeRelay:
                 missing = [name for slot, name in enumerate(self._names) if slot not in got]
                 self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}"
                           f"{self._gone_note(got)}", missing)
+                self._fail_early(epoch, "c", deadline)
                 return
             steps = [int(got[slot]["v"]) for slot in range(self.size)]
         else:
@@ -261,6 +262,7 @@ class NodeRelay:
                 missing = self._missing(keys)
                 self._garbage += [p.nostep_key(epoch, slot) for slot in range(self.size)]
                 self._why(epoch, f"no answer to the pause from {self._slots_are} {_listed(missing)}", missing)
+                self._fail_early(epoch, "c", deadline)
                 return
             steps = [int(v) for v in self.local.get_many(keys)]
             # A rank whose step() was never called says 0 (and sets its nostep key): only then look,
@@ -290,6 +292,7 @@ class NodeRelay:
             if nostep:
                 reason += f"; step() was never called on {self._slots_are} {_listed(nostep)}"
             self._why(epoch, reason, missing)
+            self._fail_early(epoch, "parked", deadline)
             return
         queues.answer_parked(self.job, epoch, self.node, target, above)
 
@@ -353,6 +356,12 @@ class NodeRelay:
             reason += " (" + "; ".join(said[:8]) + (f"; +{len(said) - 8} more" if len(said) > 8 else "") + ")"
         logger.warning("%s: %s", self._label, reason)
         self.job.set(p.why_key(epoch, self.node), reason)
+
+    def _fail_early(self, epoch: int, phase: str, deadline: float) -> None:
+        """The phase failed before its deadline (a rank of this node gone, or a relay below gave
+        up): the level above need not wait out its timeout for an answer that cannot come."""
+        if time.monotonic() < deadline and not self._stop.is_set():
+            queues.fail_early(self.job, epoch, phase, self.node)
 
     def _never_stepped(self, epoch: int) -> list[int]:
         """The slots whose step() had never been called when the pause came (all ranks of a node)."""
