@@ -91,8 +91,10 @@ class ThreadJob:
     for the all-reduce); the agents coordinate through an in-process store."""
 
     def __init__(self, world: int, timeline: Timeline, workdir: str, job_id: str = JOB_ID,
-                 leader_listener: Callable[[AgentEvent], None] | None = None, events_file: str | None = None) -> None:
+                 leader_listener: Callable[[AgentEvent], None] | None = None, events_file: str | None = None,
+                 step_interval_s: float = STEP_INTERVAL_S) -> None:
         self.world = world
+        self.step_interval_s = step_interval_s
         self.events_file = events_file
         self.job_id = job_id
         self.leader_listener = leader_listener
@@ -137,7 +139,7 @@ class ThreadJob:
         """A rank's training loop: compute, meet the others (the all-reduce), mark the step boundary."""
         step = 0
         try:
-            while not self._stop.wait(STEP_INTERVAL_S):
+            while not self._stop.wait(self.step_interval_s):
                 self._collective.wait()
                 step += 1
                 rank.agent.step(step)
@@ -354,6 +356,11 @@ def _wait_streams(sim: Simulator, timeout: float = 10.0) -> None:
 
 # Set by --background for the child it starts; not NICSWITCH_-prefixed, as it is no setting.
 READY_FD_ENV = "_NICSWITCH_DEMO_READY_FD"
+# A step of the joined job (--server): longer than the embedded demo's, as a small training job's. A
+# switch waits for a step boundary, so it lasts about a step; ClusterD accepts an operator's
+# result stream only while a switch runs and keeps no result, so a 20 ms switch can end before a
+# `switch` command on a busy machine has subscribed, losing the result to it (docs/quickstart.md).
+JOINED_STEP_INTERVAL_S = 0.1
 FINISH_GRACE_S = 5.0  # after the last switch: how long to wait for ClusterD to end it (see run_job)
 
 
@@ -441,7 +448,8 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     try:
         wakeup.append(SignalWakeup())
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir:
-            job = ThreadJob(ranks, Timeline(), workdir, job_id=job_id, leader_listener=on_event)
+            job = ThreadJob(ranks, Timeline(), workdir, job_id=job_id, leader_listener=on_event,
+                            step_interval_s=JOINED_STEP_INTERVAL_S)
             job.start(server)
             try:
                 wakeup[0].wait(woken.is_set, max(0.0, deadline - time.monotonic()))
@@ -454,8 +462,8 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                           f"within {timeout_s:g} s", file=sys.stderr)
                     return EXIT_FAILED
                 until = f"{switches} switch(es)" if switches else "SIGINT/SIGTERM"
-                out.write(f"job {job_id}: {_count(ranks, 'rank')} registered with ClusterD at {server}; "
-                          f"waiting for switches (runs until {until})\n")
+                out.write(f"job {job_id}: {_count(ranks, 'rank')} registered with ClusterD at {server} (a step "
+                          f"every {JOINED_STEP_INTERVAL_S * 1000:.0f} ms); waiting for switches (runs until {until})\n")
                 out.flush()
                 _signal_ready()
                 # --switches 0 runs until a signal: --timeout bounded only the registration.
