@@ -44,13 +44,16 @@ def test_demo_processes_every_rank_parks_at_the_same_step_and_switches() -> None
     # A launcher's or a job's settings in this shell must not leak into the demo's ranks (it scrubs
     # them too; this keeps the test independent of that).
     env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUB)}
-    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--processes", "--ranks", str(WORLD)],
-                            capture_output=True, text=True, timeout=150, env=env, check=False)
+    result = subprocess.run([sys.executable, "-m", "nicswitch_agent", "demo", "--processes", "--ranks", str(WORLD),
+                             "-v"], capture_output=True, text=True, timeout=150, env=env, check=False)
     out = result.stdout
     print(out, result.stderr)
     assert result.returncode == 0, out + result.stderr
     assert out.rstrip().endswith("demo succeeded")
     assert "2 nodes x 2 devices = 4 ranks (processes: torch.distributed with gloo" in out
+    # The ranks' start lines (-v): two nodes, as in a job of several hosts, each with its relay.
+    assert "rank 3 of 4, job=demo-job, leader=rank0; node-local fan-out: node 1 of 2, local rank 1; over the " \
+           "node link" in result.stderr, result.stderr
     lines = timeline(out)
 
     # Real processes: one pid per rank, none of them the demo's.

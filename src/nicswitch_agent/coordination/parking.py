@@ -194,8 +194,8 @@ class ParkingLot:
             if self._aligned and self._target is None and not self._withdrawn(epoch):
                 if not self._wait_for(lambda: self._target is not None or self._withdrawn(epoch)
                                       or self.request_epoch != epoch, self._align_timeout_s):
-                    logger.error("%sno target step for pause #%d within %.0f s (leader lost?); training goes on",
-                                 self._who(), epoch, self._align_timeout_s)
+                    logger.error("%sno target step for pause #%d within %.0f s (the pause failed, or the leader is "
+                                 "gone); training goes on", self._who(), epoch, self._align_timeout_s)
                     self._cancelled_epoch = max(self._cancelled_epoch, epoch)
                 epoch = self.request_epoch
             if self._withdrawn(epoch):

@@ -50,6 +50,7 @@ from nicswitch_agent.demo.common import (
     Progress,
     RankSummary,
     Timeline,
+    job_nodes,
     timeline_event,
 )
 from nicswitch_agent.demo.quiet import quiet_grpc
@@ -135,6 +136,9 @@ class ProcessJob:
             "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # a tiny model: threads would only compete
         })
         quiet_grpc(env)  # the ranks' gRPC core lines would land on the terminal with -v (the command sets it too)
+        # The job's nodes as the simulator lists them (demo/common.py): with two, each node's first
+        # rank relays for its node over the node link, as in a job of several hosts.
+        env["LOCAL_WORLD_SIZE"] = str(len(next(iter(job_nodes(self.world).values()))))
         for r in range(self.world):
             command = [sys.executable, "-m", "nicswitch_agent.demo.processes", "--rank", str(r),
                        "--world-size", str(self.world), "--server", address, "--job-id", JOB_ID,
