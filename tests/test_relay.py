@@ -419,3 +419,59 @@ def test_a_node_relays_early_failure_reaches_the_leader_through_its_group_relay(
         leader.wake()
         pool.shutdown(wait=False, cancel_futures=True)
         relay.stop()
+
+
+def test_a_group_relay_that_loses_the_jobs_store_tells_every_rank_of_its_group_through_the_node_relays() -> None:
+    """Two levels: the group relay tells its node relays, each of which is then lost too and tells
+    its ranks, naming the whole chain."""
+    import datetime
+    import subprocess
+    import sys
+
+    from nicswitch_agent.coordination import Member, MemberHooks
+    from nicswitch_agent.coordination.parking import ParkingLot
+
+    dist = pytest.importorskip("torch.distributed")
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    started: list[int] = []
+    relays: list[NodeRelay] = []
+    members: list[Member] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+
+        def job_kv() -> KV:
+            return KV(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)), PREFIX)
+
+        group = KV(InProcessStore(), PREFIX, queues=True)
+        nodes = [KV(InProcessStore(), PREFIX, queues=True) for _ in range(2)]
+        relays.append(NodeRelay(job_kv(), job_kv(), group, 0, [0, 2], stop_timeout_s=2.0, local_wake=group,
+                                names=["0 (ranks 0-1)", "1 (ranks 2-3)"], label="group 0"))
+        relays += [NodeRelay(group, group, nodes[n], n, [2 * n, 2 * n + 1], stop_timeout_s=2.0, local_wake=nodes[n],
+                             label=f"node {n}") for n in range(2)]
+        hooks = MemberHooks(switch_hook=None, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
+                            dry_run=False)
+        members = [Member(nodes[rank // 2], rank, ParkingLot(), hooks, lambda: 1, slot=rank % 2,
+                          on_started=lambda rank=rank: started.append(rank)) for rank in range(4)]
+        for member in members:
+            member.start()
+        assert support.wait_until(lambda: len(started) == 4, 20)
+        for relay in relays[1:]:
+            relay.start()
+        for n in range(2):  # a wake taken (or dropped by its start): the node relay reads its queue from now on
+            queues.wake(group, n, 1, keep_event=True)
+        assert support.wait_until(lambda: all(group.queued(queues.queue_name(n)) == 0 for n in range(2)), 20)
+        relays[0].start()
+        server.kill()
+        server.wait(10)
+        assert support.wait_until(lambda: all(member.lost for member in members), 20)
+        for member in members:
+            assert member.lost.startswith(f"LevelLost: the relay of node {member.rank // 2} lost the Store above it: "
+                                          "LevelLost: the relay of group 0 lost the Store above it: "), member.lost
+        assert all(relay.lost and not relay.running for relay in relays)
+    finally:
+        server.kill()
+        for member in members:
+            member.stop()
+        for relay in relays:
+            relay.stop()
