@@ -13,11 +13,12 @@ import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+import support
 
 from nicswitch_agent.coordination import KV, Coordinator, Member, MemberHooks
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.joining import join
-from nicswitch_agent.coordination.leader import RunOutcome
+from nicswitch_agent.coordination.leader import PauseOutcome, RunOutcome
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.orders import SwitchOrder
 
@@ -111,3 +112,48 @@ def test_a_first_start_fails_nothing_even_with_an_order_in_flight(kv: KV) -> Non
     kv.set(p.IN_FLIGHT, p.encode({"e": 1, "key": "1.1.switch", "n": 2}))
     assert join(kv, 0, 100) is None
     assert not kv.check([p.result_counter_key(1, "1.1.switch")])
+
+
+def _pausing(job: Job) -> tuple[threading.Thread, list[PauseOutcome]]:
+    outcome: list[PauseOutcome] = []
+    pausing = threading.Thread(target=lambda: outcome.append(job.coordinator.pause(BUDGET_S)), daemon=True)
+    pausing.start()
+    return pausing, outcome
+
+
+def test_a_rank_restarted_before_it_answered_the_pause_fails_it_at_once(kv: KV) -> None:
+    """The pause's events went before the new process took its queue position: it will never park
+    in that pause, and the old one never answers. Without a word the leader waits out
+    pause_timeout_s (five minutes by default) with ClusterD answering "busy"."""
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        job.start_rank(1, 101, lambda order: True).stop()  # the process that dies, silent from now on
+        pausing, outcome = _pausing(job)
+        assert support.wait_until(lambda: kv.check([p.c_key(1, 0)]), 10)  # rank 0 answered: the pause went out
+        job.start_rank(1, 202, lambda order: True)  # torchrun's new process for rank 1
+        pausing.join(20)
+        assert outcome, "the leader waited out the pause for the dead process"
+        assert not outcome[0].ok
+        assert outcome[0].reason == ("no answer to the pause from rank(s) 1; rank 1: its process was restarted "
+                                     "during the pause (pid 101 replaced by pid 202)")
+        assert kv.get(p.IN_FLIGHT) == ""  # the pause is over: nothing is named any more
+    finally:
+        job.stop()
+
+
+def test_a_rank_restarted_before_it_parked_fails_the_pause_at_once(kv: KV) -> None:
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        job.start_rank(1, 101, lambda order: True)  # both answer the pause; no training thread parks here
+        pausing, outcome = _pausing(job)
+        assert support.wait_until(lambda: kv.check([p.c_key(1, 0), p.c_key(1, 1)]), 10)
+        job.start_rank(1, 202, lambda order: True)
+        pausing.join(20)
+        assert outcome, "the leader waited out the pause for a process that will never park"
+        assert not outcome[0].ok
+        assert outcome[0].reason.endswith("; rank 1: its process was restarted during the pause "
+                                          "(pid 101 replaced by pid 202)"), outcome[0].reason
+    finally:
+        job.stop()

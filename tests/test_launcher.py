@@ -600,3 +600,32 @@ def test_an_msrun_job_without_mindspore_in_the_launcher_is_refused_before_it_sta
     assert code == 2 and not marker.exists(), err
     assert "this is a MindSpore job (msrun, or NICSWITCH_FRAMEWORK=mindspore)" in err
     assert "python3 -m pip install '.[mindspore]'" in err
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_dies_during_the_pause_fails_it_at_once_through_its_restarted_process(
+        sim: Simulator, tmp_path: Path, launches: list[Launch]) -> None:
+    """Rank 1 SIGKILLs itself when it hears of the pause, before it parks; torchrun restarts both
+    ranks, which start after the pause's events and will never park in it. The new rank 1 fails the
+    pause at once (coordination/joining.py). Before, the leader waited out pause_timeout_s (five
+    minutes: longer than this test may run) with ClusterD answering "busy" to every other request."""
+    out = tmp_path / "job"
+    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), "--die-at-pause", "1"],
+                    base_env(sim))
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
+        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
+        launch.remember_tree()
+        message = operator.switch(["1", "0"], [True, True], timeout=240)
+        assert (out / "died").exists()
+        log = launch.log()
+        # torchrun restarts both ranks: the first new process to join fails the pause, and names its rank.
+        assert re.search(r"pause failed: .*; rank [01]: its process was restarted during the pause \(pid \d+ replaced "
+                         r"by pid \d+\)", log), log[-3000:]
+        assert message != "(no message)", message
+        assert sim.job_view(JOB).violations == []
+    finally:
+        operator.close()

@@ -13,7 +13,8 @@ Files in DIR (JSON lines, one flush per line, appended across torchrun restarts)
 
 With ``--late-rank R``, rank R starts its agent only once DIR/join exists (a rank that joins late).
 With ``--die-in-switch R:SEQ``, rank R SIGKILLs itself in its switch hook for order SEQ, once (it
-leaves DIR/died: a rank that dies mid-switch; torchrun then restarts the ranks).
+leaves DIR/died: a rank that dies mid-switch; torchrun then restarts the ranks). With
+``--die-at-pause R``, rank R does so when it hears of the first pause, before it parks.
 
 The loop runs until DIR/stop exists; the stop flag rides in the step's all_reduce, so every rank
 stops after the same step. Exit codes: 0 done (or SIGTERM), 1 error.
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nicswitch_agent import SwitchAgent, SwitchOrder
+from nicswitch_agent import AgentEvent, SwitchAgent, SwitchOrder
 
 # How torchrun set up this attempt's store (tests/test_launcher.py checks the launcher's opt-out).
 TORCH_ENV = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "TORCHELASTIC_USE_AGENT_STORE")
@@ -64,6 +65,8 @@ def main() -> int:
     parser.add_argument("--late-rank", type=int, default=-1,
                         help="this rank starts its agent only once DIR/join exists (a rank that joins late)")
     parser.add_argument("--die-in-switch", default="", help="R:SEQ: rank R SIGKILLs itself in switch SEQ's hook")
+    parser.add_argument("--die-at-pause", type=int, default=-1,
+                        help="this rank SIGKILLs itself when it hears of the first pause (before it parks)")
     opts = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -95,7 +98,14 @@ def main() -> int:
     if rank == opts.late_rank:
         while not (out / "join").exists():  # the test says when; the other ranks wait in their first all_reduce
             time.sleep(0.05)
-    agent = SwitchAgent(switch_hook=switch).start()
+    agent = SwitchAgent(switch_hook=switch)
+    if rank == opts.die_at_pause and restart == 0:
+        def die_at_pause(event: AgentEvent) -> None:
+            if event.kind == "pause_requested":
+                (out / "died").touch()
+                os.kill(os.getpid(), signal.SIGKILL)
+        agent.add_listener(die_at_pause)
+    agent.start()
     status = agent.status()
     log("start").write({"pid": os.getpid(), "ppid": os.getppid(), "restart": restart, "role": status["role"],
                         "world": world, "holds_channel": agent._session is not None,

@@ -226,8 +226,8 @@ class AgentModeController:
         if self.coordinator.stopping:  # not a timeout: the report below is refused too (the agent is stopping)
             logger.info("pause cut short: %s", outcome.reason)
         else:
-            logger.error("pause failed within pause_timeout_s=%g s (%s); reporting 499 and letting training go on",
-                         self.hooks.pause_timeout_s, outcome.reason)
+            logger.error("pause failed after %.1f s (pause_timeout_s=%g s): %s; reporting 499 and letting training "
+                         "go on", outcome.duration_s, self.hooks.pause_timeout_s, outcome.reason)
         client.report_stop_complete(CODE_CLIENT_ERROR, outcome.reason[:256])
 
     def _strategies_we_can_honour(self) -> list[str]:

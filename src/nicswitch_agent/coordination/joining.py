@@ -6,12 +6,15 @@ The process that died never answers, and without a word the leader would wait ou
 whole budget (guard, switch and verify warm-up: minutes) with ClusterD and the operator waiting
 behind it. So the process that takes a rank's place says so: if a process of this rank had joined
 before, it fails the order the leader names as in flight (``inflight``, coordination/messages.py),
-and the leader decides at once, false, naming the rank.
+and the leader decides at once, false, naming the rank. A pause in flight fails the same way: the
+new process starts after the pause's events and will never park in it (the leader would wait out
+``pause_timeout_s``, five minutes by default, with ClusterD answering "busy" meanwhile).
 
 Why this is sound without a race: the member takes its queue position first, then reads
-``inflight``; the leader names an order before it publishes it. An order published before the
-member's position is named by then; one published after reaches the member, which is not parked
-and refuses it.
+``inflight``; the leader names an order (or a pause) before it publishes it. One published before
+the member's position is named by then; an order published after reaches the member, which is not
+parked and refuses it. (A pause named before the member's position but published after it reaches
+the member and is failed all the same: a window of one Store write, on the side of failing.)
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.kv import done_key
 
 if TYPE_CHECKING:
     from nicswitch_agent.coordination.kv import KV
@@ -44,8 +48,10 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
         return None
     try:
         in_flight = json.loads(text)
+        if in_flight.get("pause"):
+            return _fail_pause(kv, rank, pid, before, int(in_flight["e"]))
         epoch, name, expected = int(in_flight["e"]), str(in_flight["key"]), int(in_flight["n"])
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         logger.error("rank %d: ignoring a malformed in-flight order: %r", rank, text[:200])
         return None
     reason = (f"its process was restarted during the order (pid {before} replaced by pid {pid}): "
@@ -55,3 +61,16 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
     logger.warning("rank %d: this process (pid %d) takes the place of pid %s during order %s: told the "
                    "leader it failed", rank, pid, before, name)
     return name
+
+
+def _fail_pause(kv: KV, rank: int, pid: int, before: str, epoch: int) -> str:
+    """The pause in flight cannot complete: this process starts after its events and will never
+    park in it, and its predecessor will never answer. End the leader's wait for either phase now
+    (the done keys it blocks on, kv.wait_count), with words for its message."""
+    kv.set(p.restarted_key(epoch), f"rank {rank}: its process was restarted during the pause (pid {before} "
+                                   f"replaced by pid {pid})")
+    for counter in (p.c_counter_key(epoch), p.parked_counter_key(epoch)):
+        kv.set(done_key(counter), "failed")
+    logger.warning("rank %d: this process (pid %d) takes the place of pid %s during pause #%d: told the leader "
+                   "it cannot complete", rank, pid, before, epoch)
+    return f"pause #{epoch}"

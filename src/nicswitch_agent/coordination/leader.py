@@ -167,13 +167,14 @@ class Coordinator:
             started = time.monotonic()
             deadline = started + timeout_s
             epoch = self._new_epoch()
+            self._name_pause_in_flight(epoch)
             self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
             self._garbage += [*c_keys, p.c_counter_key(epoch), done_key(p.c_counter_key(epoch))]
             if self.kv.wait_count(p.c_counter_key(epoch), self.world_size, deadline, self._wake) < self.world_size:
                 missing = self._missing(c_keys)
                 why = self._nodes_say_why(epoch, missing) or f"no answer to the pause from rank(s) {_ranks(missing)}"
-                return self._abandon(epoch, started, why)
+                return self._abandon(epoch, started, why + self._restarted(epoch))
             target = max(int(v) for v in self.kv.get_many(c_keys)) + 1
             self._publish({"t": p.TARGET, "e": epoch, "S": target,
                            "timeout": max(0.0, deadline - time.monotonic())})
@@ -182,7 +183,9 @@ class Coordinator:
             count = self.kv.wait_count(p.parked_counter_key(epoch), self.world_size, deadline, self._wake)
             if count < self.world_size:
                 missing = self._missing(parked_keys)
-                return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target))
+                return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target)
+                                     + self._restarted(epoch))
+            self._name_in_flight(None, None)
             self._paused, self._links_unsettled = True, False
             outcome = PauseOutcome(True, target, "parked", time.monotonic() - started)
             self.last_pause = outcome
@@ -236,6 +239,7 @@ class Coordinator:
         return [k for k in keys if not self.kv.check([k])]
 
     def _abandon(self, epoch: int, started: float, reason: str) -> PauseOutcome:
+        self._name_in_flight(None, None)
         if self.stopping:  # cut short by the agent's stop, not a timeout
             reason = f"the agent stopped before the pause completed ({reason})"
         self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": True})
@@ -322,6 +326,19 @@ class Coordinator:
         if self.names_orders:
             text = "" if name is None else p.encode({"e": epoch, "key": name, "n": self.world_size})
             self.kv.set(p.IN_FLIGHT, text)
+
+    def _name_pause_in_flight(self, epoch: int) -> None:
+        """With ``names_orders``: a process taking a rank's place during pause ``epoch`` fails it
+        at once (joining.py): it will never park in it. Named before the pause is published."""
+        if self.names_orders:
+            self.kv.set(p.IN_FLIGHT, p.encode({"e": epoch, "pause": 1}))
+            self._garbage += [done_key(p.parked_counter_key(epoch)), p.restarted_key(epoch)]
+
+    def _restarted(self, epoch: int) -> str:
+        """For a failed pause's reason: which rank's process was restarted during it, if one was."""
+        if not self.names_orders or not self.kv.check([p.restarted_key(epoch)]):
+            return ""
+        return f"; {self.kv.get(p.restarted_key(epoch))}"
 
     def _go(self, epoch: int, name: str, text: str) -> None:
         """Tell the ranks waiting on switch ``name``'s go keys what follows (one multi-set)."""

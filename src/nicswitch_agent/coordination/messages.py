@@ -69,7 +69,10 @@ Under a launcher-hosted leader (a Store that outlives the training processes)::
                                again by each process that takes rank r's place (joining.py)
     inflight                   {"e": E, "key": K, "n": N} while the leader waits for order K's
                                results, "" once it decided: a process that takes the place of one
-                               that had joined fails K at once (its predecessor will never answer)
+                               that had joined fails K at once (its predecessor will never answer);
+                               {"e": E, "pause": 1} while pause E runs: the process fails it at
+                               once (it will never park in it: it starts after its events)
+    e/<E>/restarted            that process's words for the leader's message (last one wins)
 
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
@@ -167,6 +170,10 @@ def parked_counter_key(epoch: int) -> str:
 
 def why_key(epoch: int, node: int) -> str:
     return f"e/{epoch}/why/{node}"
+
+
+def restarted_key(epoch: int) -> str:
+    return f"e/{epoch}/restarted"
 
 
 def node_store_key(node: int) -> str:
