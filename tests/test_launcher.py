@@ -535,6 +535,11 @@ def test_node_role_and_store_address() -> None:
                          "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "NICSWITCH_LOCAL_WORLD_SIZE": "8"}
     # The ranks are told the ranks per node the leader is told (node-local fan-out must agree) ...
     assert first.local_world_size == 8 and first.env["NICSWITCH_LOCAL_WORLD_SIZE"] == "8"
+    # ... unless the user chose them (fan-out rehearsed on one machine): then the choice is everyone's ...
+    chosen = plan(["--", *torchrun, "--node-rank", "1"], {"NICSWITCH_LOCAL_WORLD_SIZE": "2"})
+    assert chosen.local_world_size == 2 and chosen.env["NICSWITCH_LOCAL_WORLD_SIZE"] == "2"
+    with pytest.raises(launcher.LaunchError, match=r"NICSWITCH_LOCAL_WORLD_SIZE='two' is not a number of ranks"):
+        plan(["--", *torchrun], {"NICSWITCH_LOCAL_WORLD_SIZE": "two"})
     # ... and where the launcher cannot tell, every rank coordinates flat, as the leader does.
     assert plan(["--world-size", "2", "--", "python", "t.py"]).env["NICSWITCH_FAN_OUT"] == "flat"
     assert "NICSWITCH_FAN_OUT" not in plan(["--world-size", "2", "--", "python", "t.py"],

@@ -331,6 +331,11 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
     # the ranks per node the leader is told are the ones the training ranks are told.
     per_node = torchrun.local_world_size() if torchrun is not None else msrun.local_worker_num if msrun else None
+    chosen = environ.get("NICSWITCH_LOCAL_WORLD_SIZE")
+    if chosen is not None:  # the user's (a rehearsal of fan-out on one machine): the leader's and every rank's
+        if not chosen.strip().isdigit() or int(chosen) < 1:
+            raise LaunchError(f"NICSWITCH_LOCAL_WORLD_SIZE={chosen!r} is not a number of ranks (1 or more)")
+        per_node = int(chosen)
     if per_node is not None:
         env["NICSWITCH_LOCAL_WORLD_SIZE"] = str(per_node)
     elif "NICSWITCH_FAN_OUT" not in environ:
