@@ -203,6 +203,21 @@ def test_failed_save_leaves_nothing_and_propagates(tmp_path: Path, monkeypatch: 
     assert guard.last.reason.startswith("failed: OSError") and guard.last.step == 5
 
 
+def test_an_interrupt_while_deciding_is_recorded_with_the_parked_step(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C lands in the decision (a collective, with a process group): the guard's line names the
+    step training is parked at, not "step None"."""
+    def interrupted(path: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "disk_usage", interrupted)
+    guard = make_guard(tmp_path, Step(5))
+    with pytest.raises(KeyboardInterrupt):
+        guard(order())
+    assert guard.last is not None and not guard.last.saved
+    assert guard.last.reason.startswith("failed: KeyboardInterrupt") and guard.last.step == 5
+
+
 def test_failing_state_callable_refuses_and_writes_nothing(tmp_path: Path) -> None:
     guard = TorchCheckpointGuard(tmp_path, state=lambda: ["not", "a", "dict"], step=Step(1), min_free_bytes=0)  # type: ignore[arg-type,return-value]
     with pytest.raises(ConfigError, match="state\\(\\) returned list"):

@@ -322,8 +322,8 @@ class TorchCheckpointGuard(CheckpointGuard):
 
         try:
             decision = saver.decide(order)
-        except BaseException as exc:
-            record(False, f"failed: {_describe(exc)}", None, level=logging.WARNING)
+        except BaseException as exc:  # (Ctrl-C in the decision's collective, say): the parked step if known
+            record(False, f"failed: {_describe(exc)}", self._step_if_known(), level=logging.WARNING)
             raise
         step = decision.step
         if decision.action == "refuse":
@@ -357,6 +357,12 @@ class TorchCheckpointGuard(CheckpointGuard):
             return _View(rank, step, free, None, skip, skip_path, expected)
         except Exception as exc:
             return _View(rank, step, error=str(exc) if isinstance(exc, NicSwitchError) else _describe(exc))
+
+    def _step_if_known(self) -> int | None:
+        try:
+            return self._read_step()
+        except Exception:
+            return None
 
     def _read_step(self) -> int:
         value = self._step()
