@@ -23,6 +23,8 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
                                    rides on the next event instead, as its "oc": members handle
                                    it first. One event fewer per switch on every level)
                                {"t": "release", "e": E, "stop": reason | null, "cancel": bool}
+                               {"t": "lost", "why": text}   (from a relay only: it lost the Store
+                                   above it; the level below takes it as its own Store lost)
     o/<K>                      the order itself (written once, read by every member)
     e/<E>/go/<K>/<r>           after a switch order K with "v": 1, what follows it for r: the verify
                                order event, or {"t": "wake"} (no verify round). A rank (or relay)
@@ -35,7 +37,9 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
 
 Member ``r`` -> leader, per pause/session ``E`` (on a Store with queues, the node and group Stores
 the agent hosts, the answers are pushed to ``a/<E>/c``, ``a/<E>/parked`` and ``a/<E>/res/<K>``
-instead: queues.py)::
+instead: queues.py; there a relay that cannot answer a pause or target phase for good pushes
+``{"t": "a", "s": slot, "fail": 1}``, and on the job's Store it sets the phase's done key to
+``failed``: queues.fail_early)::
 
     e/<E>/c/<r>                the last step r completed when it saw the pause (c_r)
     e/<E>/c/n                  how many ranks have written theirs (add() only)
