@@ -406,3 +406,51 @@ def test_a_conflict_stays_the_error_now_while_the_agent_keeps_trying(agents: lis
         status = agent.status()
         assert status["conflict"] is not None and CAUSE in status["last_error"], status
         assert CAUSE in status["process_manage"]["last_error"], status
+
+
+_STORE_SERVER = """\
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(3600)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp_path: Path) -> None:
+    """A member whose coordination is lost can never switch again: status() and the status file's
+    check say so (before, state stayed "running" with nothing wrong to see)."""
+    import datetime
+    import subprocess
+    import sys
+
+    torch_dist = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.observability.status_file import read_status
+
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    status_file = tmp_path / "status-1.json"  # without {rank} in the path only the leader writes one
+    agent = None
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        agent = SwitchAgent(server="127.0.0.1:1", job_id=JOB, handle_signals=False, dry_run=True, rank=1,
+                            world_size=2, leader="launcher", store_address=f"127.0.0.1:{port}",
+                            status_file=str(tmp_path / "status-{rank}.json"), status_interval_s=0.2)
+        agent.start()
+        assert agent.status()["coordination_lost"] is None
+        from nicswitch_agent.coordination import KV
+        from nicswitch_agent.coordination import messages as p
+        watcher = KV(torch_dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10)),
+                     p.key_prefix(JOB, "launcher"))
+        assert wait_until(lambda: watcher.check([p.joined_key(1)]), 20)  # the member reads its queue from now on
+        server.kill()
+        server.wait(10)
+        assert wait_until(lambda: agent is not None and agent.status()["coordination_lost"], 20)
+        assert agent.status()["coordination_lost"].startswith("DistNetworkError: ")
+        assert wait_until(lambda: read_status(status_file).exit_code is ExitCode.STUCK, 20), read_status(status_file)
+        assert read_status(status_file).problem.startswith("coordination lost (")
+    finally:
+        server.kill()
+        if agent is not None:
+            agent.stop()

@@ -473,11 +473,11 @@ class SwitchAgent:
         """A snapshot for humans and health checks: state, connection, counters, last switch.
 
         ``connected`` is true only while the notify stream is established (see clusterd/notify.py);
-        ``disconnected_s`` says for how long it has not been. ``last_error`` is the error that
-        keeps it from being so now ("" once connected): the process-manage client's while that
-        stream, which the notify stream waits for, is not open. ``last_error_seen`` keeps the
-        last error met and when, after it is over. ``conflict`` is set while another process-manage client
-        fights for the job's stream (see clusterd/process_manage.py).
+        ``disconnected_s`` says for how long it has not been. ``last_error`` is the error that keeps it
+        from being so now ("" once connected): the process-manage client's while that stream, which the
+        notify stream waits for, is not open. ``last_error_seen`` keeps the last error met and when.
+        ``conflict``: another process-manage client fights for the job's stream (clusterd/process_manage.py).
+        ``coordination_lost``: why this rank can no longer take part in switches (its Store, or its relay's).
         """
         session = self._session
         sub = session.subscriber if session else None
@@ -486,8 +486,7 @@ class SwitchAgent:
         counters, last_switch = self._executor.snapshot()
         with self._lock:
             state, reason = self._state, self._state_reason
-        now = time.monotonic()
-        last_msg = sub.last_message_mono if sub else None
+        now, last_msg = time.monotonic(), (sub.last_message_mono if sub else None)
         connected = bool(sub and sub.running and sub.connected())
         from nicswitch_agent.clusterd.stream_thread import error_now, error_seen  # no grpc: members call it too
         conflict = None
@@ -522,6 +521,7 @@ class SwitchAgent:
             "parked": self._parking.parked,
             "parked_step": self._parking.parked_step,
             "stuck_hook": None if self._member is None else self._member.stuck_hook(),
+            "coordination_lost": (self._member.lost or None) if self._member is not None else None,
             "last_verify": None if self._member is None else self._member.last_verify,
             "process_manage": None if pm is None else {
                 **{key: getattr(pm, key) for key in ("registered", "stream_open", "opens", "errors", "last_error",

@@ -27,9 +27,10 @@ Exit codes of ``nicswitch-agent status`` (:class:`ExitCode`, decided by :func:`r
 5    a running leader that does not take part: its notify stream has not been established for
      longer than ``--max-disconnected``, or (pause mode ``agent``) another process-manage
      client fights it for the job's stream
-6    a running agent that cannot switch: a hook still runs past its timeout (every order
-     reaching the rank is answered false until it returns), or training has been parked for
-     longer than ``--max-parked`` (30 min: far past any switch's budget)
+6    a running agent that cannot switch: its coordination is lost (its Store or its relay's
+     is gone), a hook still runs past its timeout (every order reaching the rank is answered
+     false until it returns), or training has been parked for longer than ``--max-parked``
+     (30 min: far past any switch's budget)
 ===  ========================================================================================
 
 A leader is briefly not connected after every switch (ClusterD ends the stream; it is reopened
@@ -356,7 +357,8 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
         max_disconnected_s: A running leader whose notify stream has not been established for
             longer than this (counted up to now, not to the write) is judged NOT_CONNECTED.
         max_parked_s: A running agent whose training has been parked longer than this (counted up
-            to now) is judged STUCK, as is one with a hook stuck past its timeout.
+            to now) is judged STUCK, as is one with a hook stuck past its timeout or its
+            coordination lost.
     """
     name = os.fspath(path)
     try:
@@ -434,6 +436,9 @@ def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: flo
 def _cannot_switch(document: dict[str, Any], now: float, max_parked_s: float) -> str:
     """Why a running agent cannot take part in a switch now ("" when it can)."""
     status = document["status"]
+    if status.get("coordination_lost"):
+        return (f"coordination lost ({status.get('coordination_lost')}): switches cannot run on this rank until "
+                "its process restarts")
     if status.get("stuck_hook"):
         return (f"{status.get('stuck_hook')} is still running past its timeout: every order reaching this rank is "
                 "answered false until it returns (the rank's log names the hook and its timeout)")
@@ -459,6 +464,8 @@ def format_summary(report: StatusReport) -> str:
     lines.append(f"job         {s.get('job_id')} on ClusterD {s.get('server')}")
     if s.get("reason"):
         lines.append(f"reason      {s.get('reason')}")
+    if s.get("coordination_lost"):
+        lines.append(f"coordination lost: {s.get('coordination_lost')}; switches cannot run on this rank")
     if s.get("stuck_hook"):
         lines.append(f"stuck hook  {s.get('stuck_hook')} is still running past its timeout: every order "
                      "reaching this rank is answered false until it returns")
