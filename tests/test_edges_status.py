@@ -426,7 +426,12 @@ def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp
     import sys
 
     torch_dist = pytest.importorskip("torch.distributed")
+    from nicswitch_agent.observability.metrics import PrometheusMetrics
     from nicswitch_agent.observability.status_file import read_status
+
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
 
     server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
     status_file = tmp_path / "status-1.json"  # without {rank} in the path only the leader writes one
@@ -436,9 +441,11 @@ def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp
         port = int(server.stdout.readline())
         agent = SwitchAgent(server="127.0.0.1:1", job_id=JOB, handle_signals=False, dry_run=True, rank=1,
                             world_size=2, leader="launcher", store_address=f"127.0.0.1:{port}",
-                            status_file=str(tmp_path / "status-{rank}.json"), status_interval_s=0.2)
+                            status_file=str(tmp_path / "status-{rank}.json"), status_interval_s=0.2,
+                            on_event=metrics)
         agent.start()
         assert agent.status()["coordination_lost"] is None
+        assert registry.get_sample_value("nicswitch_coordination_up", {"job": JOB}) == 1
         from nicswitch_agent.coordination import KV
         from nicswitch_agent.coordination import messages as p
         watcher = KV(torch_dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10)),
@@ -450,6 +457,9 @@ def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp
         assert agent.status()["coordination_lost"].startswith("DistNetworkError: ")
         assert wait_until(lambda: read_status(status_file).exit_code is ExitCode.STUCK, 20), read_status(status_file)
         assert read_status(status_file).problem.startswith("coordination lost (")
+        lost = [e for e in agent.events() if e.kind == ev.COORDINATION_LOST]
+        assert len(lost) == 1 and lost[0].detail["rank"] == 1 and lost[0].detail["why"].startswith("DistNetworkError")
+        assert registry.get_sample_value("nicswitch_coordination_up", {"job": JOB}) == 0
     finally:
         server.kill()
         if agent is not None:

@@ -240,6 +240,7 @@ class Member:
         logger.error("rank %d: coordination store lost (%s); switches cannot run here, training goes on",
                      self.rank, why)
         self.lot.release()
+        self._emit("coordination_lost", {"rank": self.rank, "why": why})
         if self._on_lost is not None:
             try:
                 self._on_lost(why)

@@ -38,6 +38,7 @@ RESUMED = "resumed"  # it left the parking spot: {step, parked_s, stop}
 TRAINING_STOP = "training_stop"
 MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / verify / rollback / checkpoint)
 VERIFY_DONE = "verify_done"  # this rank's verify hook ran after a switch that succeeded on every rank
+COORDINATION_LOST = "coordination_lost"  # this rank can no longer take part in switches: {rank, why}
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,11 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("duration_s", "how long the verification took on this rank"),
         ("report", "the hook's own record, or null: `TorchLinkProbe` gives `seq` and per group `group`, `size`, "
                    "`ok`, `before_s`, `after_s`, `detail`"))),
+    EventKind(COORDINATION_LOST, "every rank", "this rank can no longer take part in switches: the Store it "
+              "coordinates through is gone (the leader's process, or its node's relay), or its relay lost the "
+              "Store above it; training goes on (a parked rank resumes) until the process restarts", (
+        ("rank", "this process's global rank"),
+        ("why", "the error, e.g. `LinkLost: ...` or `LevelLost: the relay of node 1 lost the Store above it: ...`"))),
     EventKind(SWITCH_DONE, "leader", "an order ran on every rank, or failed on one", (
         ("ok", "true only if every rank succeeded"),
         ("reason", "`switched on every rank`, or the first failure and where"),

@@ -352,6 +352,8 @@ class PrometheusMetrics:
     ``nicswitch_rank_results_total{kind,result}``  this rank's guard / switch / rollback runs
     ``nicswitch_stream_losses_total``            SubscribeNotifySwitch stream lost (leader)
     ``nicswitch_stream_up``                      1 while the stream is healthy (leader)
+    ``nicswitch_coordination_up``                1 from start while this rank can take part in
+                                                 switches, 0 once its coordination is lost
     ``nicswitch_switch_duration_seconds``        whole switch on every rank, guard included
     ``nicswitch_reply_latency_seconds``          list received to reply delivered or given up
     ``nicswitch_pause_duration_seconds``         this process's training thread parked
@@ -402,6 +404,9 @@ class PrometheusMetrics:
         self.stream_losses = counter("stream_losses", "SubscribeNotifySwitch stream lost")
         self.stream_up = prom.Gauge("stream_up", "1 while the SubscribeNotifySwitch stream is healthy", job,
                                     namespace=namespace, registry=self.registry)
+        self.coordination_up = prom.Gauge("coordination_up", "1 while this rank can take part in switches, 0 once "
+                                          "its coordination Store (or its relay's) is lost", job,
+                                          namespace=namespace, registry=self.registry)
         self.switch_duration = histogram("switch_duration_seconds", "A whole switch on every rank, guard included")
         self.reply_latency = histogram("reply_latency_seconds", "From receiving a list to its reply delivered or "
                                                                 "given up")
@@ -451,6 +456,10 @@ class PrometheusMetrics:
             self.stream_up.labels(job).set(1)
         elif kind in (ev.AGENT_STOPPED, ev.AGENT_FAILED):
             self.stream_up.labels(job).set(0)
+        elif kind == ev.AGENT_STARTED:
+            self.coordination_up.labels(job).set(1)
+        elif kind == ev.COORDINATION_LOST:
+            self.coordination_up.labels(job).set(0)
         for name, value in self._timings(event).items():
             if name == "switch_s":
                 self.switch_duration.labels(job).observe(value)
