@@ -17,7 +17,7 @@ import support
 
 from nicswitch_agent.coordination import KV, Coordinator, Member, MemberHooks
 from nicswitch_agent.coordination import messages as p
-from nicswitch_agent.coordination.joining import join
+from nicswitch_agent.coordination.joining import join, leave
 from nicswitch_agent.coordination.leader import PauseOutcome, RunOutcome
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.orders import SwitchOrder
@@ -44,14 +44,19 @@ class Job:
         self.members: list[Member] = []
         self.release = threading.Event()  # frees the hooks that stand for dead processes
 
-    def start_rank(self, rank: int, pid: int, hook: Callable[[SwitchOrder], bool]) -> Member:
-        kv = self.kv.clone()
+    def start_rank(self, rank: int, pid: int, hook: Callable[[SwitchOrder], bool], *, says_it_leaves: bool = False
+                   ) -> Member:
+        """A rank's member, joined as the agent joins it; ``says_it_leaves``: its stop() tells the
+        leader, as the agent's does (joining.leave); without it, a stop stands for a process killed."""
+        kv, own = self.kv.clone(), self.kv.clone()
         joined = threading.Event()
         member = Member(kv, rank, ParkingLot(),
                         MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=BUDGET_S,
                                     switch_timeout_s=BUDGET_S, dry_run=False),
                         lambda: 0, stop_timeout_s=0.5,
-                        on_started=lambda: (join(kv, rank, pid), joined.set()))
+                        on_started=lambda: (join(kv, rank, pid), joined.set()),
+                        # (the agent's job connection, not the member's: that one is blocked in its read)
+                        on_stopping=(lambda: leave(own, rank, pid)) if says_it_leaves else None)
         member.start()
         assert joined.wait(10)
         self.members.append(member)
@@ -155,5 +160,37 @@ def test_a_rank_restarted_before_it_parked_fails_the_pause_at_once(kv: KV) -> No
         assert not outcome[0].ok
         assert outcome[0].reason.endswith("; rank 1: its process was restarted during the pause "
                                           "(pid 101 replaced by pid 202)"), outcome[0].reason
+    finally:
+        job.stop()
+
+
+def test_a_pause_after_a_ranks_agent_stopped_fails_at_once_until_its_next_process_joins(kv: KV) -> None:
+    """Training ended on a rank (its agent stopped) while its process runs on: a pause would wait
+    out pause_timeout_s for it. Once a new process of that rank joins, pauses wait for it again."""
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        job.start_rank(1, 101, lambda order: True, says_it_leaves=True).stop()
+        outcome = job.coordinator.pause(BUDGET_S)  # at once: the test's timeout would end it otherwise
+        assert not outcome.ok
+        assert outcome.reason == "1 rank(s) stopped their agent (training ended, or is ending) and cannot park"
+        job.start_rank(1, 202, lambda order: True)
+        assert kv.count(p.LEFT_COUNT) == 0 and not kv.check([p.left_key(1)])
+    finally:
+        job.stop()
+
+
+def test_a_ranks_agent_stopping_during_a_pause_fails_it_at_once(kv: KV) -> None:
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        leaving = job.start_rank(1, 101, lambda order: True, says_it_leaves=True)
+        pausing, outcome = _pausing(job)
+        assert support.wait_until(lambda: kv.check([p.c_key(1, 0), p.c_key(1, 1)]), 10)  # both answered
+        leaving.stop()  # its training thread will never park now
+        pausing.join(20)
+        assert outcome, "the leader waited out the pause for a rank whose agent stopped"
+        assert not outcome[0].ok
+        assert outcome[0].reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), outcome[0].reason
     finally:
         job.stop()

@@ -610,10 +610,11 @@ def test_an_msrun_job_without_mindspore_in_the_launcher_is_refused_before_it_sta
 @pytest.mark.timeout(300)
 def test_a_rank_that_dies_during_the_pause_fails_it_at_once_through_its_restarted_process(
         sim: Simulator, tmp_path: Path, launches: list[Launch]) -> None:
-    """Rank 1 SIGKILLs itself when it hears of the pause, before it parks; torchrun restarts both
-    ranks, which start after the pause's events and will never park in it. The new rank 1 fails the
-    pause at once (coordination/joining.py). Before, the leader waited out pause_timeout_s (five
-    minutes: longer than this test may run) with ClusterD answering "busy" to every other request."""
+    """Rank 1 SIGKILLs itself when it hears of the pause, before it parks; torchrun stops rank 0 and
+    restarts both, which start after the pause's events and will never park in it. Rank 0's agent
+    stopping, or a new process joining, fails the pause at once (coordination/joining.py). Before,
+    the leader waited out pause_timeout_s (five minutes: longer than this test may run) with
+    ClusterD answering "busy" to every other request."""
     out = tmp_path / "job"
     launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                           "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), "--die-at-pause", "1"],
@@ -627,9 +628,10 @@ def test_a_rank_that_dies_during_the_pause_fails_it_at_once_through_its_restarte
         message = operator.switch(["1", "0"], [True, True], timeout=240)
         assert (out / "died").exists()
         log = launch.log()
-        # torchrun restarts both ranks: the first new process to join fails the pause, and names its rank.
-        assert re.search(r"pause failed: .*; rank [01]: its process was restarted during the pause \(pid \d+ replaced "
-                         r"by pid \d+\)", log), log[-3000:]
+        # torchrun stops rank 0 (SIGTERM: its agent stops and says so) and restarts both ranks (the first
+        # new process to join says so): whichever comes first fails the pause, naming its rank.
+        assert re.search(r"pause failed: .*; rank [01]: its (process was restarted during the pause \(pid \d+ "
+                         r"replaced by pid \d+\)|agent stopped during the pause \(pid \d+\))", log), log[-3000:]
         assert message != "(no message)", message
         assert sim.job_view(JOB).violations == []
     finally:

@@ -36,7 +36,7 @@ from nicswitch_agent.config.frameworks import msrun_scheduler
 from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
-from nicswitch_agent.coordination.joining import join as join_launcher
+from nicswitch_agent.coordination.joining import launcher_callbacks
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
@@ -293,9 +293,8 @@ class SwitchAgent:
                         verify_timeout_s=cfg.verify_timeout_s),
             lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
             on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail), slot=slot,
-            # The launcher's leader registers with ClusterD once every rank has joined (joining.py).
-            on_started=(lambda: join_launcher(kv, self.rank, self._pid)) if cfg.leader == "launcher" else None,
-        )
+            # The launcher's leader registers once every rank has joined; it hears of those that leave (joining.py).
+            **(launcher_callbacks(kv, self.rank, self._pid) if cfg.leader == "launcher" else {}))
         self._member.start()
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:

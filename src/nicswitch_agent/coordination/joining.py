@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import done_key
@@ -41,6 +42,9 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
     kv.set(key, str(pid))
     if before is None:
         return None
+    if kv.check([p.left_key(rank)]):  # its predecessor had stopped its agent: this rank is back
+        kv.delete([p.left_key(rank)])
+        kv.add(p.LEFT_COUNT, -1)
     text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
     if not text:
         logger.info("rank %d: this process (pid %d) takes the place of pid %s; no order was in flight",
@@ -74,3 +78,31 @@ def _fail_pause(kv: KV, rank: int, pid: int, before: str, epoch: int) -> str:
     logger.warning("rank %d: this process (pid %d) takes the place of pid %s during pause #%d: told the leader "
                    "it cannot complete", rank, pid, before, epoch)
     return f"pause #{epoch}"
+
+
+def leave(kv: KV, rank: int, pid: int) -> None:
+    """Say that ``rank``'s agent stops while its process may run on (training ended, evaluation or
+    clean-up follow): the leader's next pause fails at once instead of waiting out
+    ``pause_timeout_s`` for a rank that will never park, and a pause in flight fails now."""
+    key = p.left_key(rank)
+    if kv.check([key]):
+        return
+    kv.set(key, str(pid))
+    kv.add(p.LEFT_COUNT, 1)
+    text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
+    try:
+        in_flight = json.loads(text) if text else {}
+        if isinstance(in_flight, dict) and in_flight.get("pause"):
+            epoch = int(in_flight["e"])
+            kv.set(p.restarted_key(epoch), f"rank {rank}: its agent stopped during the pause (pid {pid})")
+            for counter in (p.c_counter_key(epoch), p.parked_counter_key(epoch)):
+                kv.set(done_key(counter), "failed")
+    except (ValueError, KeyError, TypeError):
+        logger.error("rank %d: ignoring a malformed in-flight pause: %r", rank, text[:200])
+
+
+def launcher_callbacks(kv: KV, rank: int, pid: int) -> dict[str, Any]:
+    """The Member's ``on_started`` and ``on_stopping`` under a launcher-hosted leader."""
+    started: Callable[[], object] = lambda: join(kv, rank, pid)  # noqa: E731
+    stopping: Callable[[], object] = lambda: leave(kv, rank, pid)  # noqa: E731
+    return {"on_started": started, "on_stopping": stopping}

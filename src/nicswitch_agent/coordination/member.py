@@ -89,6 +89,7 @@ class Member:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         slot: int | None = None,
         on_started: Callable[[], object] | None = None,
+        on_stopping: Callable[[], object] | None = None,
     ) -> None:
         self.kv = kv
         self.rank = rank
@@ -106,6 +107,7 @@ class Member:
         # Called on the member's thread once it has its queue position (joining.join, under a
         # launcher); an error there is coordination lost, as any Store error.
         self._on_started = on_started
+        self._on_stopping = on_stopping  # first in stop(), while the Store is still reached (joining.leave)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next = 1  # the queue index this member waits for
@@ -134,6 +136,11 @@ class Member:
     def stop(self) -> None:
         """Stop the thread (bounded). An order still running is answered failed at once, so the
         leader replies false now instead of waiting out the hooks' budget for a rank going away."""
+        if self._on_stopping is not None and not self.lost and not self._stop.is_set():
+            try:
+                self._on_stopping()
+            except Exception:
+                logger.debug("rank %d: the stop callback failed", self.rank, exc_info=True)
         self._stop.set()
         with self._result_lock:
             in_flight, self._in_flight = self._in_flight, None

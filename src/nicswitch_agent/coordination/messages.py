@@ -77,6 +77,8 @@ Under a launcher-hosted leader (a Store that outlives the training processes)::
                                {"e": E, "pause": 1} while pause E runs: the process fails it at
                                once (it will never park in it: it starts after its events)
     e/<E>/restarted            that process's words for the leader's message (last one wins)
+    left/<r>, left/n           rank r's agent stopped (its pid), and how many have not come back:
+                               a pause then fails at once instead of waiting for ranks that left
 
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
 process restarted under a launcher-hosted leader) begins with the next event instead of replaying
@@ -136,6 +138,14 @@ IN_FLIGHT = "inflight"  # the order a launcher's leader waits for (see the modul
 def joined_key(rank: int) -> str:
     """Under ``nicswitch-agent launch``: a member says it started (the leader registers once all did)."""
     return f"joined/{rank}"
+
+
+def left_key(rank: int) -> str:
+    """Under ``nicswitch-agent launch``: rank's agent stopped while its process may run on (joining.py)."""
+    return f"left/{rank}"
+
+
+LEFT_COUNT = "left/n"  # how many ranks' agents have stopped and not come back (joining.py)
 
 
 def queue_key(rank: int, n: int) -> str:
