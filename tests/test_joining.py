@@ -171,9 +171,11 @@ def test_a_pause_after_a_ranks_agent_stopped_fails_at_once_until_its_next_proces
     try:
         job.start_rank(0, 100, lambda order: True)
         job.start_rank(1, 101, lambda order: True, says_it_leaves=True).stop()
-        outcome = job.coordinator.pause(BUDGET_S)  # at once: the test's timeout would end it otherwise
-        assert not outcome.ok
-        assert outcome.reason == "1 rank(s) stopped their agent (training ended, or is ending) and cannot park"
+        pausing, outcome = _pausing(job)
+        pausing.join(20)
+        assert outcome, "the leader waited for a rank whose agent had stopped"
+        assert not outcome[0].ok
+        assert outcome[0].reason == "1 rank(s) stopped their agent (training ended, or is ending) and cannot park"
         job.start_rank(1, 202, lambda order: True)
         assert kv.count(p.LEFT_COUNT) == 0 and not kv.check([p.left_key(1)])
     finally:

@@ -166,7 +166,7 @@ class Coordinator:
         with self._lock:
             started = time.monotonic()
             deadline = started + timeout_s
-            left = 0
+            left = self.kv.count(p.LEFT_COUNT) if self.names_orders else 0
             epoch = self._new_epoch()
             if left > 0:  # (a launcher's leader) they will never park: no use waiting for them
                 return self._abandon(epoch, started, f"{left} rank(s) stopped their agent (training ended, or is "
