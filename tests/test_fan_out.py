@@ -10,6 +10,7 @@ hand on their node's Store, so each test decides what every rank says and when.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,6 +54,14 @@ def config(**settings: Any) -> AgentConfig:
 ])
 def test_the_layout_follows_the_settings(settings: dict[str, Any], world: int, expected: Layout) -> None:
     assert choose_layout(config(**settings), world) == expected
+
+
+def test_a_local_world_size_that_does_not_divide_the_job_is_flat_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="nicswitch_agent.coordination"):
+        assert choose_layout(config(local_world_size=3), 4) == Layout(4)
+    assert "local_world_size=3 does not divide world_size=4: every rank coordinates on the job's Store" in caplog.text
+    with pytest.raises(ConfigError, match="fan_out='node' needs local_world_size"):
+        choose_layout(config(local_world_size=3, fan_out="node"), 4)
 
 
 def test_a_layout_names_who_answers_and_the_ranks_behind_each() -> None:

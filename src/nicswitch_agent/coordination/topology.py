@@ -19,6 +19,7 @@ group's node relays.
 from __future__ import annotations
 
 import datetime
+import logging
 import math
 import os
 import socket
@@ -37,6 +38,8 @@ from nicswitch_agent.coordination.kv import KV, InProcessStore
 from nicswitch_agent.coordination.messages import group_store_key, key_prefix, node_store_key
 from nicswitch_agent.coordination.queues import queue_name
 from nicswitch_agent.errors import ConfigError
+
+logger = logging.getLogger("nicswitch_agent.coordination")
 
 
 def rank_and_world(cfg: AgentConfig, *, leader_only: bool) -> tuple[int, int]:
@@ -211,6 +214,9 @@ def choose_ranks_per_node(cfg: AgentConfig, world_size: int) -> int | None:
         if cfg.fan_out in ("node", "group"):
             raise ConfigError(f"fan_out={cfg.fan_out!r} needs local_world_size (LOCAL_WORLD_SIZE) dividing "
                               f"world_size={world_size}; got local_world_size={per_node!r}")
+        if per_node is not None:  # a choice that cannot be followed: say so (every node has as many ranks)
+            logger.warning("local_world_size=%d does not divide world_size=%d: every rank coordinates on the job's "
+                           "Store (no node-local fan-out; fan_out=node makes this an error)", per_node, world_size)
         return None
     if cfg.fan_out == "auto" and (per_node == 1 or per_node == world_size):
         return None  # one rank per node, or one node: a relay would only add a hop

@@ -55,7 +55,8 @@ def _build_parser() -> argparse.ArgumentParser:
         prog="nicswitch-agent",
         description="Training-side client for MindCluster ClusterD's link failover and switchback.",
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log at DEBUG level (the demo's rank processes at INFO)")
     parser.add_argument("--version", action="version", version=f"nicswitch-agent {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     sub.required = True
@@ -109,7 +110,8 @@ def _accept_verbose(command: argparse.ArgumentParser) -> None:
             action.default = argparse.SUPPRESS
         return
     command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                         help="log at DEBUG level (also accepted before the command)")
+                         help="log at DEBUG level (the demo's rank processes at INFO; also accepted before "
+                              "the command)")
 
 
 def _version() -> str:
