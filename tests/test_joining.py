@@ -175,7 +175,8 @@ def test_a_pause_after_a_ranks_agent_stopped_fails_at_once_until_its_next_proces
         pausing.join(20)
         assert outcome, "the leader waited for a rank whose agent had stopped"
         assert not outcome[0].ok
-        assert outcome[0].reason == "1 rank(s) stopped their agent (training ended, or is ending) and cannot park"
+        assert outcome[0].reason == ("1 rank(s) stopped their agent (training ended, or their process is ending or "
+                                     "restarting) and cannot park")
         job.start_rank(1, 202, lambda order: True)
         assert kv.count(p.LEFT_COUNT) == 0 and not kv.check([p.left_key(1)])
     finally:

@@ -169,8 +169,8 @@ class Coordinator:
             left = self.kv.count(p.LEFT_COUNT) if self.names_orders else 0
             epoch = self._new_epoch()
             if left > 0:  # (a launcher's leader) they will never park: no use waiting for them
-                return self._abandon(epoch, started, f"{left} rank(s) stopped their agent (training ended, or is "
-                                                     "ending) and cannot park")
+                return self._abandon(epoch, started, f"{left} rank(s) stopped their agent (training ended, or their "
+                                                     "process is ending or restarting) and cannot park")
             self._name_pause_in_flight(epoch)
             self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
