@@ -288,7 +288,10 @@ def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator
     # (a stream reopening while training parks) may reach two listeners in either order; what
     # follows from what keeps its order.
     assert sorted(written) == sorted(kinds.kinds)
-    assert written[0] == "agent_started" and written[-1] == "agent_stopped", written
+    # agent_started is emitted as start() returns: the streams it opened may say "subscribed" first
+    # (CI saw it under load), and nothing else.
+    assert [kind for kind in written if kind != "subscribed"][0] == "agent_started", written
+    assert written[-1] == "agent_stopped", written
     chain = ["pause_requested", "list_received", "reply_sent"]
     assert [kind for kind in written if kind in chain] == chain, written
     # The resume follows ClusterD's continue, which follows the reply reaching ClusterD; but
