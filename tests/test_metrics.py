@@ -290,7 +290,7 @@ def test_agent_writes_its_events_file_and_timings_when_configured(sim: Simulator
     assert sorted(written) == sorted(kinds.kinds)
     # agent_started is emitted as start() returns: the streams it opened may say "subscribed" first
     # (CI saw it under load), and nothing else.
-    assert [kind for kind in written if kind != "subscribed"][0] == "agent_started", written
+    assert next(kind for kind in written if kind != "subscribed") == "agent_started", written
     assert written[-1] == "agent_stopped", written
     chain = ["pause_requested", "list_received", "reply_sent"]
     assert [kind for kind in written if kind in chain] == chain, written
