@@ -163,15 +163,16 @@ class Events:
 
 
 class Trainer:
-    """A training loop on its own thread: a 2 ms "step", then ``agent.step(step)``.
+    """A training loop on its own thread: a 2 ms "step" (``step_s``), then ``agent.step(step)``.
 
     ``stall``: while set, the step never ends (a long step, a hang). What ``agent.step`` raises
     (``TrainingStopped``, for one) ends the loop and is kept in :attr:`error`; leaving the
     ``with`` block re-raises it, so a context-managed loop cannot fail unnoticed.
     """
 
-    def __init__(self, agent: SwitchAgent, *, stall: threading.Event | None = None) -> None:
+    def __init__(self, agent: SwitchAgent, *, stall: threading.Event | None = None, step_s: float = 0.002) -> None:
         self.agent = agent
+        self.step_s = step_s
         self.step = 0
         self.stall = stall
         self.error: BaseException | None = None
@@ -182,7 +183,7 @@ class Trainer:
 
     def _run(self) -> None:
         try:
-            while not self._stop.wait(0.002):
+            while not self._stop.wait(self.step_s):
                 while self.stall is not None and self.stall.is_set() and not self._stop.is_set():
                     self._stop.wait(0.01)
                 with self._cond:
@@ -220,20 +221,52 @@ class Trainer:
 
 def operator_switch(address: str, job: str, devs: list[str], ops: list[bool], *, node: str = "node-0") -> str:
     """What ``nicswitch-agent switch`` does: SwitchNicTrack for ``devs`` of ``node``, then the first
-    SubscribeSwitchNicSignal message (``switch nic finish`` once the switch is over)."""
+    SubscribeSwitchNicSignal message (``switch nic finish`` once the switch is over).
+
+    ClusterD takes the result stream only while the switch runs and keeps no result, and a test's
+    switch (2 ms steps) can end within a few ms: a subscribe sent after the track's answer can
+    come too late on a loaded machine (CI saw it). So the subscribe is asked from before the track
+    on, again at once while ClusterD is not switching yet, until one attempt started after the
+    track's answer: the result is then lost only if the switch ended before ClusterD answered the
+    track. (The operator CLI cannot do this: another operator's switch could be running.)"""
+    import grpc
+
     from nicswitch_agent._pb import recover_pb2 as pb
     from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 
     channel = open_channel(ChannelSettings(target=address))
+    answered = threading.Event()
+    result: list[str] = []
+
+    def follow() -> None:
+        while True:
+            after_answer = answered.is_set()
+            try:
+                for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=job), timeout=20):
+                    result.append(str(response.msg))
+                    return
+                if after_answer:
+                    result.append("(no message)")
+                    return
+            except grpc.RpcError as exc:
+                if after_answer or "swtiching" not in str(exc.details()):
+                    result.append(f"(no message: {exc.details()})")
+                    return
+            time.sleep(0.001)  # a retry, not a synchronisation: ClusterD has not taken the track yet
+
     try:
         stub = RecoverStub(channel)
         request = pb.SwitchNics(jobID=job)
         request.nicOps[node].dev.extend(devs)
         request.nicOps[node].op.extend(ops)
-        assert stub.SwitchNicTrack(request, timeout=5).code == 0
-        for response in stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=job), timeout=20):
-            return str(response.msg)
-        return "(no message)"
+        follower = threading.Thread(target=follow, name="operator-follow", daemon=True)
+        follower.start()
+        try:
+            assert stub.SwitchNicTrack(request, timeout=5).code == 0
+        finally:
+            answered.set()
+        follower.join(25)
+        return result[0] if result else "(no message: no result within 25 s)"
     finally:
         channel.close()
 
