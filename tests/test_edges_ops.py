@@ -435,7 +435,7 @@ step = 0
 while not (out / "stop").exists():
     step += 1
     agent.step(step)
-    time.sleep(0.005)
+    time.sleep(0.05)  # a step of 50 ms: a switch of a few ms could end before switch_and_wait subscribed
 agent.stop("done")
 """
 
