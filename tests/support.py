@@ -13,6 +13,7 @@ import json
 import queue
 import re
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -298,6 +299,29 @@ class StreamWatch:
         self._stop.set()
         self._thread.join(5)
         return dict(self.max_open)
+
+
+_STORE_SERVER = """\
+import datetime, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
+print(store.port, flush=True)
+time.sleep(3600)
+"""
+
+
+def store_server_process() -> tuple[subprocess.Popen[str], int]:
+    """A torch TCPStore server in a process of its own on 127.0.0.1 (a job Store whose host can be
+    SIGKILLed): the process and its port. The caller kills it."""
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    line = server.stdout.readline()
+    if not line:
+        server.kill()
+        raise RuntimeError("the TCPStore server process did not start")
+    return server, int(line)
 
 
 def tcp_store(timeout_s: float = 10.0) -> Any:

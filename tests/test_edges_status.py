@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 from soak import JOB, SubprocessBackend
-from support import Trainer, free_port, operator_switch, wait_until
+from support import Trainer, free_port, operator_switch, store_server_process, wait_until
 
 from nicswitch_agent import SwitchAgent
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -408,22 +408,11 @@ def test_a_conflict_stays_the_error_now_while_the_agent_keeps_trying(agents: lis
         assert CAUSE in status["process_manage"]["last_error"], status
 
 
-_STORE_SERVER = """\
-import datetime, time
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-print(store.port, flush=True)
-time.sleep(3600)
-"""
-
-
 @pytest.mark.timeout(60)
 def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp_path: Path) -> None:
     """A member whose coordination is lost can never switch again: status() and the status file's
     check say so (before, state stayed "running" with nothing wrong to see)."""
     import datetime
-    import subprocess
-    import sys
 
     torch_dist = pytest.importorskip("torch.distributed")
     from nicswitch_agent.observability.metrics import PrometheusMetrics
@@ -433,12 +422,10 @@ def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp
     registry = prometheus_client.CollectorRegistry()
     metrics = PrometheusMetrics(registry)
 
-    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    server, port = store_server_process()
     status_file = tmp_path / "status-1.json"  # without {rank} in the path only the leader writes one
     agent = None
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
         agent = SwitchAgent(server="127.0.0.1:1", job_id=JOB, handle_signals=False, dry_run=True, rank=1,
                             world_size=2, leader="launcher", store_address=f"127.0.0.1:{port}",
                             status_file=str(tmp_path / "status-{rank}.json"), status_interval_s=0.2,

@@ -332,35 +332,22 @@ def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: An
     assert outcome.reason == "rank 3: gone, the link to the relay closed (1 rank(s) of node 1: 3)"
 
 
-_STORE_SERVER = """\
-import datetime, time
-import torch.distributed as dist
-store = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=30), wait_for_workers=False)
-print(store.port, flush=True)
-time.sleep(3600)
-"""
-
-
 @pytest.mark.parametrize("way", ["queues", "link"])
 def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> None:
     """The job's Store is gone (its host died): the node's members, which read only the node's
     Store, hear it from their relay at once and let training go on, as flat members do; parked,
     they would otherwise wait out max_parked_s (30 min)."""
     import datetime
-    import subprocess
-    import sys
 
     from nicswitch_agent.coordination import Member, MemberHooks
     from nicswitch_agent.coordination.parking import ParkingLot
 
     dist = pytest.importorskip("torch.distributed")
-    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    server, port = support.store_server_process()
     started: list[int] = []
     relay: NodeRelay | None = None
     members: list[Member] = []
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
 
         def job_kv() -> KV:
             return KV(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)), PREFIX)
@@ -425,20 +412,16 @@ def test_a_group_relay_that_loses_the_jobs_store_tells_every_rank_of_its_group_t
     """Two levels: the group relay tells its node relays, each of which is then lost too and tells
     its ranks, naming the whole chain."""
     import datetime
-    import subprocess
-    import sys
 
     from nicswitch_agent.coordination import Member, MemberHooks
     from nicswitch_agent.coordination.parking import ParkingLot
 
     dist = pytest.importorskip("torch.distributed")
-    server = subprocess.Popen([sys.executable, "-c", _STORE_SERVER], stdout=subprocess.PIPE, text=True)
+    server, port = support.store_server_process()
     started: list[int] = []
     relays: list[NodeRelay] = []
     members: list[Member] = []
     try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
 
         def job_kv() -> KV:
             return KV(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)), PREFIX)
