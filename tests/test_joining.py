@@ -126,6 +126,14 @@ def _pausing(job: Job) -> tuple[threading.Thread, list[PauseOutcome]]:
     return pausing, outcome
 
 
+def _failed(pausing: threading.Thread, outcome: list[PauseOutcome], waited_for: str) -> PauseOutcome:
+    """The pause's outcome, which must have failed within the test's time (its budget is BUDGET_S)."""
+    pausing.join(20)
+    assert outcome, f"the leader waited out the pause for {waited_for}"
+    assert not outcome[0].ok
+    return outcome[0]
+
+
 def test_a_rank_restarted_before_it_answered_the_pause_fails_it_at_once(kv: KV) -> None:
     """The pause's events went before the new process took its queue position: it will never park
     in that pause, and the old one never answers. Without a word the leader waits out
@@ -137,11 +145,9 @@ def test_a_rank_restarted_before_it_answered_the_pause_fails_it_at_once(kv: KV) 
         pausing, outcome = _pausing(job)
         assert support.wait_until(lambda: kv.check([p.c_key(1, 0)]), 10)  # rank 0 answered: the pause went out
         job.start_rank(1, 202, lambda order: True)  # torchrun's new process for rank 1
-        pausing.join(20)
-        assert outcome, "the leader waited out the pause for the dead process"
-        assert not outcome[0].ok
-        assert outcome[0].reason == ("no answer to the pause from rank(s) 1; rank 1: its process was restarted "
-                                     "during the pause (pid 101 replaced by pid 202)")
+        failed = _failed(pausing, outcome, "the dead process")
+        assert failed.reason == ("no answer to the pause from rank(s) 1; rank 1: its process was restarted "
+                                 "during the pause (pid 101 replaced by pid 202)")
         assert kv.get(p.IN_FLIGHT) == ""  # the pause is over: nothing is named any more
     finally:
         job.stop()
@@ -155,11 +161,9 @@ def test_a_rank_restarted_before_it_parked_fails_the_pause_at_once(kv: KV) -> No
         pausing, outcome = _pausing(job)
         assert support.wait_until(lambda: kv.check([p.c_key(1, 0), p.c_key(1, 1)]), 10)
         job.start_rank(1, 202, lambda order: True)
-        pausing.join(20)
-        assert outcome, "the leader waited out the pause for a process that will never park"
-        assert not outcome[0].ok
-        assert outcome[0].reason.endswith("; rank 1: its process was restarted during the pause "
-                                          "(pid 101 replaced by pid 202)"), outcome[0].reason
+        failed = _failed(pausing, outcome, "a process that will never park")
+        assert failed.reason.endswith("; rank 1: its process was restarted during the pause "
+                                      "(pid 101 replaced by pid 202)"), failed.reason
     finally:
         job.stop()
 
@@ -172,11 +176,9 @@ def test_a_pause_after_a_ranks_agent_stopped_fails_at_once_until_its_next_proces
         job.start_rank(0, 100, lambda order: True)
         job.start_rank(1, 101, lambda order: True, says_it_leaves=True).stop()
         pausing, outcome = _pausing(job)
-        pausing.join(20)
-        assert outcome, "the leader waited for a rank whose agent had stopped"
-        assert not outcome[0].ok
-        assert outcome[0].reason == ("1 rank(s) stopped their agent (training ended, or their process is ending or "
-                                     "restarting) and cannot park")
+        failed = _failed(pausing, outcome, "a rank whose agent had stopped")
+        assert failed.reason == ("1 rank(s) stopped their agent (training ended, or their process is ending or "
+                                 "restarting) and cannot park")
         job.start_rank(1, 202, lambda order: True)
         assert kv.count(p.LEFT_COUNT) == 0 and not kv.check([p.left_key(1)])
     finally:
@@ -191,9 +193,7 @@ def test_a_ranks_agent_stopping_during_a_pause_fails_it_at_once(kv: KV) -> None:
         pausing, outcome = _pausing(job)
         assert support.wait_until(lambda: kv.check([p.c_key(1, 0), p.c_key(1, 1)]), 10)  # both answered
         leaving.stop()  # its training thread will never park now
-        pausing.join(20)
-        assert outcome, "the leader waited out the pause for a rank whose agent stopped"
-        assert not outcome[0].ok
-        assert outcome[0].reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), outcome[0].reason
+        failed = _failed(pausing, outcome, "a rank whose agent stopped")
+        assert failed.reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), failed.reason
     finally:
         job.stop()

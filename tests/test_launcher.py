@@ -269,6 +269,25 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     assert sim.job_view(JOB).violations == []
 
 
+def _two_ranks_training(sim: Simulator, tmp_path: Path, launches: list[Launch],
+                        *flags: str) -> tuple[Path, Launch, Operator]:
+    """Two ranks under the launcher and torchrun (one restart allowed) with train.py's ``flags``,
+    training, the leader's streams open: (the job's directory, the launch, an operator to close)."""
+    out = tmp_path / "job"
+    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
+                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), *flags], base_env(sim))
+    launches.append(launch)
+    job, operator = TrainJob(out), Operator(sim)
+    try:
+        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
+        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
+        launch.remember_tree()
+    except BaseException:
+        operator.close()
+        raise
+    return out, launch, operator
+
+
 @pytest.mark.timeout(300)
 def test_a_rank_that_dies_mid_switch_is_answered_for_by_its_restarted_process(sim: Simulator, tmp_path: Path,
                                                                             launches: list[Launch]) -> None:
@@ -276,16 +295,8 @@ def test_a_rank_that_dies_mid_switch_is_answered_for_by_its_restarted_process(si
     fails the order at once (coordination/joining.py), so the leader replies false now. Before, it
     waited out the order's budget (guard + switch + verify warm-up: minutes), and here ClusterD's
     30 s report timeout would have ended the switch first, with another message."""
-    out = tmp_path / "job"
-    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), "--die-in-switch", "1:1"],
-                    base_env(sim))
-    launches.append(launch)
-    job, operator = TrainJob(out), Operator(sim)
+    out, launch, operator = _two_ranks_training(sim, tmp_path, launches, "--die-in-switch", "1:1")
     try:
-        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
-        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
-        launch.remember_tree()
         message = operator.switch(["1", "0"], [True, True])
         assert (out / "died").exists()
         assert sim.job_view(JOB).replies == [False], message
@@ -615,16 +626,8 @@ def test_a_rank_that_dies_during_the_pause_fails_it_at_once_through_its_restarte
     stopping, or a new process joining, fails the pause at once (coordination/joining.py). Before,
     the leader waited out pause_timeout_s (five minutes: longer than this test may run) with
     ClusterD answering "busy" to every other request."""
-    out = tmp_path / "job"
-    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), "--die-at-pause", "1"],
-                    base_env(sim))
-    launches.append(launch)
-    job, operator = TrainJob(out), Operator(sim)
+    out, launch, operator = _two_ranks_training(sim, tmp_path, launches, "--die-at-pause", "1")
     try:
-        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
-        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
-        launch.remember_tree()
         message = operator.switch(["1", "0"], [True, True], timeout=240)
         assert (out / "died").exists()
         log = launch.log()

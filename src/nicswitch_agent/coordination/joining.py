@@ -69,15 +69,20 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
 
 def _fail_pause(kv: KV, rank: int, pid: int, before: str, epoch: int) -> str:
     """The pause in flight cannot complete: this process starts after its events and will never
-    park in it, and its predecessor will never answer. End the leader's wait for either phase now
-    (the done keys it blocks on, kv.wait_count), with words for its message."""
-    kv.set(p.restarted_key(epoch), f"rank {rank}: its process was restarted during the pause (pid {before} "
-                                   f"replaced by pid {pid})")
-    for counter in (p.c_counter_key(epoch), p.parked_counter_key(epoch)):
-        kv.set(done_key(counter), "failed")
+    park in it, and its predecessor will never answer."""
+    _end_pause(kv, epoch, f"rank {rank}: its process was restarted during the pause (pid {before} replaced by pid "
+                          f"{pid})")
     logger.warning("rank %d: this process (pid %d) takes the place of pid %s during pause #%d: told the leader "
                    "it cannot complete", rank, pid, before, epoch)
     return f"pause #{epoch}"
+
+
+def _end_pause(kv: KV, epoch: int, words: str) -> None:
+    """End the leader's wait for either phase of pause ``epoch`` now (the done keys it blocks on,
+    kv.wait_count), with ``words`` for its message (``e/<E>/restarted``)."""
+    kv.set(p.restarted_key(epoch), words)
+    for counter in (p.c_counter_key(epoch), p.parked_counter_key(epoch)):
+        kv.set(done_key(counter), "failed")
 
 
 def leave(kv: KV, rank: int, pid: int) -> None:
@@ -93,10 +98,7 @@ def leave(kv: KV, rank: int, pid: int) -> None:
     try:
         in_flight = json.loads(text) if text else {}
         if isinstance(in_flight, dict) and in_flight.get("pause"):
-            epoch = int(in_flight["e"])
-            kv.set(p.restarted_key(epoch), f"rank {rank}: its agent stopped during the pause (pid {pid})")
-            for counter in (p.c_counter_key(epoch), p.parked_counter_key(epoch)):
-                kv.set(done_key(counter), "failed")
+            _end_pause(kv, int(in_flight["e"]), f"rank {rank}: its agent stopped during the pause (pid {pid})")
     except (ValueError, KeyError, TypeError):
         logger.error("rank %d: ignoring a malformed in-flight pause: %r", rank, text[:200])
 
