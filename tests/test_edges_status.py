@@ -451,3 +451,32 @@ def test_a_member_that_lost_its_store_says_so_in_status_and_the_status_check(tmp
         server.kill()
         if agent is not None:
             agent.stop()
+
+
+def test_a_rank_whose_local_rank_0_stopped_its_agent_says_so_as_a_stop_not_an_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Local rank 0's agent stopping (its process ends: a whole job's Ctrl-C, training over) closes
+    the node link it hosts and says why. The node's other ranks can no longer switch: their status
+    says so at once, and their log says it at INFO (the job is stopping), not as an ERROR."""
+    pytest.importorskip("torch.distributed")
+    server, port = store_server_process()
+    made: list[SwitchAgent] = []
+    try:
+        with caplog.at_level(logging.INFO, logger="nicswitch_agent"):
+            for rank in (0, 1):  # one node of two ranks; the leader lives elsewhere (a launcher's)
+                made.append(SwitchAgent(server="127.0.0.1:1", job_id=JOB, handle_signals=False, dry_run=True,
+                                        rank=rank, world_size=4, local_world_size=2, leader="launcher",
+                                        store_address=f"127.0.0.1:{port}"))
+                made[-1].start()
+            assert "local rank 1; over the node link" in caplog.text
+            made[0].stop("signal SIGINT")
+            assert wait_until(lambda: made[1].status()["coordination_lost"], 20)
+        assert made[1].status()["coordination_lost"] == (
+            "LinkClosed: the node's relay (local rank 0) stopped: local rank 0's agent stopped (signal SIGINT)")
+        lost = [r for r in caplog.records if "coordination store lost" in r.getMessage()]
+        assert [r.levelno for r in lost] == [logging.INFO], [(r.levelname, r.getMessage()) for r in lost]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        server.kill()
+        for agent in made:
+            agent.stop()

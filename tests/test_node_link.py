@@ -23,7 +23,8 @@ import pytest
 import support
 
 from nicswitch_agent.coordination import KV, node_link, topology
-from nicswitch_agent.coordination.node_link import LinkLost, NodeHub, NodeLink
+from nicswitch_agent.coordination.messages import LevelStopped
+from nicswitch_agent.coordination.node_link import LinkClosed, LinkLost, NodeHub, NodeLink
 from nicswitch_agent.errors import ConfigError
 
 pytestmark = [pytest.mark.timeout(60),
@@ -170,6 +171,32 @@ def test_a_hub_killed_is_coordination_lost_at_once_for_its_ranks_after_what_it_s
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_hub_closed_on_purpose_tells_its_ranks_so_after_what_it_sent() -> None:
+    """The agent of local rank 0 stopping closes its hub with a reason: the node's ranks take what
+    it sent first, then raise LinkClosed (nothing failed: their member logs it as a stop), where a
+    hub that just vanishes is LinkLost only."""
+    hub = NodeHub()
+    ranks = [link(hub, 1), link(hub, 2)]
+    assert support.wait_until(lambda: hub.ranks_connected == 2, 20)
+    hub.queue_push(queue(1), "the last release")
+    hub.close("local rank 0's agent stopped (signal SIGINT)")
+    assert ranks[0].queue_pop_within(queue(1), 3600.0) == b"the last release"
+    for slot, rank in enumerate(ranks, 1):
+        with pytest.raises(LinkClosed, match=r"^the node's relay \(local rank 0\) stopped: local rank 0's agent "
+                                             r"stopped \(signal SIGINT\)$"):
+            rank.queue_pop_within(queue(slot), 3600.0)
+        with pytest.raises(LinkClosed):
+            rank.queue_push(f"{PREFIX}/a/1/c", "an answer nobody reads")
+    assert issubclass(LinkClosed, LinkLost) and issubclass(LinkClosed, LevelStopped)
+    silent = NodeHub()
+    rank = link(silent, 1)
+    assert support.wait_until(lambda: silent.ranks_connected == 1, 20)
+    silent.close()  # no reason: a close nobody announced is a loss like any other
+    with pytest.raises(LinkLost) as lost:
+        rank.queue_pop_within(queue(1), 3600.0)
+    assert not isinstance(lost.value, LinkClosed), lost.value
 
 
 RANK = """

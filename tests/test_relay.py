@@ -36,7 +36,9 @@ class Node:
     rank 0's member, every other slot through a link of its own over a real Unix socket)."""
 
     def __init__(self, job_store: InProcessStore, node: int, ranks: list[int], *, way: str = "keys") -> None:
-        hub = NodeHub() if way == "link" else InProcessStore()
+        # Slot 0's queue is the hub's own member's, as the agent hosts it (topology.node_kv): a
+        # wait on it never reads the sockets, so a rank's link closing never ends it with GONE.
+        hub = NodeHub(local_queue=f"{PREFIX}/{queues.queue_name(0)}") if way == "link" else InProcessStore()
         self.local = KV(hub, PREFIX, queues=way != "keys")
         self.relay = NodeRelay(KV(job_store, PREFIX), KV(job_store, PREFIX), self.local, node, ranks,
                                stop_timeout_s=2.0, local_wake=self.local)
@@ -333,11 +335,15 @@ def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: An
 
 
 @pytest.mark.parametrize("way", ["queues", "link"])
-def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> None:
+@pytest.mark.parametrize("stopping", [False, True], ids=["running", "after-a-stop"])
+def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(
+        way: str, stopping: bool, caplog: pytest.LogCaptureFixture) -> None:
     """The job's Store is gone (its host died): the node's members, which read only the node's
     Store, hear it from their relay at once and let training go on, as flat members do; parked,
-    they would otherwise wait out max_parked_s (30 min)."""
+    they would otherwise wait out max_parked_s (30 min). An ERROR each, unless training had been
+    told to stop first (killMaster, a dump): the job is ending, its Stores' hosts with it."""
     import datetime
+    import logging
 
     from nicswitch_agent.coordination import Member, MemberHooks
     from nicswitch_agent.coordination.parking import ParkingLot
@@ -352,7 +358,7 @@ def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> 
         def job_kv() -> KV:
             return KV(dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30)), PREFIX)
 
-        hub = NodeHub() if way == "link" else InProcessStore()
+        hub = NodeHub(local_queue=f"{PREFIX}/{queues.queue_name(0)}") if way == "link" else InProcessStore()
         local = KV(hub, PREFIX, queues=True)
         views = [local, KV(NodeLink(hub.address, local.prefix + queues.queue_name(1), 5.0), PREFIX, queues=True)
                  if isinstance(hub, NodeHub) else local]
@@ -365,18 +371,64 @@ def test_a_relay_that_loses_the_jobs_store_tells_its_ranks_at_once(way: str) -> 
             member.start()
         relay.start()
         assert support.wait_until(lambda: len(started) == 2, 20)  # both read their queue: they will see the event
-        server.kill()
-        server.wait(10)
-        assert support.wait_until(lambda: all(member.lost for member in members), 20)
+        if stopping:  # the leader tells training to stop (as on killMaster); its process then ends
+            queues.publish(job_kv(), 1, queues.start(job_kv(), 0),
+                           p.encode({"t": p.RELEASE, "e": 0, "stop": "ClusterD is killing the job", "cancel": False}))
+            assert support.wait_until(lambda: all(m.events_handled == 1 for m in members) and
+                                      relay.events_relayed == 1, 20)
+        with caplog.at_level(logging.INFO, logger="nicswitch_agent.coordination"):
+            server.kill()
+            server.wait(10)
+            assert support.wait_until(lambda: all(member.lost for member in members) and not relay.running, 20)
         for member in members:
             assert member.lost.startswith("LevelLost: the relay of node 0 lost the Store above it: "), member.lost
         assert relay.lost and not relay.running
+        lost = [r for r in caplog.records if "coordination store lost" in r.getMessage()]
+        assert len(lost) == 3, [r.getMessage() for r in lost]  # the relay's line, one per member
+        assert {r.levelno for r in lost} == {logging.INFO if stopping else logging.ERROR}, \
+            [(r.levelname, r.getMessage()) for r in lost]
     finally:
         server.kill()
         for member in members:
             member.stop()
         if relay is not None:
             relay.stop()
+
+
+@pytest.mark.parametrize("how", ["on-purpose", "vanished"])
+def test_a_member_whose_relay_stopped_on_purpose_says_so_without_an_error(
+        how: str, caplog: pytest.LogCaptureFixture) -> None:
+    """Local rank 0's agent stopping (its process ending, a whole job's Ctrl-C) closes the node
+    link and says why: the node's other ranks lose coordination (status shows it) and log it at
+    INFO, as the stop it is. A hub that vanishes without a word is still an ERROR."""
+    import logging
+
+    from nicswitch_agent.coordination import Member, MemberHooks
+    from nicswitch_agent.coordination.parking import ParkingLot
+
+    hub = NodeHub(local_queue=f"{PREFIX}/{queues.queue_name(0)}")
+    view = KV(NodeLink(hub.address, f"{PREFIX}/{queues.queue_name(1)}", 5.0), PREFIX, queues=True)
+    hooks = MemberHooks(switch_hook=None, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5, dry_run=False)
+    started = threading.Event()
+    member = Member(view, 1, ParkingLot(), hooks, lambda: 1, slot=1, on_started=started.set)
+    member.start()
+    try:
+        assert started.wait(20)
+        with caplog.at_level(logging.INFO, logger="nicswitch_agent.coordination"):
+            hub.close("local rank 0's agent stopped (signal SIGINT)" if how == "on-purpose" else "")
+            assert support.wait_until(lambda: bool(member.lost), 20)
+        lost = [r for r in caplog.records if "coordination store lost" in r.getMessage()]
+        assert len(lost) == 1, [r.getMessage() for r in lost]
+        if how == "on-purpose":
+            assert member.lost == ("LinkClosed: the node's relay (local rank 0) stopped: local rank 0's agent "
+                                   "stopped (signal SIGINT)"), member.lost
+            assert lost[0].levelno == logging.INFO
+        else:
+            assert member.lost.startswith("LinkLost: the node's relay (local rank 0) is gone"), member.lost
+            assert lost[0].levelno == logging.ERROR
+    finally:
+        member.stop()
+        hub.close()
 
 
 def test_a_node_relays_early_failure_reaches_the_leader_through_its_group_relay() -> None:

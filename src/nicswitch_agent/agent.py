@@ -451,7 +451,7 @@ class SwitchAgent:
         if self._member is not None:
             self._member.stop()
         if self._fan_out is not None:
-            self._fan_out.stop()  # after the member: the release above still reaches the node's ranks
+            self._fan_out.stop(reason)  # after the member: the release above still reaches the node's ranks
         self._parking.let_go(stop_reason_if_parked=stop_training)
         if not self._parking.wait_unparked(self.config.stop_timeout_s):
             logger.warning("training still parked %.1f s after stop (a hook runs on it)", self.config.stop_timeout_s)

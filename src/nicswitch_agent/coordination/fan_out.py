@@ -21,7 +21,8 @@ class RankFanOut:
 
     ``member_kv`` is where the rank's member answers, ``slot`` its index there (None: flat, the
     member answers on the job's Store by global rank). ``stop()`` stops the relays, the node's
-    first (the release it relayed last still reaches the node's ranks), then the group's.
+    first (the release it relayed last still reaches the node's ranks), then the group's, then
+    closes the node link it hosts.
     """
 
     def __init__(self, kv: KV, layout: Layout, rank: int, *, node_store_timeout_s: float,
@@ -67,10 +68,15 @@ class RankFanOut:
             if relay is not None:
                 relay.start()
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "") -> None:
+        """Stop the relays, then close the node link this rank hosts, telling the node's ranks why
+        (they lose coordination now, and know it is a stop rather than a failure)."""
         for relay in (self.node_relay, self.group_relay):
             if relay is not None:
                 relay.stop()
+        for server in self._servers:
+            if isinstance(server, node_link.NodeHub):
+                server.close(f"local rank 0's agent stopped ({reason})" if reason else "local rank 0's agent stopped")
 
     def describe(self) -> str:
         """For the start line: "" when flat."""

@@ -121,6 +121,7 @@ class Member:
         self._go: str | None = None  # the go key being waited on (guarded by _result_lock: stop wakes it)
         self.events_handled = 0
         self.lost = ""
+        self._job_stopping = False  # a release told training to stop: the Stores' hosts may end any time now
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
         self._last_order: tuple[str, SwitchOrder] | None = None  # (name, order) of the last order run
 
@@ -210,14 +211,14 @@ class Member:
                         self.lot.release()
                     continue
             except RuntimeError as exc:  # DistNetworkError and friends: the Store is gone
-                self._coordination_lost(f"{type(exc).__name__}: {exc}")
+                self._coordination_lost(f"{type(exc).__name__}: {exc}", stopped=isinstance(exc, p.LevelStopped))
                 return
             self._next += 1
             try:
                 self._take(text)
                 queues.done(kv, self.slot, n)  # once answered: a key's delete is off the phase's critical path
             except RuntimeError as exc:
-                self._coordination_lost(f"{type(exc).__name__}: {exc}")
+                self._coordination_lost(f"{type(exc).__name__}: {exc}", stopped=isinstance(exc, p.LevelStopped))
                 return
 
     def _take(self, text: str) -> None:
@@ -240,12 +241,15 @@ class Member:
             logger.exception("rank %d: handling %s failed", self.rank, message.get("t"))
         self.events_handled += 1
 
-    def _coordination_lost(self, why: str) -> None:
+    def _coordination_lost(self, why: str, *, stopped: bool = False) -> None:
+        """``stopped``: the level above ended on purpose (its agent stopped). That, or a loss once
+        the job was told to stop (its hosts are ending), is the stop it is: INFO, not ERROR."""
         self.lost = why
         if self._stop.is_set():
             return
-        logger.error("rank %d: coordination store lost (%s); switches cannot run here, training goes on",
-                     self.rank, why)
+        logger.log(logging.INFO if stopped or self._job_stopping else logging.ERROR,
+                   "rank %d: coordination store lost (%s); switches cannot run here, training goes on",
+                   self.rank, why)
         self.lot.release()
         self._emit("coordination_lost", {"rank": self.rank, "why": why})
         if self._on_lost is not None:
@@ -301,6 +305,7 @@ class Member:
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
+            self._job_stopping = self._job_stopping or bool(stop)
             if released is not None or stop:
                 self.lot.release(stop_reason=str(stop) if stop else None)
         elif kind == p.LOST:

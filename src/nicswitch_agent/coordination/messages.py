@@ -119,6 +119,11 @@ class LevelLost(RuntimeError):
     """The level above this one is lost (a relay's ``LOST`` event): raised where a lost Store is."""
 
 
+class LevelStopped(RuntimeError):
+    """The level above ended on purpose (its agent stopped) and said so: coordination is lost
+    here as with :class:`LevelLost`, but nothing failed, so it is not logged as an error."""
+
+
 def order_name(message: dict[str, Any]) -> str:
     """The name of the order an order event runs: its own key, or (a verify round) the switch's."""
     return str(message.get("order", message["key"]))

@@ -23,7 +23,9 @@ message written to a Unix socket is in the reader's queue once ``send`` returns:
 nothing for a rank that it could lose by exiting. A rank that starts late gets what the hub sends
 from then on (its queue starts empty, as :func:`queues.start` expects). The hub's process ending
 closes every rank's socket: each rank's next wait raises a RuntimeError (coordination lost) at
-once, where a Store client would find out at its next request. A rank's socket closing is the
+once, where a Store client would find out at its next request; a hub closed on purpose (its
+agent stopped) says so first, and the ranks raise :class:`LinkClosed` (nothing failed: logged
+as the stop it is, not as an error). A rank's socket closing is the
 rank gone: the hub drops it, and a wait for the ranks' answers ends (``GONE``) so the relay need
 not wait out the phase for it (queues.gone). Only processes of the hub's own user may join
 (SO_PEERCRED), and a rank that does not read for SEND_TIMEOUT_S is dropped.
@@ -53,13 +55,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from nicswitch_agent.coordination.kv import GONE, StoreTimeout
+from nicswitch_agent.coordination.messages import LevelStopped
 
 logger = logging.getLogger("nicswitch_agent.coordination")
 T = TypeVar("T")
 Frame = tuple[int, str, bytes]  # (operation, key, value)
 SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
 _HEADER = struct.Struct("!IB")  # payload length, operation
-_SET, _DELETE, _PUSH, _HELLO = b"S"[0], b"D"[0], b"P"[0], b"H"[0]
+_SET, _DELETE, _PUSH, _HELLO, _BYE = b"S"[0], b"D"[0], b"P"[0], b"H"[0], b"B"[0]
 _RECV_BYTES = 1 << 18
 HELLO_TIMEOUT_S = 2.0  # a rank sends its hello right after it dialled
 SEND_TIMEOUT_S = 10.0  # a rank that does not read for this long is taken for gone (its socket is full)
@@ -159,6 +162,7 @@ class _Copy:
         os.set_blocking(self._wake_w, False)
         weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self.lost = ""  # why this side cannot go on (set once): every wait raises it
+        self.closed_on_purpose = False  # the other side said it closes (its agent stopped): nothing failed
 
     # -- what the subclasses say ---------------------------------------------------------------
 
@@ -179,6 +183,9 @@ class _Copy:
 
     def _accept(self) -> None:
         raise NotImplementedError
+
+    def _lost_error(self) -> LinkLost:
+        return LinkClosed(self.lost) if self.closed_on_purpose else LinkLost(self.lost)
 
     # -- local state ---------------------------------------------------------------------------
 
@@ -212,7 +219,7 @@ class _Copy:
                 if got is not None:
                     return got
                 if self.lost:
-                    raise LinkLost(self.lost)
+                    raise self._lost_error()
                 remaining = deadline - time.monotonic()
                 if self._reading or not read:
                     if remaining <= 0:
@@ -236,7 +243,7 @@ class _Copy:
                 if remaining <= 0:  # one look at what had arrived, then the answer
                     got = take()
                     if got is None and self.lost:
-                        raise LinkLost(self.lost)
+                        raise self._lost_error()
                     return got
 
     def _refresh(self) -> None:
@@ -336,6 +343,10 @@ class _Copy:
 
 class LinkLost(RuntimeError):
     """The other side of the node link is gone (a RuntimeError, as a lost Store's DistNetworkError)."""
+
+
+class LinkClosed(LinkLost, LevelStopped):
+    """The hub closed the link on purpose (local rank 0's agent stopped) and said so first."""
 
 
 class NodeHub(_Copy):
@@ -519,8 +530,12 @@ class NodeHub(_Copy):
         """A rank's queue is in that rank's socket once sent: nothing of it is held here."""
         return 0 if key in self._peers else super().queue_len(key)
 
-    def close(self) -> None:
-        """Close the listener and every rank's socket (each rank's next wait: coordination lost)."""
+    def close(self, reason: str = "") -> None:
+        """Close the listener and every rank's socket (each rank's next wait: coordination lost).
+        With ``reason`` (the agent stopped) each rank is told so first: its loss is then the
+        stop it is, not an error. Told without blocking: a rank that does not read is not waited for."""
+        if reason and not self._shut:
+            self._accept()  # ranks that dialled but were never taken in (an idle hub accepts lazily) are told too
         with self._cond:
             if self._shut:
                 return
@@ -528,6 +543,9 @@ class NodeHub(_Copy):
             self.lost = "the node hub closed"
             self._listener.close()
             for peer in list(self._peers.values()):
+                if reason:
+                    with contextlib.suppress(OSError):
+                        peer.sock.send(_frame(_BYE, reason), socket.MSG_DONTWAIT)
                 peer.sock.close()
             self._peers.clear()
             self._changed()
@@ -565,6 +583,10 @@ class NodeLink(_Copy):
 
     def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
         for op, key, value in frames:
+            if op == _BYE:  # the hub closes on purpose: what came before it is still taken first
+                if not self.lost:
+                    self.lost, self.closed_on_purpose = f"the node's relay (local rank 0) stopped: {key}", True
+                continue
             self._apply(op, key, value)
 
     def _closed(self, peer: _Peer, why: str) -> None:
@@ -594,14 +616,14 @@ class NodeLink(_Copy):
                 self._changed()
             return
         if self.lost:
-            raise LinkLost(self.lost)
+            raise self._lost_error()
         try:
             self._peer.send(_frame(_PUSH, key, _as_bytes(value)))
         except OSError as exc:
             with self._cond:
                 self._closed(self._peer, f"{type(exc).__name__}: {exc}")
                 self._changed()
-            raise LinkLost(self.lost) from exc
+            raise self._lost_error() from exc
 
     def close(self) -> None:
         with self._cond:
@@ -611,4 +633,4 @@ class NodeLink(_Copy):
             self._changed()
 
 
-__all__ = ["SCHEME", "LinkLost", "NodeHub", "NodeLink", "is_address", "supported"]
+__all__ = ["SCHEME", "LinkClosed", "LinkLost", "NodeHub", "NodeLink", "is_address", "supported"]

@@ -93,6 +93,7 @@ class NodeRelay:
         self._thread: threading.Thread | None = None
         self.events_relayed = 0
         self.lost = ""
+        self._job_stopping = False  # it relayed a release that stops training
 
     @property
     def size(self) -> int:
@@ -135,8 +136,9 @@ class NodeRelay:
             self.lost = f"{type(exc).__name__}: {exc}"
             if self._stop.is_set():
                 return
-            if isinstance(exc, RuntimeError):
-                logger.error("%s: coordination store lost (%s); switches cannot run there", self._label, self.lost)
+            if isinstance(exc, RuntimeError):  # after a stop of training its Stores' hosts end: no error then
+                logger.log(logging.INFO if self._job_stopping else logging.ERROR,
+                           "%s: coordination store lost (%s); switches cannot run there", self._label, self.lost)
             else:
                 logger.exception("%s: the relay thread failed; switches cannot run there", self._label)
             self._tell_below(self.lost)
@@ -176,6 +178,7 @@ class NodeRelay:
             # may end, and the Store with it) goes only once the slots have taken the stop.
             # (On a queue the event left it when it was read: the leader above waits for that.)
             if message["t"] == p.RELEASE and message.get("stop") is not None:
+                self._job_stopping = True
                 queues.untaken(self.local, range(self.size), self._local_n,
                                time.monotonic() + self._stop_timeout_s, self._stop)
             queues.done(self.job, self.node, n)
