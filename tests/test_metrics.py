@@ -71,6 +71,23 @@ def run_one_switch(sim: Simulator, *listeners: Any) -> Events:
     return kinds
 
 
+def test_stream_up_is_1_on_a_healthy_leader_before_any_switch_and_0_once_clusterd_is_gone(sim: Simulator) -> None:
+    """Found by an outside check: the gauge had no value until a first loss, so an alert on
+    ``== 0`` saw nothing and a dashboard had no data for every healthy job."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", dry_run=True,
+                        on_event=PrometheusMetrics(registry), reconnect_initial_s=0.02, reconnect_max_s=0.1)
+    agent.start()
+    try:
+        assert sim.wait_until(switch_streams_open, 10)
+        assert registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 1
+        sim.stop()
+        assert support.wait_until(lambda: registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 0, 20)
+    finally:
+        agent.stop()
+
+
 # -- after a real switch ------------------------------------------------------------------------------
 
 

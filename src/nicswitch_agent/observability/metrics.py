@@ -452,7 +452,11 @@ class PrometheusMetrics:
         elif kind == ev.STREAM_LOST:
             self.stream_losses.labels(job).inc()
             self.stream_up.labels(job).set(0)
-        elif kind == ev.STREAM_RESTORED:
+        elif kind == ev.STREAM_RESTORED or (kind == ev.SUBSCRIBED and detail.get("stream") == "notify"
+                                            and detail.get("opens") == 1):
+            # The first open at start counts as healthy (as the stream's own health does, until
+            # its first error: an open but silent stream looks the same as a healthy idle one);
+            # later opens (retries to a server that is down) do not: STREAM_RESTORED says when.
             self.stream_up.labels(job).set(1)
         elif kind in (ev.AGENT_STOPPED, ev.AGENT_FAILED):
             self.stream_up.labels(job).set(0)
