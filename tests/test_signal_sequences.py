@@ -115,9 +115,15 @@ class Rig:
         store = InProcessStore()
         self.training = Training()
         results = iter(switch_results)
+        self.switched: list[tuple[bool, ...]] = []  # the ops of every switch hook call (rollbacks included)
+
+        def switch(order: SwitchOrder) -> bool:
+            self.switched.append(order.ops)
+            return next(results, True)
+
         self.member = Member(
             KV(store, "t"), 0, self.training.lot,
-            MemberHooks(switch_hook=lambda order: next(results, True), checkpoint_hook=lambda order: None,
+            MemberHooks(switch_hook=switch, checkpoint_hook=lambda order: None,
                         guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False),
             lambda: self.training.step, stop_timeout_s=2.0,
         )
@@ -188,3 +194,40 @@ def check_sequence(rig: Rig, steps: list[Any]) -> None:
         assert lot._cond.wait_for(lambda: not lot.parked, 10), "training left parked"
     if rig.stops:  # every stop reached the training thread as TrainingStopped
         assert rig.training.stop_seen.wait(10), f"stopped ({rig.stops}) but step() never raised"
+
+
+@pytest.mark.parametrize(("rollback_ok", "guard_ok"), [(True, True), (False, True), (True, False)],
+                         ids=["rolled-back", "rollback-fails", "guard-refused"])
+def test_a_reset_after_a_failed_switch_lets_training_go_on_only_on_rolled_back_links(
+        rollback_ok: bool, guard_ok: bool) -> None:
+    """Found by an outside check: ClusterD gone between a failed switch and its choice of strategy
+    ended the stream, and training resumed on links that had moved. Now the links are rolled back
+    first (what retry would have led to), or training stops; a switch whose guard refused moved
+    nothing and goes on at once."""
+    rig = Rig([False, rollback_ok])
+    if not guard_ok:
+        def refuse(order: SwitchOrder) -> None:
+            raise OSError("No space left on device")
+        rig.member.hooks = MemberHooks(switch_hook=rig.member.hooks.switch_hook, checkpoint_hook=refuse,
+                                       guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False)
+    try:
+        rig.controller._handle(pb.ProcessManageSignal(uuid="p", jobId="j", signalType=STOP_TRAIN,
+                                                      actions=[ACTION_PAUSE]), 1)
+        assert rig.coordinator.paused
+        assert not rig.controller.execute(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,))).ok
+        rig.controller._handle_stream_end("reset")
+        assert not rig.coordinator.paused
+        lot = rig.training.lot
+        with lot._cond:
+            assert lot._cond.wait_for(lambda: not lot.parked, 10), "training left parked"
+        if not guard_ok:
+            assert rig.switched == [] and rig.stops == []
+        elif rollback_ok:
+            assert rig.switched == [(True,), (False,)] and rig.stops == []  # the switch, then its rollback
+        else:
+            assert rig.switched == [(True,), (False,)]
+            assert rig.stops == ["the process-manage stream ended (reset) after a switch failed and its links "
+                                 "could not be rolled back: training must not resume on them"], rig.stops
+            assert rig.training.stop_seen.wait(10)
+    finally:
+        rig.close()

@@ -95,7 +95,8 @@ def test_bars_are_the_durations_and_times_the_ranks_wrote(job_dir: Path, timelin
         for switch in timeline.switches:
             phase = bars(switch.lanes[rank])
             guard = next(r for r in records if r["kind"] == "guard_done" and r["seq"] == switch.seq)
-            result = next(r for r in records if r["kind"] == "member_result" and r["seq"] == switch.seq)
+            result = next(r for r in records if r["kind"] == "member_result" and r["seq"] == switch.seq
+                          and r["detail"]["kind"] == "switch")
             epoch = result["detail"]["epoch"]
             parked = next(r for r in records if r["kind"] == "parked" and r["detail"]["epoch"] == epoch)
             # wall clocks near 1.8e9 s keep about a microsecond through the subtractions

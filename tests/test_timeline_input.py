@@ -212,9 +212,14 @@ def test_verify_and_phases_of_a_newer_agent_are_drawn_as_bars(events: Path, docu
         monkeypatch.setitem(ev.EVENT_KINDS, "verify_done", ev.EventKind("verify_done", "every rank", "", ()))
     path = events / "rank-1.jsonl"
     records = load(path)
-    at = next(i for i, r in enumerate(records) if r["kind"] == "member_result" and r["seq"] == 1)
+    at = next(i for i, r in enumerate(records) if r["kind"] == "member_result" and r["seq"] == 1
+              and r["detail"]["kind"] == "switch")
     result = records[at]
-    extra = [{**result, "kind": "verify_done", "wall": result["wall"] + 0.002,
+    # A rank with a verify hook writes both: its verify order's result and its verify_done (one bar)
+    extra = [{**result, "kind": "member_result", "wall": result["wall"] + 0.002,
+              "detail": {**result["detail"], "kind": "verify", "ok": False, "duration_s": 0.0016,
+                         "reason": "no traffic on the standby link"}},
+             {**result, "kind": "verify_done", "wall": result["wall"] + 0.002,
               "detail": {"rank": 1, "ok": False, "duration_s": 0.0015, "reason": "no traffic on the standby link"}},
              {**result, "kind": "probe_links", "wall": result["wall"] + 0.003, "detail": {"duration_s": 0.001}},
              {**result, "kind": "something_new", "wall": result["wall"] + 0.004, "detail": {"note": "no duration"}}]
@@ -222,6 +227,7 @@ def test_verify_and_phases_of_a_newer_agent_are_drawn_as_bars(events: Path, docu
     timeline = timeline_of(events)
     lane = timeline.switches[0].lanes[1]
     switch_end = next(b.end for b in lane.bars if b.phase == "switch")
+    assert [b.phase for b in lane.bars].count("verify") == 1
     verify = next(b for b in lane.bars if b.phase == "verify")
     assert not verify.ok and verify.note == "no traffic on the standby link" and lane.failed == 1
     assert verify.end == pytest.approx(switch_end + 0.002, abs=1e-6)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from nicswitch_agent import process_hooks
 from nicswitch_agent.config import AgentConfig, resolve_pause_mode
 from nicswitch_agent.config.frameworks import msrun_scheduler
-from nicswitch_agent.coordination import KIND_SWITCH, KV, Coordinator, Member, MemberHooks, topology, verification
+from nicswitch_agent.coordination import KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
 from nicswitch_agent.coordination.joining import launcher_callbacks
@@ -681,7 +681,7 @@ class SwitchAgent:
         from nicswitch_agent.clusterd.signal_flow import success_reason
 
         assert self._coordinator is not None
-        outcome = self._coordinator.run(order, kind=KIND_SWITCH, budget_s=self._hook_settings().order_budget_s)
+        outcome = self._hook_settings().run_switch(self._coordinator, order)
         return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
 
     def _send_reply(self, job_id: str, result: bool, total_timeout_s: float | None) -> ReplyReport:

@@ -80,15 +80,16 @@ class HookSettings:
     guard_unknown: bool = False  # a launcher's leader: the members' hooks are not known here
 
     @property
-    def order_budget_s(self) -> float:
-        return order_budget_s(self)
+    def guard_budget_s(self) -> float | None:
+        """The guard round's budget where a guard runs (not in a dry run, where no hook runs);
+        None: no guard round (Coordinator.run). The leader adds a small slack to it."""
+        guarded = (self.has_checkpoint_hook or self.guard_unknown) and not self.dry_run
+        return self.guard_timeout_s if guarded else None
 
-
-def order_budget_s(hooks: HookSettings) -> float:
-    """How long an order may take on a rank: the guard's timeout only where a guard runs (not in
-    a dry run, where no hook runs), plus the switch's. The leader adds a small slack to it."""
-    guarded = (hooks.has_checkpoint_hook or hooks.guard_unknown) and not hooks.dry_run
-    return (hooks.guard_timeout_s if guarded else 0.0) + hooks.switch_timeout_s
+    def run_switch(self, coordinator: Coordinator, order: SwitchOrder) -> RunOutcome:
+        """A switch on every rank: its guard round first where a guard runs, then the switch."""
+        return coordinator.run(order, kind=KIND_SWITCH, budget_s=self.switch_timeout_s,
+                               guard_budget_s=self.guard_budget_s)
 
 
 class LinkState:
@@ -125,7 +126,7 @@ class AgentModeController:
         self._lock = threading.Lock()  # guards the fields below
         self._failed_order: SwitchOrder | None = None
         self._failed_switch_attempted = False
-        self._failed_unsafe = False  # its verification may have left communicators unusable
+        self._failed_unsafe = ""  # why a rank may be unable to go on after it (verification, a guard still running)
         self._checkpoint_ok = False  # every rank has a checkpoint of the currently parked step
         self._rollback_ok = False
         self._stopped_reason: str | None = None
@@ -159,7 +160,7 @@ class AgentModeController:
         """Run guard and switch on every parked rank; bounded by the hook budgets."""
         if not self.coordinator.paused:
             return Execution(False, "training is not parked: refusing to switch links under a running step")
-        outcome = self.coordinator.run(order, kind=KIND_SWITCH, budget_s=self.hooks.order_budget_s)
+        outcome = self.hooks.run_switch(self.coordinator, order)
         with self._lock:
             self._checkpoint_ok = self._checkpoint_ok or outcome.guard_ok
             if outcome.ok:
@@ -167,7 +168,7 @@ class AgentModeController:
                 self._failed_order = None
             else:
                 self._failed_order, self._failed_switch_attempted = order, outcome.attempted
-                self._failed_unsafe = outcome.unsafe
+                self._failed_unsafe = outcome.reason if outcome.unsafe else ""
         if outcome.interrupted is not None:
             # That rank's training thread has left step() for good (Ctrl-C, sys.exit): the job
             # cannot go on without it, and nothing may resume on links in an unknown state.
@@ -248,10 +249,10 @@ class AgentModeController:
         if not self.coordinator.paused:
             ok = False
         elif failed is not None and unsafe:
-            # Rolling the links back would not make the communicators usable again: training
-            # would resume into a collective that hangs (a probe op still pending, a group gone).
-            logger.error("no rollback of order #%d: its verification left communicators that may be unusable "
-                         "(%s); training must not go on on them", failed.seq, "see the verification failure above")
+            # Rolling the links back would not let training go on: it would resume into a collective
+            # that hangs (a probe op still pending, a group gone, a rank still inside its guard).
+            logger.error("no rollback of order #%d: a rank may be unable to go on (%s); training must not "
+                         "resume beside it", failed.seq, unsafe)
             ok = False
         elif failed is None or not attempted:
             ok = True  # no link was touched
@@ -311,12 +312,28 @@ class AgentModeController:
             logger.warning("unknown strategy, ignored: %s", describe_signal(signal))
 
     def _handle_stream_end(self, reason: str) -> None:
+        """ClusterD reset the job (or went away): nobody will send continue, nor choose a strategy,
+        for this pause. Training goes on, on links known to be where they were or were ordered;
+        after a failed switch that may have moved links, only once they are rolled back (what
+        ClusterD's retry would have led to), else training stops."""
         with self._lock:
             stopping = self._stopped_reason is not None
-        if self.coordinator.paused and not stopping:
+        if not self.coordinator.paused or stopping:
+            return
+        if self.coordinator.release_if_settled():
             logger.warning("process-manage stream ended (%s) while training was parked; ClusterD has reset the "
                            "job and will not send continue: resuming training", reason)
+            return
+        with self._lock:
+            failed = self._failed_order
+        if failed is not None and self._rollback():
+            logger.warning("process-manage stream ended (%s) while training was parked after switch #%d failed; "
+                           "ClusterD has reset the job: its links were rolled back, resuming training", reason,
+                           failed.seq)
             self.coordinator.release()
+            return
+        self._stop_training(f"the process-manage stream ended ({reason}) after a switch failed and its links "
+                            "could not be rolled back: training must not resume on them")
 
     def _stop_training(self, reason: str) -> None:
         with self._lock:
@@ -363,4 +380,4 @@ class _Reports:
         return self._client.report_recover_status(code, strategy, info, stream=self._stream)
 
 
-__all__ = ["AgentModeController", "HookSettings", "LinkState", "order_budget_s", "success_reason"]
+__all__ = ["AgentModeController", "HookSettings", "LinkState", "success_reason"]

@@ -168,21 +168,19 @@ def _classify(name: str, value: Any, expect_bool: bool, duration: float) -> Hook
                       f"{name} hook returned {value!r}; expected True, False or None", duration)
 
 
-def execute_order(
+def execute_guard(
     order: SwitchOrder,
     *,
     runner: HookRunner,
     switch_hook: Callable[[SwitchOrder], Any] | None,
     checkpoint_hook: Callable[[SwitchOrder], Any] | None,
     guard_timeout_s: float,
-    switch_timeout_s: float,
     dry_run: bool,
     warm_up: Callable[[SwitchOrder], Any] | None = None,
     warm_up_timeout_s: float = 0.0,
 ) -> Execution:
-    """Guard, warm-up, then switch; the first failure decides, and a failed guard or warm-up means
-    no switch. ``warm_up`` is the verify hook's ``prepare`` (a link probe runs its collective once
-    before the first switch, so that the op it replays afterwards travels on links the switch moved)."""
+    """What must succeed on this rank before its switch may start: it can switch at all, then the
+    checkpoint guard, then the verify hook's warm-up; the first failure decides (switch not attempted)."""
     if order.empty:
         return Execution(True, "empty list: nothing to switch")
     if dry_run:
@@ -202,6 +200,33 @@ def execute_order(
         warmed = runner.run("verify warm-up", warm_up, order, warm_up_timeout_s, expect_bool=True)
         if not warmed.ok:
             return Execution(False, f"{warmed.detail}; switch not attempted", guard=guard)
+    return Execution(True, "guarded" if guard is not None else "ready", guard=guard)
+
+
+def execute_order(
+    order: SwitchOrder,
+    *,
+    runner: HookRunner,
+    switch_hook: Callable[[SwitchOrder], Any] | None,
+    checkpoint_hook: Callable[[SwitchOrder], Any] | None,
+    guard_timeout_s: float,
+    switch_timeout_s: float,
+    dry_run: bool,
+    warm_up: Callable[[SwitchOrder], Any] | None = None,
+    warm_up_timeout_s: float = 0.0,
+) -> Execution:
+    """Guard, warm-up, then switch; the first failure decides, and a failed guard or warm-up means
+    no switch. ``warm_up`` is the verify hook's ``prepare`` (a link probe runs its collective once
+    before the first switch, so that the op it replays afterwards travels on links the switch moved).
+    The leader runs the guard and the warm-up as a round of their own first where it knows of them
+    (:func:`execute_guard`); the switch order then comes without them."""
+    guarded = execute_guard(order, runner=runner, switch_hook=switch_hook, checkpoint_hook=checkpoint_hook,
+                            guard_timeout_s=guard_timeout_s, dry_run=dry_run, warm_up=warm_up,
+                            warm_up_timeout_s=warm_up_timeout_s)
+    if not guarded.ok or order.empty or dry_run:
+        return guarded
+    assert switch_hook is not None  # execute_guard refuses an order without one
+    guard = guarded.guard
     switch = runner.run("switch", switch_hook, order, switch_timeout_s, expect_bool=True)
     if not switch.ok:
         return Execution(False, switch.detail, guard=guard, switch=switch)

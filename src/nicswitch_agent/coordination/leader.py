@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination import queues
@@ -252,9 +252,15 @@ class Coordinator:
         logger.error("pause failed: %s", reason)
         return outcome
 
-    def run(self, order: SwitchOrder, *, kind: str, budget_s: float) -> RunOutcome:
+    def run(self, order: SwitchOrder, *, kind: str, budget_s: float, guard_budget_s: float | None = None) -> RunOutcome:
         """Run ``order`` on every rank (``kind``: switch, rollback or checkpoint). The first
-        failing rank decides at once; a rank silent past the budget counts as failed."""
+        failing rank decides at once; a rank silent past the budget counts as failed.
+
+        A switch whose ranks run a checkpoint guard (``guard_budget_s``: its timeout) or a verify
+        warm-up runs those first, as a round of their own decided once every rank answered
+        (:func:`messages.waits_for_every_rank`); the switch order follows only if every one
+        succeeded, with ``budget_s`` for the switch alone. No rank's links move while another
+        rank's guard may still refuse, or is still inside its hook."""
         with self._lock:
             started = time.monotonic()
             session = not self._paused  # pause mode external: a session of its own
@@ -262,28 +268,17 @@ class Coordinator:
             name = f"{epoch}.{order.seq}.{kind}"
             text = p.encode_order(order)
             self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
-            go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
-            moves_links = not session and kind in (p.KIND_SWITCH, p.KIND_ROLLBACK)
-            if moves_links:  # from its publication on (an error out of this run leaves it set): unknown links
-                self._links_unsettled = True
-            self._name_in_flight(epoch, name)
-            # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
-            # (a process restarted since the pause) must not run it next to a running step.
-            self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                           "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": self.warm_up_s} if go else {}),
-                           **({} if session else {"p": 1})})
-            if kind == p.KIND_SWITCH:
-                budget_s += self.warm_up_s
-            deadline = started + budget_s + RESULT_SLACK_S
-            outcome = self._gather(epoch, name, deadline, started)
-            self._collect(epoch, name)
-            if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
-                outcome = self._verify(epoch, order, outcome, started, text, go=go)
-            elif go:  # no verify round: the ranks that switched go back to their queues
-                self._go(epoch, name, p.encode({"t": p.WAKE}))
+            outcome = None
+            guarded = kind == p.KIND_SWITCH and (guard_budget_s is not None or self.warm_up_s > 0)
+            if guarded:
+                guard = self._guard_round(epoch, order, name, text, (guard_budget_s or 0.0) + self.warm_up_s,
+                                          started, session)
+                if not guard.ok:
+                    outcome = guard
+            if outcome is None:
+                outcome = self._order_round(epoch, order, name, kind, text, budget_s, started, session,
+                                            guard_ok=guard.guard_ok if guarded else None)
             self._name_in_flight(None, None)
-            if moves_links:  # switched (and verified) on every rank, or rolled back: settled
-                self._links_unsettled = not outcome.ok
             self._tell_outcome(epoch, name, kind, order.seq, outcome)
             if session:
                 self._publish({"t": p.RELEASE, "e": epoch, "stop": None, "cancel": False})
@@ -293,6 +288,47 @@ class Coordinator:
                 except Exception:  # bookkeeping must never cost the reply
                     logger.exception("recording the decided order failed; ignored")
             return outcome
+
+    def _guard_round(self, epoch: int, order: SwitchOrder, switch_name: str, text: str, budget_s: float,
+                     started: float, session: bool) -> RunOutcome:
+        """Every rank's guard and warm-up, and nothing else (run()). Its failure moved no link."""
+        name = f"{epoch}.{order.seq}.{p.KIND_GUARD}"
+        self._name_in_flight(epoch, name)
+        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_GUARD, "budget": budget_s,
+                       "seq": order.seq, "order": switch_name, **p.inline_order(text), **({} if session else {"p": 1})})
+        outcome = self._gather(epoch, name, started + budget_s + RESULT_SLACK_S, started)
+        self._collect(epoch, name)
+        if not outcome.ok:
+            logger.warning("switch #%d: not started on any rank, its guard failed: %s", order.seq, outcome.reason)
+        return outcome
+
+    def _order_round(self, epoch: int, order: SwitchOrder, name: str, kind: str, text: str, budget_s: float,
+                     started: float, session: bool, *, guard_ok: bool | None) -> RunOutcome:
+        """The order itself (run()); with ``guard_ok`` (a switch whose guard round ran and
+        succeeded) without the guard and warm-up, and with the guard round's verdict."""
+        go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
+        moves_links = not session and kind in (p.KIND_SWITCH, p.KIND_ROLLBACK)
+        if moves_links:  # from its publication on (an error out of this run leaves it set): unknown links
+            self._links_unsettled = True
+        warm_up_s = self.warm_up_s if kind == p.KIND_SWITCH and guard_ok is None else 0.0
+        self._name_in_flight(epoch, name)
+        # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
+        # (a process restarted since the pause) must not run it next to a running step.
+        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
+                       "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": warm_up_s} if go else {}),
+                       **({"g": 1} if guard_ok is not None else {}), **({} if session else {"p": 1})})
+        deadline = time.monotonic() + budget_s + warm_up_s + RESULT_SLACK_S
+        outcome = self._gather(epoch, name, deadline, started)
+        if guard_ok is not None:
+            outcome = replace(outcome, guard_ok=guard_ok)
+        self._collect(epoch, name)
+        if kind == p.KIND_SWITCH and outcome.ok and outcome.verify_s > 0:
+            outcome = self._verify(epoch, order, outcome, started, text, go=go)
+        elif go:  # no verify round: the ranks that switched go back to their queues
+            self._go(epoch, name, p.encode({"t": p.WAKE}))
+        if moves_links:  # switched (and verified) on every rank, or rolled back: settled
+            self._links_unsettled = not outcome.ok
+        return outcome
 
     def _verify(self, epoch: int, order: SwitchOrder, switched: RunOutcome, started: float,
                 text: str, *, go: bool) -> RunOutcome:
@@ -381,25 +417,36 @@ class Coordinator:
             logger.debug("could not publish the outcome of %s", outcome.get("key"), exc_info=True)
 
     def _gather(self, epoch: int, name: str, deadline: float, started: float) -> RunOutcome:
-        """Read the results as they arrive; the first failure decides at once."""
-        attempted, guards, seen, verify_s = False, 0, 0, 0.0
+        """Read the results as they arrive; the first failure decides at once (a guard round's
+        once every rank answered: p.waits_for_every_rank)."""
+        every = p.waits_for_every_rank(name)
+        attempted, guards, seen, verify_s, unsafe = False, 0, 0, 0.0, False
+        failed: p.MemberResult | None = None
         for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._wake):
             seen += 1
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
             verify_s = max(verify_s, result.verify_s)
-            if not result.ok:
+            if not result.ok and every:
+                failed, unsafe = failed or result, unsafe or result.unsafe
+            elif not result.ok:
                 # Known only if every rank answered: a guard that checkpointed everywhere counts
                 # for a later dump (otherwise the guard is asked again and skips a step it has).
                 everyone = seen == self.world_size and guards == self.world_size
-                return RunOutcome(False, f"rank {result.rank}: {result.reason}", attempted=attempted,
+                # A rank not heard from yet may have switched, or may still: links may have moved.
+                return RunOutcome(False, f"rank {result.rank}: {result.reason}",
+                                  attempted=attempted or seen < self.world_size,
                                   guard_ok=everyone, duration_s=time.monotonic() - started,
                                   interrupted=result.rank if result.interrupted else None,
                                   unsafe=result.unsafe)
+        if failed is not None:  # a guard round: nothing moved; a rank still in its hook keeps training parked
+            return RunOutcome(False, f"rank {failed.rank}: {failed.reason}", duration_s=time.monotonic() - started,
+                              interrupted=failed.rank if failed.interrupted else None,
+                              unsafe=unsafe or seen < self.world_size)
         if seen < self.world_size:
             who = f"{self.world_size - seen} {self.layout.unit}(s)"
             why = f"{who} did not answer {'before the agent stopped' if self.stopping else 'within the budget'}"
-            return RunOutcome(False, why, attempted=True, duration_s=time.monotonic() - started)
+            return RunOutcome(False, why, attempted=not every, duration_s=time.monotonic() - started, unsafe=every)
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started, verify_s=verify_s)
 
@@ -410,6 +457,20 @@ class Coordinator:
                 self._flush_outcome()
                 return
             self._release(stop_reason)
+
+    def release_if_settled(self) -> bool:
+        """Let every rank go on, unless an order that moves links ran in this pause and did not end
+        OK (a failed switch not rolled back yet): then publish nothing and return False, so the
+        caller can roll back or stop first. Decided under the lock an order runs under: an order
+        still running is waited for."""
+        with self._lock:
+            if self._paused and self._links_unsettled:
+                return False
+            if self._paused:
+                self._release(None)
+            else:
+                self._flush_outcome()
+            return True
 
     def release_at_stop(self, why: str) -> str | None:
         """The agent stops while every rank is parked (``why``: the stop's reason): release them,

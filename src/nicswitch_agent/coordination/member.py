@@ -41,7 +41,14 @@ from typing import Any
 
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination import queues
-from nicswitch_agent.coordination.hook_runner import HookResult, HookRunner, HookStatus, InlineRunner, execute_order
+from nicswitch_agent.coordination.hook_runner import (
+    HookResult,
+    HookRunner,
+    HookStatus,
+    InlineRunner,
+    execute_guard,
+    execute_order,
+)
 from nicswitch_agent.coordination.kv import KV
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.hooks.base import hook_record
@@ -417,17 +424,24 @@ class Member:
         hooks = self.hooks
 
         def work() -> p.MemberResult:
-            if kind == p.KIND_SWITCH:
-                execution = execute_order(
+            if kind == p.KIND_GUARD:
+                execution = execute_guard(
                     order, runner=runner, switch_hook=hooks.switch_hook, checkpoint_hook=hooks.checkpoint_hook,
+                    guard_timeout_s=hooks.guard_timeout_s, dry_run=hooks.dry_run, warm_up=hooks.warm_up,
+                    warm_up_timeout_s=hooks.verify_timeout_s)
+                self._guard_done(execution.guard, message)
+                return p.MemberResult(self.rank, execution.ok, execution.reason,
+                                      guard_ok=execution.guard is not None and execution.guard.ok)
+            if kind == p.KIND_SWITCH:
+                guarded = bool(message.get("g"))  # its guard round ran: the guard and warm-up are done
+                execution = execute_order(
+                    order, runner=runner, switch_hook=hooks.switch_hook,
+                    checkpoint_hook=None if guarded else hooks.checkpoint_hook,
                     guard_timeout_s=hooks.guard_timeout_s, switch_timeout_s=hooks.switch_timeout_s,
-                    dry_run=hooks.dry_run, warm_up=hooks.warm_up, warm_up_timeout_s=hooks.verify_timeout_s)
-                guard = execution.guard
-                self._emit("guard_done", {
-                    "rank": self.rank, "ok": guard is None or guard.ok, "skipped": guard is None,
-                    "status": None if guard is None else guard.status.value,
-                    "detail": "no checkpoint hook" if guard is None else guard.detail,
-                    "duration_s": 0.0 if guard is None else guard.duration_s, **_origin(message)})
+                    dry_run=hooks.dry_run, warm_up=None if guarded else hooks.warm_up,
+                    warm_up_timeout_s=hooks.verify_timeout_s)
+                if not guarded:
+                    self._guard_done(execution.guard, message)
                 verify = execution.ok and execution.switch is not None and hooks.verify_hook is not None
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
@@ -451,6 +465,13 @@ class Member:
         assert isinstance(runner, InlineRunner)
         return self._await_parked(self.lot.run_parked(work), runner, budget, kind)
 
+    def _guard_done(self, guard: HookResult | None, message: dict[str, Any]) -> None:
+        self._emit("guard_done", {
+            "rank": self.rank, "ok": guard is None or guard.ok, "skipped": guard is None,
+            "status": None if guard is None else guard.status.value,
+            "detail": "no checkpoint hook" if guard is None else guard.detail,
+            "duration_s": 0.0 if guard is None else guard.duration_s, **_origin(message)})
+
     def _await_parked(self, future: Future[p.MemberResult], runner: InlineRunner, budget: float,
                       kind: str) -> p.MemberResult:
         """Wait for work on the training thread, each hook within its own timeout.
@@ -467,10 +488,12 @@ class Member:
                 idle_deadline = max(idle_deadline, now + budget)  # a gap after this hook counts afresh
                 if now >= deadline:
                     runner.abandon()  # a guard returning late must not start the switch
+                    # A guard round's hook still running (a collective save waiting for a rank that
+                    # refused) keeps this rank parked: the others must not resume beside it.
                     return p.MemberResult(
                         self.rank, False, f"{what} did not finish within {timeout:g} s (it goes on running on "
                         "the training thread, which stays parked until it returns)",
-                        attempted=what.split(" hook", 1)[0] in _LINK_HOOKS)
+                        attempted=what.split(" hook", 1)[0] in _LINK_HOOKS, unsafe=kind == p.KIND_GUARD)
                 wait = deadline - now
             elif now >= idle_deadline:
                 runner.abandon()

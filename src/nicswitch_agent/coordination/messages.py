@@ -10,7 +10,7 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
 
     q/<r>/<n>                  {"t": "pause", "e": E, "timeout": seconds}
                                {"t": "target", "e": E, "S": S, "timeout": seconds}
-                               {"t": "order", "e": E, "key": K, "kind": "switch|verify|rollback|checkpoint",
+                               {"t": "order", "e": E, "key": K, "kind": "guard|switch|verify|rollback|checkpoint",
                                 "budget": seconds, "seq": N [, "order": K0] [, "o": the order, if short]}
                                    (pause, target and order events also carry "n": how many answer
                                    them on this Store, so the answer that completes the count can set
@@ -18,6 +18,10 @@ into their events as ``sent_at``, for aligning clocks across hosts)::
                                    (verify: a switch's second round, only once every rank's switch hook
                                    succeeded; K = "<E>.<seq>.verify", its order is the switch's, o/<K0>)
                                    (a switch order with "v": 1 says a verify round may follow: see go/)
+                                   (guard: a switch's first round, where a checkpoint guard or a verify
+                                   warm-up runs: those hooks only; K = "<E>.<seq>.guard", its order the
+                                   switch's, o/<K0>; decided once every rank answered. The switch
+                                   order then carries "g": 1: its guard and warm-up ran already)
                                {"t": "outcome", "e": E, "key": K, "kind": ..., "seq": N, "ok": bool,
                                 "reason": text}   (the leader's decision on order K; a success
                                    rides on the next event instead, as its "oc": members handle
@@ -109,6 +113,12 @@ KIND_SWITCH, KIND_ROLLBACK, KIND_CHECKPOINT = "switch", "rollback", "checkpoint"
 # The second round of a switch, once the switch hook succeeded on every rank: an order event of its
 # own (its own result keys), so relays forward and aggregate it as they do any order.
 KIND_VERIFY = "verify"
+# The first round of a guarded switch: every rank runs its checkpoint guard (and the verify hook's
+# warm-up) and nothing else; the switch order follows only once every rank's succeeded. A
+# rank's switch must not start while another rank's guard may still refuse: HCCL switches a link
+# only when both of its ends ask for it, so a rank left out blocks the others' switch for minutes
+# (docs/protocol.md). Its failure decides only once every rank answered (waits_for_every_rank).
+KIND_GUARD = "guard"
 # A relay that lost the level above (its Store gone, or its thread failed) tells the level below, so
 # that a parked rank lets training go on at once, as a rank that loses its own Store does.
 LOST = "lost"
@@ -122,6 +132,13 @@ class LevelLost(RuntimeError):
 class LevelStopped(RuntimeError):
     """The level above ended on purpose (its agent stopped) and said so: coordination is lost
     here as with :class:`LevelLost`, but nothing failed, so it is not logged as an error."""
+
+
+def waits_for_every_rank(name: str) -> bool:
+    """Whether order ``name`` is decided only once every rank answered, a failure included: a
+    guard round, whose ranks may still be inside a hook (a collective save) when one refuses, and
+    must not be released beside them."""
+    return name.endswith(f".{KIND_GUARD}")
 
 
 def order_name(message: dict[str, Any]) -> str:
@@ -310,10 +327,11 @@ class MemberResult:
 def publish_result(kv: KV, epoch: int, name: str, result: MemberResult, expected: int | None) -> int:
     """Answer order ``name``: the result at the next arrival index (arrival order: the first
     failure is the first one read); then, if it decides the order (the ``expected``-th result, or
-    a failure), the done key its waiter blocks on (:meth:`KV.wait_count`). Returns the index."""
+    a failure, but in a guard round), the done key its waiter blocks on (:meth:`KV.wait_count`).
+    Returns the index."""
     counter = result_counter_key(epoch, name)
     index = kv.add(counter, 1)
-    if expected is not None and (index == expected or not result.ok):
+    if expected is not None and (index == expected or (not result.ok and not waits_for_every_rank(name))):
         # The result, then the done key, in one request (the Store sets them in this order, so
         # whoever the done key wakes finds the result there): the decisive answer is on the
         # order's critical path, and this saves it a round trip.

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
@@ -301,13 +302,16 @@ class NodeRelay:
 
     def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, above: int | None, *,
                       verify: bool = False) -> None:
-        """Forward the first local failure at once; else one success once every rank succeeded."""
+        """Forward the first local failure at once; else one success once every rank succeeded. A
+        guard round answers once every slot did (p.waits_for_every_rank): its first failure then."""
         if not self.local.queues:
             counter = p.result_counter_key(epoch, name)
             self._garbage += [counter, done_key(counter),
                               *(p.result_key(epoch, name, i) for i in range(1, self.size + 1))]
         deadline = time.monotonic() + budget_s + slack_s
-        attempted, guards, seen, answered, verify_s = False, 0, 0, set(), 0.0
+        every = p.waits_for_every_rank(name)
+        attempted, guards, seen, answered, verify_s, unsafe = False, 0, 0, set(), 0.0, False
+        failed: p.MemberResult | None = None
         for result in queues.arriving_results(self.local, epoch, name, self.size, deadline, self._wake,
                                               ranks=self.ranks):
             seen += 1
@@ -315,10 +319,17 @@ class NodeRelay:
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
             verify_s = max(verify_s, result.verify_s)
-            if not result.ok:
+            if not result.ok and every:
+                failed, unsafe = failed or result, unsafe or result.unsafe
+            elif not result.ok:
                 self._left_unread(epoch, f"res/{name}")
                 self._answer(epoch, name, result, above)  # as the rank said it: the leader names the rank
                 return
+        if failed is not None:  # a guard round: every slot answered, or a silent one may still be in its hook
+            if seen < self.size:
+                self._left_unread(epoch, f"res/{name}")
+            self._answer(epoch, name, replace(failed, unsafe=unsafe or seen < self.size), above)
+            return
         if seen < self.size:
             self._left_unread(epoch, f"res/{name}")
             silent = [slot for slot, rank in enumerate(self.ranks) if rank not in answered]
@@ -328,7 +339,7 @@ class NodeRelay:
             self._answer(epoch, name, p.MemberResult(
                 self.ranks[silent[0]] if silent else self.ranks[0], False,
                 f"{reason} ({len(silent)} {self._slots_are} of {self._label}: "
-                f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify), above)
+                f"{_listed([self._names[slot] for slot in silent])})", attempted=True, unsafe=verify or every), above)
             return
         self._answer(epoch, name, p.MemberResult(self.ranks[0], True, "ok", attempted=attempted,
                                                  guard_ok=guards == self.size, verify_s=verify_s), above)

@@ -278,8 +278,10 @@ def _take(part: _RankPart, kind: str, t: float, d: dict[str, Any]) -> None:
         what = str(d.get("kind", "switch"))
         if what == "switch":
             part.result = (t - duration, t, ok, note)
-            part.order_sent = sent if sent is not None else part.order_sent
-        else:
+            # The first order sent: the guard round's, where one ran before the switch order
+            part.order_sent = min(x for x in (sent, part.order_sent) if x is not None) \
+                if sent is not None or part.order_sent is not None else None
+        elif what not in ("guard", "verify"):  # drawn from their own events: guard_done, verify_done
             part.extras.append(Bar(what, t - duration, t, ok, note))
     elif kind == ev.SWITCH_OUTCOME:
         if d.get("kind", "switch") == "switch":
