@@ -256,6 +256,19 @@ def test_recent_checkpoint_is_skipped_until_the_interval_passes(tmp_path: Path) 
     assert listing(tmp_path) == ["step-1", "step-2"]
 
 
+def test_a_later_steps_checkpoint_of_another_run_does_not_stand_in_for_the_parked_step(tmp_path: Path) -> None:
+    """Found by an outside check: a new run in the same directory, parked at step 565, skipped its
+    save because another run had saved step 1252 a moment ago; a dump would then have meant that
+    checkpoint. Only a checkpoint of the parked step or an earlier one counts for the interval."""
+    clock = Clock()
+    make_guard(tmp_path, Step(1252), clock, min_interval_s=300)(order())
+    clock.now += 10
+    new_run = make_guard(tmp_path, Step(565), clock, min_interval_s=300)
+    new_run(order())
+    assert new_run.last is not None and new_run.last.saved, new_run.last
+    assert listing(tmp_path) == ["step-1252", "step-565"]
+
+
 def test_interval_survives_a_restart(tmp_path: Path) -> None:
     """The save time is read from nicswitch.json, so a restarted job does not save again at once."""
     clock = Clock()

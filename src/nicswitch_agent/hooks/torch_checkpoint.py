@@ -380,6 +380,9 @@ class TorchCheckpointGuard(CheckpointGuard):
         expected = newest[2] if newest is not None else 0
         if same.is_dir():
             return f"step {step} already checkpointed", str(same), expected
+        # Only a checkpoint of this step or an earlier one may stand in for it: one of a later
+        # step is another run's (a directory shared across runs), never the parked state's past.
+        newest = max((c for c in checkpoints if c[3] <= step), key=lambda c: c[1], default=None)
         if newest is not None and self.min_interval_s > 0:
             age = self._clock() - newest[1]
             # A negative age means the clock moved back: trust neither, and save.
@@ -391,14 +394,14 @@ class TorchCheckpointGuard(CheckpointGuard):
                 )
         return None, None, expected
 
-    def _checkpoints(self) -> Iterator[tuple[Path, float, int]]:
-        """(path, saved_at, bytes) of each ``step-<int>`` directory; saved_at from its JSON, else mtime."""
-        for path, _ in _step_dirs(self.directory):
+    def _checkpoints(self) -> Iterator[tuple[Path, float, int, int]]:
+        """(path, saved_at, bytes, step) of each ``step-<int>`` directory; saved_at from its JSON, else mtime."""
+        for path, step in _step_dirs(self.directory):
             saved_at, size = path.stat().st_mtime, 0
             with contextlib.suppress(OSError, ValueError, TypeError):
                 info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
                 saved_at, size = float(info["saved_at"]), int(info["bytes"])
-            yield path, saved_at, size
+            yield path, saved_at, size, step
 
     def _make_state(self) -> dict[str, Any]:
         if self._state is not None:
