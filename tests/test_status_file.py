@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -159,6 +160,32 @@ def test_verdict_from_state_and_age(tmp_path: Path, state: str, age: float, code
     assert report.exit_code is code
     assert report.problem.startswith(problem)
     assert report.age_s == pytest.approx(age)
+
+
+def test_a_writer_whose_process_is_gone_is_stale_at_once_on_its_host(tmp_path: Path) -> None:
+    """Found by an outside check: a SIGKILLed leader read "not connected to ClusterD" (exit 5) for
+    half a minute, until its file went stale. On its own host (and PID namespace) the reader sees
+    that the pid is gone; elsewhere (another host, a sidecar container) it waits for the age."""
+    import subprocess
+    import sys
+
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           check=True)
+    gone_pid = int(child.stdout)  # ended: a pid nobody holds now (reused only after the pid space wraps)
+    path = tmp_path / "s.json"
+    write_fixed(path, "running")
+    document = json.loads(path.read_text())
+    assert document["pid"] == os.getpid()
+    assert read_status(path, now=1001.0).exit_code is ExitCode.OK  # this process: alive
+    document["pid"] = gone_pid
+    path.write_text(json.dumps(document))
+    report = read_status(path, now=1001.0)
+    assert report.exit_code is ExitCode.STALE, report.problem
+    assert report.problem == (f"its process (pid {gone_pid} on {document['host']}) is gone: it ended without "
+                              "stopping its agent (killed?), last state: running")
+    for field, other in (("host", document["host"] + "-elsewhere"), ("pid_ns", -1)):
+        path.write_text(json.dumps({**document, field: other}))
+        assert read_status(path, now=1001.0).exit_code is ExitCode.OK, field  # cannot know: the age decides
 
 
 def test_a_failed_leader_and_a_stuck_hook_are_shown_with_their_reason(tmp_path: Path) -> None:

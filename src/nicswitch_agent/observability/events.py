@@ -36,7 +36,7 @@ PARKED = "parked"  # this rank's training thread parked at a step boundary: {ste
 GUARD_DONE = "guard_done"  # this rank's checkpoint guard ran (or was skipped) before a switch
 RESUMED = "resumed"  # it left the parking spot: {step, parked_s, stop}
 TRAINING_STOP = "training_stop"
-MEMBER_RESULT = "member_result"  # one rank ran an order (kind switch / verify / rollback / checkpoint)
+MEMBER_RESULT = "member_result"  # one rank ran an order (kind guard / switch / verify / rollback / checkpoint)
 VERIFY_DONE = "verify_done"  # this rank's verify hook ran after a switch that succeeded on every rank
 COORDINATION_LOST = "coordination_lost"  # this rank can no longer take part in switches: {rank, why}
 
@@ -99,11 +99,12 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("duration_s", "how long the guard took"),
         ("epoch", "the leader's pause (or session) the order ran in"),
         ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
-    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: guard + switch, a verification, a rollback "
-                                           "or a checkpoint; `seq` is the leader's number of the list", (
+    EventKind(MEMBER_RESULT, "every rank", "this rank ran an order: a guard round, a switch, a verification, a "
+                                           "rollback or a checkpoint; `seq` is the leader's number of the list", (
         ("rank", "this process's global rank"),
-        ("kind", "`switch` (checkpoint guard, then switch hook), `verify` (the verify hook, once the switch "
-                 "succeeded on every rank), `rollback` or `checkpoint`"),
+        ("kind", "`guard` (the checkpoint guard and the verify warm-up, where they run: a round before the "
+                 "switch), `switch` (the switch hook; with the guard first where no guard round ran), `verify` "
+                 "(the verify hook, once the switch succeeded on every rank), `rollback` or `checkpoint`"),
         ("ok", "whether it succeeded"),
         ("reason", "why it failed, or what it did"),
         ("duration_s", "how long it took on this rank"),

@@ -165,6 +165,7 @@ class StatusFileWriter:
         self._last: dict[str, Any] | None = None
         self._last_error = ""
         self._host = socket.gethostname()
+        self._pid_ns = pid_namespace()
         self._parked_since: float | None = None  # when a write first saw training parked (our clock)
 
     # -- listener ------------------------------------------------------------------------------
@@ -250,6 +251,7 @@ class StatusFileWriter:
                 "parked_since": self._parked_since,
                 "pid": os.getpid(),
                 "host": self._host,
+                "pid_ns": self._pid_ns,
                 "interval_s": self.interval_s,
                 "writes": self._writes + 1,
                 "status": status,
@@ -388,6 +390,10 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
         # A stopped or failed agent writes its file one last time and never again: that old write is
         # its verdict (exit 1), not a sign of a gone or hung process (exit 3).
         return _not_running(name, state, document, age, limit)
+    gone = _process_gone(document)
+    if gone:
+        return StatusReport(name, ExitCode.STALE, f"{gone}: it ended without stopping its agent (killed?), "
+                            f"last state: {state}", document, age, limit)
     if age is None or age > limit:
         shown = "unknown" if age is None else _duration(age)
         return StatusReport(name, ExitCode.STALE,
@@ -403,6 +409,31 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
     if problem:
         return StatusReport(name, ExitCode.STUCK, problem, document, age, limit)
     return StatusReport(name, ExitCode.OK, "", document, age, limit)
+
+
+def pid_namespace() -> int | None:
+    """This process's PID namespace (Linux), so that a reader knows whether a pid in a file is one
+    it can look up: a sidecar container shares the pod's host name, not its pids."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def _process_gone(document: dict[str, Any]) -> str:
+    """Why the writer is known to be gone ("" if not known): its pid no longer exists, on this
+    host and in this PID namespace, so nothing has to wait for the file to go stale."""
+    pid, ns = document.get("pid"), document.get("pid_ns")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0 or ns is None or ns != pid_namespace() \
+            or document.get("host") != socket.gethostname():
+        return ""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its process (pid {pid} on {document.get('host')}) is gone"
+    except OSError:  # exists, as another user's: alive
+        return ""
+    return ""
 
 
 def _not_running(name: str, state: str, document: dict[str, Any], age: float | None,
