@@ -114,12 +114,14 @@ class LogWaiter(logging.Handler):
         self.needle = needle
         self.found = threading.Event()
         self.messages: list[str] = []
+        self.levels: list[int] = []
         self._logger = logging.getLogger(logger)
 
     def emit(self, record: logging.LogRecord) -> None:
         message = record.getMessage()
         if self.needle in message:
             self.messages.append(message)
+            self.levels.append(record.levelno)
             self.found.set()
 
     def __enter__(self) -> LogWaiter:
@@ -283,6 +285,7 @@ def test_an_agent_started_before_its_tls_server_connects_once_it_is_up(harness: 
         agent.start()
         assert waiting.found.wait(10)
     assert "Connection refused" in waiting.messages[0]  # not a TLS problem: gRPC's words are kept
+    assert waiting.levels[0] == logging.WARNING  # ClusterD not up yet: nothing to fix
     sim = harness.sim(pki.server(), port=port)
     assert sim.wait_idle(JOB, 10) and sim.wait_until(notify_open, 10)
     with OmClient(sim.address, tls=TlsSettings(ca_file=pki.ca)) as operator:
@@ -300,6 +303,7 @@ def test_pause_mode_agent_names_the_mismatch_at_once(harness: Any, pki: Pki) -> 
         harness.trainer(agent)
         assert waiter.found.wait(10), "no process-manage error naming the mismatch"
     assert "cannot connect to ClusterD, waiting for it" in waiter.messages[0]
+    assert waiter.levels[0] == logging.ERROR  # a misconfiguration it can name (a refused port: WARNING)
     assert TLS_SERVER in agent.status()["process_manage"]["last_error"]
     assert TLS_SERVER in agent.status()["last_error"]
     assert not sim.job_view(JOB).registered

@@ -543,10 +543,12 @@ class ProcessManageClient(StreamThread):
                 if not opened and fail_fast and nothing_sent(exc):
                     # Nothing reached ClusterD: say why at once, then wait for the connection (gRPC
                     # keeps dialing with its own backoff) in a call that stop() can cancel.
-                    text = lost = explain_connect_failure(exc, settings_of(self._stub.channel)) or describe(exc)
+                    explained = explain_connect_failure(exc, settings_of(self._stub.channel))
+                    text = lost = explained or describe(exc)
                     self._record_error(text)
-                    if failing != text:
-                        logger.warning("cannot connect to ClusterD, waiting for it: %s", text)
+                    if failing != text:  # a misconfiguration it can name is an ERROR, as on the notify stream
+                        (logger.error if explained else logger.warning)("cannot connect to ClusterD, waiting for "
+                                                                        "it: %s", text)
                         failing = text
                     fail_fast = False
                     continue

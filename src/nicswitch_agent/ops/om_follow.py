@@ -190,9 +190,11 @@ class ResultStream:
                             OutcomeKind.NO_RESULT,
                             rpc_code=code,
                             detail="the result stream ended without a message and ClusterD now says "
-                            f"{details!r}: the switch is over but its result was lost (a reset of the job drops "
-                            "the result ClusterD held: the job's ClusterD client went away, as when training is "
-                            "stopped or interrupted right after its reply, or another follower took it)",
+                            f"{details!r}: the switch is over (or was dropped before it ran) but its result was "
+                            "lost (a reset of the job drops the result ClusterD held: the job's ClusterD client "
+                            "went away, as when training is stopped or interrupted right after its reply; or no "
+                            "agent took the job's pause, as when the job has ended, and ClusterD reset it after "
+                            "1 s; or another follower took it)",
                         )
                     if wait_for_start:
                         last_problem = details
