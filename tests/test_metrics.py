@@ -80,8 +80,8 @@ def test_stream_up_is_1_on_a_healthy_leader_before_any_switch_and_0_once_cluster
                         on_event=PrometheusMetrics(registry), reconnect_initial_s=0.02, reconnect_max_s=0.1)
     agent.start()
     try:
-        assert sim.wait_until(switch_streams_open, 10)
-        assert registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 1
+        assert sim.wait_until(switch_streams_open, 10)  # the server's side; the client's open is told a moment later
+        assert support.wait_until(lambda: registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 1, 20)
         sim.stop()
         assert support.wait_until(lambda: registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 0, 20)
     finally:

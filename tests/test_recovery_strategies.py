@@ -108,6 +108,10 @@ def test_a_rolled_back_failed_switch_under_each_annotation(simulator: Simulator,
             assert stops == [f"ClusterD chose {pick} after a failed switch"]
             assert sim.wait_until(lambda s: s.job_view(JOB).state == "INIT", 10)  # ClusterD's own recovery ends
             assert sim.job_view(JOB).replies == [False]
+            # The stopped agent's status says why (found by an outside check: it said "stop() called")
+            agent.stop()
+            assert agent.status()["reason"] == (f"training must stop: ClusterD chose {pick} after a failed switch "
+                                                "(stop() called)"), agent.status()["reason"]
         assert sim.job_view(JOB).violations == []
     finally:
         trainer.stop()

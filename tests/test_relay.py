@@ -319,6 +319,8 @@ def test_a_rank_gone_before_it_parked_fails_the_pause_at_once_naming_the_rank(li
     outcome = pausing.result(20)
     assert not outcome.ok
     assert outcome.reason.startswith("node 1: rank(s) 3 did not park at step 11"), outcome.reason
+    # Node 0 may not have answered when node 1 ended the wait: it was not late, only slower
+    assert "node 0 (ranks 0-1) did not answer" not in outcome.reason, outcome.reason
 
 
 def test_a_rank_gone_before_an_order_fails_it_at_once_naming_the_rank(linked: Any) -> None:

@@ -421,7 +421,8 @@ class SwitchAgent:
             if self._session is not None:
                 self._session.close()
         with self._lock:
-            self._state, self._state_reason = STOPPED, reason
+            earlier = self._state_reason  # why training had to stop, or why the agent failed
+            self._state, self._state_reason = STOPPED, f"{earlier} ({reason})" if earlier else reason
         self._emit(ev.AGENT_STOPPED, detail={"reason": reason})
         self._stop_observers()
         if self._event_sink is not None:
@@ -622,6 +623,8 @@ class SwitchAgent:
             self._failure_thread = thread
 
     def _training_must_stop(self, reason: str) -> None:
+        with self._lock:  # status()'s reason from now on, and the stopped agent's (stop() adds its own)
+            self._state_reason = f"training must stop: {reason}"
         self._emit(ev.TRAINING_STOP, detail={"reason": reason})
         if self._on_stop is not None:
             self._on_stop(reason)
@@ -678,11 +681,8 @@ class SwitchAgent:
         controller = None if self._session is None else self._session.controller
         if controller is not None:
             return controller.execute(order)
-        from nicswitch_agent.clusterd.signal_flow import success_reason
-
         assert self._coordinator is not None
-        outcome = self._hook_settings().run_switch(self._coordinator, order)
-        return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
+        return self._hook_settings().execute(self._coordinator, order)
 
     def _send_reply(self, job_id: str, result: bool, total_timeout_s: float | None) -> ReplyReport:
         assert self._session is not None

@@ -91,6 +91,11 @@ class HookSettings:
         return coordinator.run(order, kind=KIND_SWITCH, budget_s=self.switch_timeout_s,
                                guard_budget_s=self.guard_budget_s)
 
+    def execute(self, coordinator: Coordinator, order: SwitchOrder) -> Execution:
+        """Pause mode external: the switch on the members' own threads, as the reply says it."""
+        outcome = self.run_switch(coordinator, order)
+        return Execution(outcome.ok, success_reason(order, outcome) if outcome.ok else outcome.reason)
+
 
 class LinkState:
     """Which ranks this job last moved to standby (True) or primary (False); for rollbacks."""

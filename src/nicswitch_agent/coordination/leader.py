@@ -177,7 +177,8 @@ class Coordinator:
             self._garbage += [*c_keys, p.c_counter_key(epoch), done_key(p.c_counter_key(epoch))]
             if self.kv.wait_count(p.c_counter_key(epoch), self.world_size, deadline, self._wake) < self.world_size:
                 missing = self._missing(c_keys)
-                why = self._nodes_say_why(epoch, missing) or f"no answer to the pause from rank(s) {_ranks(missing)}"
+                why = self._nodes_say_why(epoch, missing, deadline) or \
+                    f"no answer to the pause from rank(s) {_ranks(missing)}"
                 return self._abandon(epoch, started, why + self._restarted(epoch))
             target = max(int(v) for v in self.kv.get_many(c_keys)) + 1
             self._publish({"t": p.TARGET, "e": epoch, "S": target,
@@ -187,7 +188,7 @@ class Coordinator:
             count = self.kv.wait_count(p.parked_counter_key(epoch), self.world_size, deadline, self._wake)
             if count < self.world_size:
                 missing = self._missing(parked_keys)
-                return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target)
+                return self._abandon(epoch, started, self._why_not_parked(epoch, missing, target, deadline)
                                      + self._restarted(epoch))
             self._name_in_flight(None, None)
             self._paused, self._links_unsettled = True, False
@@ -196,30 +197,34 @@ class Coordinator:
             logger.info("all %s parked at step %d in %.1f ms", self._who(), target, outcome.duration_s * 1000)
             return outcome
 
-    def _nodes_say_why(self, epoch: int, missing: list[str]) -> str:
-        """With node-local fan-out: what the silent nodes' relays said, or which nodes were silent
-        (their relay is gone); "" without fan-out."""
+    def _nodes_say_why(self, epoch: int, missing: list[str], deadline: float) -> str:
+        """With node-local fan-out: what the silent nodes' relays said (first: a relay that failed
+        the phase early ended the wait), then which nodes were silent (their relay is gone; or,
+        before ``deadline``, not done yet); "" without fan-out."""
         if self.layout.ranks_per_node is None:
             return ""
-        reasons = []
+        said, silent = [], []
         unit = self.layout.unit
+        early = time.monotonic() < deadline and not self.stopping
         for index in (int(k.rsplit("/", 1)[-1]) for k in missing):
             if self.kv.check([p.why_key(epoch, index)]):
-                reasons.append(f"{unit} {index}: {self.kv.get(p.why_key(epoch, index))}")
+                said.append(f"{unit} {index}: {self.kv.get(p.why_key(epoch, index))}")
                 self._garbage.append(p.why_key(epoch, index))
             else:
                 ranks = self.layout.ranks_of(index)
-                reasons.append(f"{unit} {index} (ranks {ranks[0]}-{ranks[-1]}) did not answer")
+                silent.append(f"{unit} {index} (ranks {ranks[0]}-{ranks[-1]}) "
+                              f"{'had not answered yet' if early else 'did not answer'}")
+        reasons = said + silent
         return "; ".join(reasons[:8]) + (f" (+{len(reasons) - 8} more {unit}s)" if len(reasons) > 8 else "")
 
-    def _why_not_parked(self, epoch: int, missing: list[str], target: int) -> str:
+    def _why_not_parked(self, epoch: int, missing: list[str], target: int, deadline: float) -> str:
         """Why the pause failed, in words; names the ranks whose step() was never called."""
         if self.layout.ranks_per_node is not None:
             nostep_all = all(self.kv.check([p.nostep_key(epoch, int(k.rsplit("/", 1)[-1]))]) for k in missing)
             if nostep_all and len(missing) == self.world_size:
                 return ("no rank reached a step boundary: step() was never called (is agent.step() called in the "
                         "training loop?)")
-            return self._nodes_say_why(epoch, missing)
+            return self._nodes_say_why(epoch, missing, deadline)
         ranks = [int(k.rsplit("/", 1)[-1]) for k in missing]
         nostep = [f"{r}" for r in ranks if self.kv.check([p.nostep_key(epoch, r)])]
         self._garbage += [p.nostep_key(epoch, int(r)) for r in nostep]
