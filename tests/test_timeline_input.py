@@ -28,7 +28,7 @@ from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.timeline import build, read_events, render_html
 from nicswitch_agent.observability.timeline.model import Timeline
-from nicswitch_agent.observability.timeline.render import COLOURS, CRITICAL, FAILED, PHASE_TEXT
+from nicswitch_agent.observability.timeline.render import COLOURS, CRITICAL, FAILED, PHASE_TEXT, span_text
 from nicswitch_agent.ops import cli
 
 WORLD = 4
@@ -471,3 +471,38 @@ def test_a_failed_guard_says_its_status_and_detail(events: Path) -> None:
     guard = next(b for b in lane.bars if b.phase == "guard")
     assert (guard.ok, guard.note) == (False, "raised: OSError: disk full") and lane.failed == 1
     assert next(b for b in lane.bars if b.phase == "switch").note == "switched"
+
+
+def test_later_stream_events_do_not_stretch_the_switch_they_follow(events: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by outside testers: "31698 ms from first pause to last resume" for a switch of 15 ms,
+    ending at a stream_restored after ClusterD restarted. A switch lasts from its first event to
+    its last; the leader's later events are listed after it, and one during it is still drawn."""
+    before = timeline_of(events).switches[1]
+    path = events / "rank-0.jsonl"
+    records = load(path)
+    done = next(r for r in records if r["kind"] == "switch_done" and r["seq"] == 2)
+    end = before.start_wall + before.duration  # on the leader's clock, which is rank 0's
+
+    def leader(kind: str, at: float, why: str) -> dict[str, Any]:
+        return {**done, "kind": kind, "seq": None, "wall": at, "mono": done["mono"] + (at - done["wall"]),
+                "detail": {"why": why}}
+
+    during = leader("stream_lost", done["wall"], "UNAVAILABLE: during")
+    lost = leader("stream_lost", end + 6.424, "UNAVAILABLE: simulator stopped")
+    restored = leader("stream_restored", end + 31.683, "stream established")
+    at = records.index(done) + 1
+    save(path, [*records[:at], during, *records[at:], lost, restored])
+    timeline = timeline_of(events)
+    switch = timeline.switches[1]
+    assert switch.duration == pytest.approx(before.duration, abs=1e-9)
+    assert switch.start_wall == pytest.approx(before.start_wall, abs=1e-9)
+    assert "stream to ClusterD lost: UNAVAILABLE: during" in [m.label for m in switch.leader]
+    assert [(round(m.at - switch.duration, 3), m.label) for m in switch.after] == [
+        (6.424, "stream to ClusterD lost: UNAVAILABLE: simulator stopped"),
+        (31.683, "stream to ClusterD restored: stream established")]
+    page = render_html(timeline)
+    assert "after the switch ended: stream to ClusterD restored" in page
+    code, out, _ = run_cli([str(events), "-o", str(events.parent / "t.html")], capsys)
+    assert code == 0 and span_text(before) in out and span_text(before).endswith("from its first event to its last")
+    assert "after it ended: +" in out and "first pause" not in out

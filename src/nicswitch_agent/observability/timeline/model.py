@@ -83,7 +83,8 @@ class PhaseStats:
 
 @dataclass
 class Switch:
-    """One rank list of the job, from the first pause to the last resume, on the leader's clock."""
+    """One rank list of the job, on the leader's clock: from its first event to its last (the pause
+    sent, the list, the order, the outcome, the reply, the ranks resuming); nothing later stretches it."""
 
     seq: int  # the page's number for it, which ``--switch`` takes: runs are numbered on in order
     start_wall: float  # the leader's wall clock at time 0 of this switch
@@ -94,6 +95,7 @@ class Switch:
     ranks_seen: int
     step: int | None
     leader: list[Mark] = field(default_factory=list)
+    after: list[Mark] = field(default_factory=list)  # the leader's later events (a stream lost), not drawn
     lanes: list[Lane] = field(default_factory=list)
     by_node: bool = False
     ranks_per_node: int = 1
@@ -572,7 +574,9 @@ def _slowness(lane: Lane) -> tuple[int, float]:
 
 
 def _attach_unsequenced(switches: list[Switch], leader_events: list[tuple[float, Record]]) -> None:
-    """Recovery signals and stream losses: on the lane of the switch they happened in (or just after)."""
+    """Stream losses, a stop, a failed agent: on the leader lane of the switch they happened in;
+    up to a minute after one ended, in its ``after`` list (the page names them after it). Neither
+    stretches the switch: a stream restored long after would read as a slow switch."""
     ordered = sorted(switches, key=lambda s: s.start_wall)
     for t, r in leader_events:
         if r.kind not in _UNSEQUENCED_LEADER:
@@ -585,6 +589,8 @@ def _attach_unsequenced(switches: list[Switch], leader_events: list[tuple[float,
                 ev.STREAM_LOST: f"stream to ClusterD lost: {d.get('why')}",
                 ev.STREAM_RESTORED: f"stream to ClusterD restored: {d.get('why')}",
                 ev.AGENT_FAILED: f"agent failed: {d.get('error')}"}[r.kind]
-        owner.leader.append(Mark(t - owner.start_wall, text, ok=r.kind == ev.STREAM_RESTORED))
-        owner.duration = max(owner.duration, t - owner.start_wall)
-        owner.leader.sort(key=lambda m: m.at)
+        mark = Mark(t - owner.start_wall, text, ok=r.kind == ev.STREAM_RESTORED)
+        (owner.leader if mark.at <= owner.duration else owner.after).append(mark)
+    for switch in switches:
+        switch.leader.sort(key=lambda m: m.at)
+        switch.after.sort(key=lambda m: m.at)

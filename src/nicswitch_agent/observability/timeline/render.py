@@ -226,7 +226,12 @@ def _switch_heading(switch: Switch, several_runs: bool) -> str:
     verdict = _verdict_word(switch.ok)
     step = f", parked at step {switch.step}" if switch.step is not None else ""
     return (f"{switch_name(switch, several_runs)}: {verdict} ({switch.reason}); {switch.ranks_seen} of "
-            f"{switch.ranks_expected} ranks{step}; {_ms(switch.duration)} from first pause to last resume")
+            f"{switch.ranks_expected} ranks{step}; {span_text(switch)}")
+
+
+def span_text(switch: Switch) -> str:
+    """What a switch's duration measures: its own events only (a later stream loss is not part of it)."""
+    return f"{_ms(switch.duration)} from its first event to its last"
 
 
 def _verdict_word(ok: bool | None) -> str:
@@ -364,7 +369,7 @@ def _switch_section(switch: Switch, several_runs: bool) -> str:
            f'<p class="meta">Started {_e(_wall(switch.start_wall))} (leader\'s clock); {switch.ranks_seen} of '
            f"{switch.ranks_expected} ranks"
            + (f", parked at step {switch.step}" if switch.step is not None else "")
-           + f"; {_ms(switch.duration)} from the first event to the last."
+           + f"; {_e(span_text(switch))}."
            + (f" One lane per node of {switch.ranks_per_node} ranks: its slowest rank's bars." if switch.by_node
               else "") + "</p>"]
     if switch.missing:
@@ -378,13 +383,17 @@ def _switch_section(switch: Switch, several_runs: bool) -> str:
 
 
 def _leader_table(switch: Switch) -> str:
-    if not switch.leader:
+    if not switch.leader and not switch.after:
         return ""
     rows = ['<table><tr><th>#</th><th>at</th><th class="l">the leader (ClusterD messages, orders to the ranks)'
             "</th></tr>"]
     for number, mark in enumerate(switch.leader, 1):
         css = "l" if mark.ok else "l bad"
         rows.append(f'<tr><td>{number}</td><td>+{_ms(mark.at)}</td><td class="{css}">{_e(mark.label)}</td></tr>')
+    for mark in switch.after:  # not drawn: the picture ends where the switch did
+        css = "l" if mark.ok else "l bad"
+        rows.append(f'<tr><td></td><td>+{_ms(mark.at)}</td><td class="{css}">after the switch ended: '
+                    f"{_e(mark.label)}</td></tr>")
     rows.append("</table>")
     return "".join(rows)
 
