@@ -113,6 +113,10 @@ def test_a_rolled_back_failed_switch_under_each_annotation(simulator: Simulator,
             assert agent.status()["reason"] == (f"training must stop: ClusterD chose {pick} after a failed switch "
                                                 "(stop() called)"), agent.status()["reason"]
         assert sim.job_view(JOB).violations == []
+        # what was offered and what ClusterD chose, on the failed switch (the timeline draws them)
+        assert [(e.seq, e.detail) for e in agent.events() if e.kind == "recovery"] == [
+            (1, {"signal": "globalFault", "offered": ["retry", "recover", "dump", "exit"], "chosen": None}),
+            (1, {"signal": "changeStrategy", "offered": None, "chosen": pick})]
     finally:
         trainer.stop()
         agent.stop()

@@ -111,7 +111,7 @@ class Training:
 
 
 class Rig:
-    def __init__(self, switch_results: list[bool]) -> None:
+    def __init__(self, switch_results: list[bool], emit: Any = None) -> None:
         store = InProcessStore()
         self.training = Training()
         results = iter(switch_results)
@@ -132,7 +132,7 @@ class Rig:
         self.controller = AgentModeController(
             self.coordinator, HookSettings(has_checkpoint_hook=True, guard_timeout_s=2.0, switch_timeout_s=2.0,
                                            pause_timeout_s=5.0, dry_run=False),
-            on_stop=self.stops.append,
+            on_stop=self.stops.append, emit=emit,
         )
         self.reports = Reports()
         self.controller.attach(self.reports)  # type: ignore[arg-type]
@@ -231,3 +231,43 @@ def test_a_reset_after_a_failed_switch_lets_training_go_on_only_on_rolled_back_l
             assert rig.training.stop_seen.wait(10)
     finally:
         rig.close()
+
+
+def signal(kind: str, actions: list[str] | None = None, strategy: str = "", extra: str = "") -> pb.ProcessManageSignal:
+    return pb.ProcessManageSignal(uuid="p", jobId="j", signalType=kind, actions=actions or [],
+                                  changeStrategy=strategy, extraParams=extra)
+
+
+@pytest.mark.parametrize("listener", ["records", "raises"])
+def test_clusterds_recovery_after_a_failed_switch_is_an_event_on_the_leader(listener: str) -> None:
+    """The strategies offered on globalFault and the one ClusterD picks are ``recovery`` events with
+    the failed switch's number (the timeline draws them); continue and the informational dump_exit
+    are not a recovery. A listener that raises changes nothing: every report still goes out."""
+    emitted: list[tuple[str, int | None, dict[str, Any]]] = []
+
+    def emit(kind: str, seq: int | None, detail: dict[str, Any]) -> None:
+        emitted.append((kind, seq, detail))
+        if listener == "raises":
+            raise RuntimeError("listener broke")
+
+    rig = Rig([False, True], emit=emit)
+    try:
+        rig.controller._handle(signal(STOP_TRAIN, [ACTION_PAUSE]), 1)
+        assert not rig.controller.execute(SwitchOrder(seq=7, job_id="j", ranks=(0,), ops=(True,))).ok
+        rig.controller._handle(signal(STOP_TRAIN, [ACTION_STOP]), 1)
+        rig.controller._handle(signal(GLOBAL_FAULT), 1)
+        rig.controller._handle(signal(CHANGE_STRATEGY, ["change_strategy"], "exit", EXTRA_DUMP_EXIT), 1)
+        rig.controller._handle(signal(CHANGE_STRATEGY, ["change_strategy"], "retry"), 1)
+        assert rig.reports.calls == [("report_stop_complete", 0), ("report_stop_complete", 0),
+                                     ("report_recover_strategy", ("retry", "recover", "dump", "exit")),
+                                     ("report_recover_status", (0, "retry"))]
+        assert not rig.coordinator.paused and rig.stops == []
+        rig.controller._handle(signal(STOP_TRAIN, [ACTION_PAUSE]), 1)  # the next switch works
+        assert rig.controller.execute(SwitchOrder(seq=8, job_id="j", ranks=(0,), ops=(True,))).ok
+        rig.controller._handle(signal(CHANGE_STRATEGY, ["change_strategy"], "continue"), 1)
+        assert not rig.coordinator.paused
+    finally:
+        rig.close()
+    assert emitted == [
+        ("recovery", 7, {"signal": "globalFault", "offered": ["retry", "recover", "dump", "exit"], "chosen": None}),
+        ("recovery", 7, {"signal": "changeStrategy", "offered": None, "chosen": "retry"})]

@@ -506,3 +506,37 @@ def test_later_stream_events_do_not_stretch_the_switch_they_follow(events: Path,
     code, out, _ = run_cli([str(events), "-o", str(events.parent / "t.html")], capsys)
     assert code == 0 and span_text(before) in out and span_text(before).endswith("from its first event to its last")
     assert "after it ended: +" in out and "first pause" not in out
+
+
+def test_clusterds_recovery_is_drawn_on_the_switch_it_follows(events: Path) -> None:
+    """``recovery`` events (the strategies offered, the one ClusterD chose) carry the failed switch's
+    number: they are marks on its leader lane, part of it; one without a number (no switch of its
+    pause failed) is drawn where it falls. Files without them (older agents) read as before."""
+    path = events / "rank-0.jsonl"
+    records = load(path)
+    reply = next(r for r in records if r["kind"] == "reply_sent" and r["seq"] == 1)
+    done = next(r for r in records if r["kind"] == "switch_done" and r["seq"] == 2)
+
+    def recovery(after: dict[str, Any], seq: int | None, delay: float, **detail: Any) -> dict[str, Any]:
+        return {**after, "kind": "recovery", "seq": seq, "wall": after["wall"] + delay,
+                "mono": after["mono"] + delay, "detail": {"signal": "globalFault", "offered": None, "chosen": None,
+                                                          **detail}}
+
+    offered = recovery(reply, 1, 0.001, offered=["retry", "recover", "dump", "exit"])
+    chosen = recovery(reply, 1, 0.002, signal="changeStrategy", chosen="retry")
+    exit_ = recovery(done, None, 0.0, signal="changeStrategy", chosen="exit")
+    first, second = records.index(reply) + 1, records.index(done) + 1
+    save(path, [*records[:first], offered, chosen, *records[first:second], exit_, *records[second:]])
+    timeline = timeline_of(events)
+    assert timeline.problems == [] and [s.seq for s in timeline.switches] == [1, 2]
+    one, two = timeline.switches
+    drawn = [(m.label, m.ok) for m in one.leader if "recovery" in m.label]
+    assert drawn == [("recovery strategies offered to ClusterD: retry, recover, dump, exit", True),
+                     ("ClusterD chose the recovery strategy retry", True)]
+    at = next(m.at for m in one.leader if m.label.startswith("ClusterD chose"))
+    assert at == pytest.approx(reply["wall"] + 0.002 - one.start_wall, abs=1e-6) and at <= one.duration
+    assert [(m.label, m.ok) for m in two.leader if "recovery" in m.label] == [
+        ("ClusterD chose the recovery strategy exit", False)]
+    page = render_html(timeline)
+    assert "ClusterD chose the recovery strategy retry</title>" in page  # a numbered tick on the leader lane
+    assert "recovery strategies offered to ClusterD: retry, recover, dump, exit</td>" in page  # and in its table

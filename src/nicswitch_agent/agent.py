@@ -344,7 +344,7 @@ class SwitchAgent:
             callbacks=SessionCallbacks(
                 on_list=self._on_list, on_fatal=self._on_fatal, on_health=self._on_health,
                 on_connection=self._refresh_status, on_conflict=self._on_conflict,
-                on_training_stop=self._training_must_stop, emit=lambda kind, detail: self._emit(kind, detail=detail),
+                on_training_stop=self._training_must_stop, emit=self._emit,
             ))
         self._coordinator.on_decided = self._stats.links.decided  # every rank's link, for status() and metrics
         self._executor.start()  # before any stream can deliver a list

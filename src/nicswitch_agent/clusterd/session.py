@@ -46,7 +46,7 @@ class SessionCallbacks:
     on_connection: Callable[[], None]  # the notify stream's connection changed (no event says so)
     on_conflict: Callable[[str], None]  # another process-manage client fights for the job's stream
     on_training_stop: Callable[[str], None]  # ClusterD's recovery decided that training must stop
-    emit: Callable[[str, dict[str, Any]], None]
+    emit: Callable[[str, int | None, dict[str, Any]], None]  # an event: (kind, seq, detail)
 
 
 class LeaderSession:
@@ -82,7 +82,8 @@ class LeaderSession:
                 total_timeout_s=cfg.reply_timeout_s, attempt_timeout_s=cfg.reply_attempt_timeout_s,
             ), watch=self.watch)
             if pause_mode == "agent":
-                self.controller = AgentModeController(coordinator, hooks, on_stop=callbacks.on_training_stop)
+                self.controller = AgentModeController(coordinator, hooks, on_stop=callbacks.on_training_stop,
+                                                      emit=callbacks.emit)
                 self.process_manage = ProcessManageClient(
                     self.stub,
                     ProcessManageSettings(job_id=cfg.job_id, role=cfg.role, rpc_timeout_s=cfg.rpc_timeout_s,
@@ -98,7 +99,7 @@ class LeaderSession:
                     watch=self.watch,
                 )
                 self.process_manage.on_open = lambda opens: callbacks.emit(
-                    ev.SUBSCRIBED, {"stream": "process_manage", "opens": opens})
+                    ev.SUBSCRIBED, None, {"stream": "process_manage", "opens": opens})
                 self.controller.attach(self.process_manage)
             self.subscriber = NotifySubscriber(
                 self.stub,
@@ -114,7 +115,8 @@ class LeaderSession:
                 watch=self.watch,
                 on_connection=lambda connected, why: callbacks.on_connection(),
             )
-            self.subscriber.on_open = lambda opens: callbacks.emit(ev.SUBSCRIBED, {"stream": "notify", "opens": opens})
+            self.subscriber.on_open = lambda opens: callbacks.emit(ev.SUBSCRIBED, None, {"stream": "notify",
+                                                                                          "opens": opens})
         except BaseException:
             watch = getattr(self, "watch", None)
             if watch is not None:

@@ -32,6 +32,9 @@ server's behaviour (docs/clusterd.md#failed-switch-and-fault-recovery, docs/clus
 "Stop" means: the user's ``on_stop(reason)`` is called, and the training thread leaves its parking
 spot with :class:`~nicswitch_agent.coordination.parking.TrainingStopped`, so training never continues silently
 on links in an unknown state. The streams stay open, so ClusterD can finish its own recovery.
+
+The strategies offered and the one ClusterD picks are recorded as ``recovery`` events (the
+timeline draws them on the failed switch): the reports themselves leave no trace in the events.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.process_manage import (
@@ -63,6 +67,7 @@ from nicswitch_agent.clusterd.process_manage import (
 )
 from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator, RunOutcome
 from nicswitch_agent.coordination.hook_runner import Execution
+from nicswitch_agent.observability import events as ev
 from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.controller")
@@ -119,11 +124,13 @@ class LinkState:
 class AgentModeController:
     """Turns process-manage signals into pauses, orders on every rank, and reports."""
 
-    def __init__(self, coordinator: Coordinator, hooks: HookSettings, *, on_stop: Callable[[str], None]) -> None:
+    def __init__(self, coordinator: Coordinator, hooks: HookSettings, *, on_stop: Callable[[str], None],
+                 emit: Callable[[str, int | None, dict[str, Any]], None] | None = None) -> None:
         self.coordinator = coordinator
         self.hooks = hooks
         self.links = LinkState()
         self._on_stop = on_stop
+        self._emit = emit  # (kind, seq, detail): the agent's events
         self._client: ProcessManageClient | None = None
         # (signal, the stream that delivered it) | "stream-end: why" | stop training | None (stop)
         self._signals: queue.Queue[tuple[pb.ProcessManageSignal, int] | str | _Stop | None] = queue.Queue()
@@ -211,7 +218,9 @@ class AgentModeController:
             # Training is already parked (or was never paused); say it is stopped.
             client.report_stop_complete(CODE_OK)
         elif kind == GLOBAL_FAULT:
-            client.report_recover_strategy(self._strategies_we_can_honour())
+            strategies = self._strategies_we_can_honour()
+            self._recovery_event(offered=strategies)
+            client.report_recover_strategy(strategies)
         elif kind == CHANGE_STRATEGY:
             self._change_strategy(client, signal)
         elif kind == KILL_MASTER:
@@ -291,6 +300,8 @@ class AgentModeController:
 
     def _change_strategy(self, client: _Reports, signal: pb.ProcessManageSignal) -> None:
         strategy = signal.changeStrategy
+        if strategy != STRATEGY_CONTINUE and not (strategy == STRATEGY_EXIT and signal.extraParams == EXTRA_DUMP_EXIT):
+            self._recovery_event(chosen=strategy)  # as it arrives: a dump's checkpoint may take minutes
         if strategy == STRATEGY_CONTINUE:
             self.coordinator.release()
             client.report_recover_status(CODE_OK, STRATEGY_CONTINUE)
@@ -315,6 +326,20 @@ class AgentModeController:
             self._stop_training("ClusterD chose exit after a failed switch")
         else:
             logger.warning("unknown strategy, ignored: %s", describe_signal(signal))
+
+    def _recovery_event(self, *, offered: list[str] | None = None, chosen: str | None = None) -> None:
+        """ClusterD's recovery for the timeline: what the agent offered, what ClusterD chose. A
+        listener that raises is logged: it must not keep the report from ClusterD."""
+        if self._emit is None:
+            return
+        with self._lock:
+            failed = self._failed_order
+        signal = GLOBAL_FAULT if chosen is None else CHANGE_STRATEGY
+        try:
+            self._emit(ev.RECOVERY, failed.seq if failed is not None else None,
+                       {"signal": signal, "offered": None if offered is None else list(offered), "chosen": chosen})
+        except Exception:
+            logger.exception("recording ClusterD's %s failed; ignored", signal)
 
     def _handle_stream_end(self, reason: str) -> None:
         """ClusterD reset the job (or went away): nobody will send continue, nor choose a strategy,

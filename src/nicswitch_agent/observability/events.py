@@ -28,6 +28,7 @@ SWITCH_DONE = "switch_done"  # leader: an order ran on every rank: {ok, reason, 
 SWITCH_OUTCOME = "switch_outcome"  # every rank: the leader's decision on an order reached it
 REPLY_SENT = "reply_sent"
 REPLY_FAILED = "reply_failed"
+RECOVERY = "recovery"  # leader, pause mode agent: ClusterD's recovery after a failed switch: {signal, offered, chosen}
 AGENT_STARTED = "agent_started"
 AGENT_STOPPED = "agent_stopped"
 AGENT_FAILED = "agent_failed"
@@ -160,6 +161,16 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("sent_at", "the leader's wall clock as the last call went out, or null when none was sent "
                     "(`dropped`, or ClusterD never reachable)"),
         ("error", "what went wrong"))),
+    EventKind(RECOVERY, "leader, pause mode `agent`", "ClusterD's recovery, as its signal arrives: `globalFault` "
+              "(after a failed switch) was answered with the strategies the agent can honour, or `changeStrategy` "
+              "brought ClusterD's choice among them (not `continue`, which ends every pause, nor the informational "
+              "`dump_exit`); `seq` is the failed switch's list number, null when no switch of this pause failed", (
+        ("signal", "`globalFault` or `changeStrategy`"),
+        ("offered", "`globalFault`: the strategies reported (ReportRecoverStrategy), in order: `retry` and "
+                    "`recover` only if the failed order's links were rolled back, `dump` only if a checkpoint of "
+                    "the parked step exists or can be taken, always `exit`; else null"),
+        ("chosen", "`changeStrategy`: ClusterD's pick, `retry`, `recover`, `dump` or `exit` (any other is logged "
+                   "and ignored); else null"))),
     EventKind(RESUMED, "every rank, pause mode `agent`", "the training thread left its parking spot", (
         ("step", "the step it was parked at"),
         ("parked_s", "how long it was parked"),

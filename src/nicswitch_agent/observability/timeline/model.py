@@ -7,7 +7,9 @@ Pure data, no drawing: the page (render.py) and the text summary (summary.py) on
 
 **Which switch.** ``guard_done``, ``member_result`` and ``switch_outcome`` carry the leader's
 list number (``seq``) and the pause they ran in (``epoch``); ``pause_requested`` and ``parked``
-carry that epoch, and ``resumed`` is the first one after ``parked`` in the same process.
+carry that epoch, and ``resumed`` is the first one after ``parked`` in the same process. A
+``recovery`` carries the failed switch's list number: ClusterD's recovery is part of that switch
+(its ranks stay parked through it).
 """
 
 from __future__ import annotations
@@ -31,10 +33,12 @@ PHASES = ("pause", "parked", "guard", "switch", "verify")
 """The phases the page knows (a bar of any other name is drawn as a generic phase)."""
 VERIFY_PREFIX = "verify"  # events ``verify_*`` with a ``duration_s`` are the verify phase
 _LEADER_KINDS = frozenset({ev.LIST_RECEIVED, ev.LIST_REJECTED, ev.SWITCH_DONE, ev.REPLY_SENT, ev.REPLY_FAILED,
-                           ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED, ev.SUBSCRIBED})
+                           ev.RECOVERY, ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED,
+                           ev.SUBSCRIBED})
 _LEADER_ONLY = frozenset({ev.LIST_RECEIVED, ev.LIST_REJECTED, ev.SWITCH_DONE, ev.REPLY_SENT, ev.REPLY_FAILED,
-                          ev.SUBSCRIBED})
-_UNSEQUENCED_LEADER = frozenset({ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED})
+                          ev.RECOVERY, ev.SUBSCRIBED})
+# Without a list number (a recovery: when no switch of its pause failed): drawn where they fall
+_UNSEQUENCED_LEADER = frozenset({ev.RECOVERY, ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED})
 _FAR_S = 60.0  # a rank without leader timestamps this far from the leader's times: say its clock may differ
 
 
@@ -429,10 +433,24 @@ def _leader_marks(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
         elif r.kind == ev.REPLY_FAILED:
             at, returned = _reply_sent_at(t, r)
             marks.append(Mark(at - t0, f"reply {d.get('outcome')}: {d.get('error')}{returned}", ok=False))
+        elif r.kind == ev.RECOVERY:
+            marks.append(Mark(t - t0, *_recovery(d)))
     if outcomes:
         ok = all(m.ok for m in marks if m.label.startswith("switch done"))
         marks.append(Mark(min(outcomes) - t0, "outcome sent to the ranks", ok=ok))
     return sorted(marks, key=lambda m: m.at)
+
+
+def _recovery(detail: dict[str, Any]) -> tuple[str, bool]:
+    """A ``recovery`` event's mark: red when training cannot go on (no rollback to offer, or
+    ClusterD chose to stop)."""
+    offered = detail.get("offered")
+    if detail.get("chosen") is None and offered is not None:
+        names = [str(s) for s in offered] if isinstance(offered, list) else [str(offered)]
+        return (f"recovery strategies offered to ClusterD: {', '.join(names)}",
+                "retry" in names or "recover" in names)
+    chosen = detail.get("chosen")
+    return f"ClusterD chose the recovery strategy {chosen}", chosen in ("retry", "recover")
 
 
 def _reply_sent_at(t: float, record: Record) -> tuple[float, str]:
@@ -579,17 +597,21 @@ def _attach_unsequenced(switches: list[Switch], leader_events: list[tuple[float,
     stretches the switch: a stream restored long after would read as a slow switch."""
     ordered = sorted(switches, key=lambda s: s.start_wall)
     for t, r in leader_events:
-        if r.kind not in _UNSEQUENCED_LEADER:
-            continue
+        if r.kind not in _UNSEQUENCED_LEADER or (r.kind in _LEADER_ONLY and r.seq is not None):
+            continue  # a recovery with its switch's number is that switch's own (_leader_marks)
         owner = next((s for s in reversed(ordered) if s.start_wall <= t <= s.start_wall + s.duration + 60.0), None)
         if owner is None:
             continue
         d = r.detail
-        text = {ev.TRAINING_STOP: f"ClusterD's recovery: training must stop ({d.get('reason')})",
-                ev.STREAM_LOST: f"stream to ClusterD lost: {d.get('why')}",
-                ev.STREAM_RESTORED: f"stream to ClusterD restored: {d.get('why')}",
-                ev.AGENT_FAILED: f"agent failed: {d.get('error')}"}[r.kind]
-        mark = Mark(t - owner.start_wall, text, ok=r.kind == ev.STREAM_RESTORED)
+        if r.kind == ev.RECOVERY:
+            text, ok = _recovery(d)
+        else:
+            text = {ev.TRAINING_STOP: f"ClusterD's recovery: training must stop ({d.get('reason')})",
+                    ev.STREAM_LOST: f"stream to ClusterD lost: {d.get('why')}",
+                    ev.STREAM_RESTORED: f"stream to ClusterD restored: {d.get('why')}",
+                    ev.AGENT_FAILED: f"agent failed: {d.get('error')}"}[r.kind]
+            ok = r.kind == ev.STREAM_RESTORED
+        mark = Mark(t - owner.start_wall, text, ok=ok)
         (owner.leader if mark.at <= owner.duration else owner.after).append(mark)
     for switch in switches:
         switch.leader.sort(key=lambda m: m.at)
