@@ -73,7 +73,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -669,7 +669,8 @@ class NodeProcess:
                     self.local_servers.append(link)
                     base = KV(link, base.prefix, queues=True)
             member = Member(base.clone(), rank, r.lot,  # as SwitchAgent._start: a clone of its store
-                            MemberHooks(switch_hook=hook, checkpoint_hook=None, guard_timeout_s=60.0,
+                            MemberHooks(switch_hook=hook, checkpoint_hook=_no_op_guard() if guarded() else None,
+                                        guard_timeout_s=60.0,
                                         switch_timeout_s=60.0, dry_run=False, local_ranks=rank_map.local_ranks),
                             lambda: r.last_step, max_parked_s=1800.0, stop_timeout_s=1.0, slot=slot)
             r.thread.start()
@@ -867,7 +868,8 @@ def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: 
             if not paused.ok:
                 _reply({"ok": False, "why": f"pause: {paused.reason}"})
                 continue
-            outcome = coordinator.run(order, kind=KIND_SWITCH, budget_s=timeout_s)
+            outcome = coordinator.run(order, kind=KIND_SWITCH, budget_s=timeout_s,
+                                      **({"guard_budget_s": timeout_s} if guarded() else {}))
             t2 = time.monotonic()
             coordinator.release()
             t3 = time.monotonic()
@@ -989,6 +991,20 @@ class SizeRun:
     sockets: dict[str, float] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=dict)
     switches: list[dict[str, Any]] = field(default_factory=list)
+
+
+GUARD_ENV = "NICSWITCH_BENCH_GUARD"  # --guard: every rank has a checkpoint guard (a no-op); the children inherit it
+
+
+def guarded() -> bool:
+    """Whether this run's ranks have a checkpoint guard: the leader then runs the guard round."""
+    return os.environ.get(GUARD_ENV) == "1"
+
+
+def _no_op_guard() -> Callable[[Any], None]:
+    def guard(order: Any) -> None:  # what the guard round costs, not what a checkpoint does
+        return None
+    return guard
 
 
 def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: bool, as_is: bool,
@@ -1580,6 +1596,8 @@ def _cli() -> None:
     parser.add_argument("--compare", action="store_true",
                         help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
+    parser.add_argument("--guard", action="store_true",
+                        help="every rank has a (no-op) checkpoint guard: a switch is a guard round, then the switch")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
     parser.add_argument("--markdown", type=Path, help="also write the table as Markdown here")
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
@@ -1605,6 +1623,8 @@ def main_standalone(args: argparse.Namespace) -> None:
     from benchmarks._common import machine, quiet_logging, render_markdown, render_table
 
     quiet_logging()
+    if args.guard:
+        os.environ[GUARD_ENV] = "1"  # the node and leader processes read it
     started_wall = datetime.datetime.now(datetime.timezone.utc)
     started = time.monotonic()
     host = machine()
