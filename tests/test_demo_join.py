@@ -133,3 +133,14 @@ def test_a_timeout_that_is_not_positive_is_a_usage_error() -> None:
     proc = subprocess.run(demo("--server", "127.0.0.1:1", "--timeout", "-5"), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 2 and "--timeout must be more than 0 seconds, got -5" in proc.stderr, proc.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_job_clusterd_refuses_ends_the_demo_at_once_saying_why(sim: Simulator) -> None:
+    """Found by an outside check: Init refused at once (a job ClusterD does not run), and the demo
+    still waited out its --timeout before saying it "could not register"."""
+    proc = subprocess.run(demo("--server", sim.address, "--job", "no-such-job", "--timeout", "300"),
+                          capture_output=True, text=True, timeout=90)  # far below --timeout: it did not wait
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert "nicswitch-agent demo: job no-such-job: the leader's agent failed: ClusterD refused" in proc.stderr, \
+        proc.stderr

@@ -401,8 +401,9 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     resumes: list[int] = []
     subscribed = threading.Event()
 
-    woken = threading.Event()  # the job subscribed, or a signal came: what the wait for the job ends on
+    woken = threading.Event()  # the job subscribed, a signal came, or the leader failed: what the wait ends on
     signals: list[int] = []
+    failed: list[str] = []  # the leader's agent failed for good (ClusterD refused the job): no use waiting
 
     resubscribed = threading.Event()  # the notify stream reopened since the last reply
     grace: list[threading.Timer] = []
@@ -418,6 +419,9 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
         if event.kind == "subscribed" and event.detail.get("stream") == "notify":
             resubscribed.set()
             wake(subscribed, woken)
+        elif event.kind == "agent_failed":
+            failed.append(str(event.detail.get("error", "")))
+            wake(woken, done)
         text = describe_event(event)
         if text is not None and (event.kind in _LEADER_EVENTS or event.kind in ("parked", "resumed")):
             out.write(f"job {job_id}: {text}\n")
@@ -457,6 +461,10 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                     print(f"nicswitch-agent demo: {signal.Signals(signals[0]).name} before job {job_id} registered "
                           f"with ClusterD at {server}; stopped", file=sys.stderr)
                     return 128 + signals[0]
+                if failed:
+                    print(f"nicswitch-agent demo: job {job_id}: the leader's agent failed: {failed[0]}",
+                          file=sys.stderr)
+                    return EXIT_FAILED
                 if not subscribed.is_set():
                     print(f"nicswitch-agent demo: job {job_id} could not register with ClusterD at {server} "
                           f"within {timeout_s:g} s", file=sys.stderr)
