@@ -395,7 +395,7 @@ class Coordinator:
         """An order's keys become garbage once it is decided (deleted when the next epoch starts)."""
         self._garbage += [p.result_key(epoch, name, i) for i in range(1, self.world_size + 1)]
         self._garbage += [p.result_counter_key(epoch, name), done_key(p.result_counter_key(epoch, name))]
-        if not name.endswith(f".{p.KIND_VERIFY}"):  # a verify round has no order key of its own
+        if not name.endswith((f".{p.KIND_VERIFY}", f".{p.KIND_GUARD}")):  # these use the switch's order key
             self._garbage.append(p.order_key(name))
 
     def _tell_outcome(self, epoch: int, name: str, kind: str, seq: int, outcome: RunOutcome) -> None:
