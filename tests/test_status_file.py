@@ -109,7 +109,8 @@ def test_real_agent_keeps_the_file_across_a_switch_and_status_reads_it(
             out = capsys.readouterr().out
             assert "state       running (leader, rank 0 of 1, pause agent)" in out
             assert "last switch #1: replied true" in out
-            assert re.search(r"^last verify #1: passed in \d+ ms, [\d.]+ m?s before the write$", out, re.M), out
+            assert re.search(r"^last verify #1: passed on this rank in \d+ ms, [\d.]+ m?s before the write$", out,
+                             re.M), out
             assert "switches 1 ok, 0 failed; replies 1 delivered, 0 failed" in out
             assert "timings     switch " in out and "; list to reply " in out and "; parked " in out
             assert "verdict     OK" in out
@@ -213,8 +214,8 @@ def test_a_failed_verification_has_its_line_and_none_yet_before_any(tmp_path: Pa
         "duration_s": 5.012, "at": 990.0,
         "report": {"seq": 3, "ok": False, "groups": [{"group": "dp", "ok": False}, {"group": "tp", "ok": True}]}}
     assert writer.write_now()
-    assert ("\nlast verify #3: FAILED (group dp: all_reduce timed out after 5 s) in 5.0 s, 1 of 2 group(s) ok, "
-            "10.0 s before the write\n") in format_summary(read_status(path, now=1001.0))
+    assert ("\nlast verify #3: FAILED on this rank (group dp: all_reduce timed out after 5 s) in 5.0 s, "
+            "1 of 2 group(s) ok, 10.0 s before the write\n") in format_summary(read_status(path, now=1001.0))
 
 
 def test_max_age_can_be_given(tmp_path: Path) -> None:

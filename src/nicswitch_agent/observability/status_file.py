@@ -576,7 +576,8 @@ def _last_verify(last: Any, written_at: float | None) -> str:
         return "none yet"
     name = str(last.get("order", ""))
     seq = name.split(".")[1] if name.count(".") == 2 else "?"  # "<epoch>.<seq>.verify"
-    verdict = "passed" if last.get("ok") else f"FAILED ({last.get('reason') or 'no reason'})"
+    # "on this rank": the leader's line beside a switch that failed verification on another rank
+    verdict = "passed on this rank" if last.get("ok") else f"FAILED on this rank ({last.get('reason') or 'no reason'})"
     parts = [f"#{seq}: {verdict}"]
     took = _number(last.get("duration_s"))
     if took is not None:
