@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import threading
 import typing
 from typing import Any, Optional
 
@@ -13,6 +14,7 @@ import pytest
 from nicswitch_agent import AgentConfig, ConfigError
 from nicswitch_agent import config as config_module
 from nicswitch_agent.config import CLUSTERD_PORT, LOCAL_PROXY_ADDRESS
+from nicswitch_agent.config.limits import MAX_DURATION_S
 
 BASE = {"server": "10.0.0.1:8899", "job_id": "job-1"}
 FLOAT_FIELDS = [f.name for f in dataclasses.fields(AgentConfig) if f.name.endswith("_s")]
@@ -286,6 +288,39 @@ def test_non_numeric_times_refused(name: str, value: Any) -> None:
 def test_zero_refused_where_a_positive_time_is_needed(name: str) -> None:
     message = refused(rf"{name}=0 must be positive", **{name: 0})
     assert name in message
+
+
+@pytest.mark.parametrize("name", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", [MAX_DURATION_S + 0.5, 2_200_000.0, 1e20, 1e308])
+def test_times_above_seven_days_refused(name: str, value: float) -> None:
+    """A duration gRPC (or poll(), or a thread's wait) cannot take used to pass, and crashed start()
+    with an OverflowError: it is a ConfigError naming the setting, the value and the limit."""
+    message = refused(r"must be at most 604800 s \(7 days\)", **{name: value})
+    assert message.startswith(f"{name}={value!r} must be at most 604800 s (7 days)"), message
+
+
+def test_the_longest_times_fit_grpcs_c_ints_and_open_a_channel() -> None:
+    """At the limit every channel setting still opens a channel (grpc's options are C ints of ms),
+    with room for a few durations added up; and a thread may wait that long several times over."""
+    import grpc
+
+    from nicswitch_agent.clusterd.channel import ChannelSettings
+
+    longest = MAX_DURATION_S
+    assert 3 * longest * 1000 <= 2**31 - 1 and 4 * longest < threading.TIMEOUT_MAX
+    cfg = make(keepalive_time_s=longest, keepalive_timeout_s=longest, reconnect_initial_s=longest,
+               reconnect_max_s=longest, connect_timeout_s=longest, max_message_bytes=2**31 - 1)
+    settings = ChannelSettings(target=cfg.server, keepalive_time_s=cfg.keepalive_time_s,
+                               keepalive_timeout_s=cfg.keepalive_timeout_s, reconnect_initial_s=cfg.reconnect_initial_s,
+                               reconnect_max_s=cfg.reconnect_max_s, connect_timeout_s=cfg.connect_timeout_s,
+                               max_receive_bytes=cfg.max_message_bytes)
+    grpc.insecure_channel(settings.target, options=settings.options()).close()  # no OverflowError
+
+
+@pytest.mark.parametrize("value", [2**31, 3_000_000_000, 2**63])
+def test_max_message_bytes_above_grpcs_limit_refused(value: int) -> None:
+    message = refused("max_message_bytes", max_message_bytes=value)
+    assert message == f"max_message_bytes={value} must be at most 2147483647 (gRPC's limit: 2 GiB - 1)"
 
 
 def test_resubscribe_after_eof_may_be_zero_but_at_most_60() -> None:

@@ -23,8 +23,8 @@ TYPES = {name: _non_optional(kind) for name, kind in typing.get_type_hints(Agent
 BASE_ENV = {"NICSWITCH_SERVER": "clusterd:8899", "NICSWITCH_JOB_ID": "job-env"}
 
 # Values of the field's type that are always refused: every number and duration of the agent
-# is refused below 0, and no word is a bool.
-GENERIC_BAD = {int: ["-5", "x1"], float: ["-5", "x1"], bool: ["maybe"]}
+# is refused below 0, every duration (the float fields) above 7 days, and no word is a bool.
+GENERIC_BAD = {int: ["-5", "x1"], float: ["-5", "x1", "1e20"], bool: ["maybe"]}
 # Strings have no generic bad value: one per field.
 BAD_TEXT = {
     "server": "http://clusterd:8899",
@@ -94,6 +94,26 @@ def test_a_near_miss_of_a_choice_gets_a_suggestion(name: str, given: str, sugges
     with pytest.raises(ConfigError) as info:
         AgentConfig(server="clusterd:8899", job_id="job-kw", **{name: given})
     assert str(info.value).startswith(f"{name}={given!r} is not supported") and str(info.value).endswith(hint)
+
+
+@pytest.mark.parametrize(("raw_env", "expected"), [
+    ({"NICSWITCH_MAX_MESSAGE_BYTES": "3000000000"},
+     "NICSWITCH_MAX_MESSAGE_BYTES='3000000000': max_message_bytes=3000000000 must be at most 2147483647"),
+    ({"NICSWITCH_RECONNECT_MAX_S": "2200000"},
+     "NICSWITCH_RECONNECT_MAX_S='2200000': reconnect_max_s=2200000.0 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_KEEPALIVE_TIME_S": "1e20"},
+     "NICSWITCH_KEEPALIVE_TIME_S='1e20': keepalive_time_s=1e+20 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_KEEPALIVE_TIMEOUT_S": "1e20"},
+     "NICSWITCH_KEEPALIVE_TIMEOUT_S='1e20': keepalive_timeout_s=1e+20 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_CONNECT_TIMEOUT_S": "1e20"},
+     "NICSWITCH_CONNECT_TIMEOUT_S='1e20': connect_timeout_s=1e+20 must be at most 604800 s (7 days)"),
+])
+def test_values_too_large_for_grpc_are_refused_when_the_config_is_built(raw_env: dict[str, str],
+                                                                         expected: str) -> None:
+    """The tester's repro: each passed from_env() and crashed start() with gRPC's OverflowError."""
+    with pytest.raises(ConfigError) as info:
+        AgentConfig.from_env({**BASE_ENV, **raw_env})
+    assert str(info.value).startswith(expected), str(info.value)
 
 
 def test_the_issues_example() -> None:

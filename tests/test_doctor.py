@@ -240,6 +240,25 @@ def test_keepalive(env: dict[str, str], ok: bool, text: str) -> None:
     assert doctor.check_settings(inputs).ok is True  # each problem is reported once
 
 
+@pytest.mark.parametrize(("env", "check", "text"), [
+    ({"NICSWITCH_RECONNECT_MAX_S": "2200000"}, "settings",
+     "NICSWITCH_RECONNECT_MAX_S='2200000': reconnect_max_s=2200000.0 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_MAX_MESSAGE_BYTES": "3000000000"}, "settings",
+     "NICSWITCH_MAX_MESSAGE_BYTES='3000000000': max_message_bytes=3000000000 must be at most 2147483647"),
+    ({"NICSWITCH_CONNECT_TIMEOUT_S": "1e20"}, "settings",
+     "NICSWITCH_CONNECT_TIMEOUT_S='1e20': connect_timeout_s=1e+20 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_KEEPALIVE_TIME_S": "1e20"}, "keepalive",
+     "NICSWITCH_KEEPALIVE_TIME_S='1e20': keepalive_time_s=1e+20 must be at most 604800 s (7 days)"),
+    ({"NICSWITCH_KEEPALIVE_TIMEOUT_S": "1e20"}, "keepalive",
+     "NICSWITCH_KEEPALIVE_TIMEOUT_S='1e20': keepalive_timeout_s=1e+20 must be at most 604800 s (7 days)"),
+])
+def test_a_setting_too_large_for_grpc_fails_the_doctor(env: dict[str, str], check: str, text: str) -> None:
+    """It printed "ok settings timeouts and modes valid", and the agent's start() died of gRPC's OverflowError."""
+    found = doctor.check_settings(gather_inputs(env=env)) if check == "settings" else \
+        doctor.check_keepalive(gather_inputs(env=env))
+    assert found.ok is False and found.detail.startswith(text), found.detail
+
+
 def test_other_settings_are_validated() -> None:
     bad = doctor.check_settings(gather_inputs(env={"NICSWITCH_SWITCH_TIMEOUT_S": "-1"}))
     assert bad.ok is False and "switch_timeout_s=-1.0 must not be negative" in bad.detail

@@ -371,6 +371,21 @@ def test_join_timeout_is_validated_before_anything_starts() -> None:
             plan(["--world-size", "2", "--join-timeout", value, "--", "true"])
 
 
+@pytest.mark.parametrize("setting", ["NICSWITCH_RECONNECT_MAX_S=2200000", "NICSWITCH_KEEPALIVE_TIME_S=1e20",
+                                     "NICSWITCH_CONNECT_TIMEOUT_S=1e20", "NICSWITCH_MAX_MESSAGE_BYTES=3000000000"])
+def test_a_setting_too_large_for_grpc_is_a_usage_error_before_the_command_starts(
+        setting: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """It passed the checks, and the leader's start() died of gRPC's OverflowError."""
+    variable, value = setting.split("=")
+    monkeypatch.setenv(variable, value)
+    marker = tmp_path / "ran"
+    code = launcher.main(["--server", "127.0.0.1:1", "--job", "j", "--world-size", "2", "--",
+                          sys.executable, "-c", f"open({str(marker)!r}, 'w')"])
+    err = capsys.readouterr().err
+    assert code == 2 and not marker.exists(), err
+    assert f"nicswitch-agent launch: error: {variable}={value!r}: " in err and "must be at most" in err, err
+
+
 # -- with plain children (the launcher's own behaviour, fast) -------------------------------------
 
 # Every child: dump its NICSWITCH_* env, say it is ready, then idle in short sleeps (a signal landing

@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import ipaddress
 import logging
-import math
 import os
 import threading
 import types
@@ -27,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from nicswitch_agent.config.addresses import CLUSTERD_PORT, parse_server
 from nicswitch_agent.config.frameworks import FRAMEWORKS, MSRUN_NAMES, in_msrun, job_framework
+from nicswitch_agent.config.limits import MAX_MESSAGE_BYTES, check_seconds
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.status_file import expand_path
 
@@ -351,11 +351,7 @@ class AgentConfig:
                 raise _invalid(f"{name}={getattr(self, name)!r} must be a bool", name)
         for f in dataclasses.fields(self):
             if f.name.endswith("_s"):
-                value = getattr(self, f.name)
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                    raise _invalid(f"{f.name}={value!r} must be a finite number of seconds", f.name)
-                if value < 0:
-                    raise _invalid(f"{f.name}={value!r} must not be negative", f.name)
+                check_seconds(f.name, getattr(self, f.name))  # finite, 0 to 7 days (limits.py)
         if self.keepalive_time_s < CLUSTERD_MIN_PING_INTERVAL_S:
             raise _invalid(
                 f"keepalive_time_s={self.keepalive_time_s!r} is below 3 s: ClusterD answers faster "
@@ -449,6 +445,9 @@ class AgentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise _invalid(f"{name}={value!r} must be a positive integer", name)
+        if self.max_message_bytes > MAX_MESSAGE_BYTES:
+            raise _invalid(f"max_message_bytes={self.max_message_bytes!r} must be at most {MAX_MESSAGE_BYTES} "
+                           "(gRPC's limit: 2 GiB - 1)", "max_message_bytes")
         if not isinstance(self.role, str):
             raise _invalid(f"role must be a string, got {_describe(self.role)}", "role")
         if not self.role:
