@@ -118,3 +118,77 @@ def test_help_lists_the_address_sources_in_the_order_they_apply(name: str) -> No
     text = str(server.help)
     positions = [text.find(source) for source in SOURCES]
     assert -1 not in positions and positions == sorted(positions), (name, text)
+
+
+# -- durations (B2: `--timeout inf` passed the parser, then broke the command) -------------------
+
+REQUIRED = {"launch": ["--", "true"], "timeline": ["events.jsonl"]}  # so that only the flag under test is wrong
+
+
+def is_duration(action: argparse.Action) -> bool:
+    return getattr(action.type, "__name__", None) == "seconds"
+
+
+DURATIONS = sorted((name, action.option_strings[0], action) for name, parser in commands().items()
+                   for action in parser._actions if action.option_strings and is_duration(action))
+DURATION_IDS = [f"{name} {flag}" for name, flag, _ in DURATIONS]
+
+
+def test_every_duration_flag_of_every_command_is_parsed_as_one() -> None:
+    """One type for every flag that takes seconds: the client's (ops/durations.py) everywhere but in
+    ``sim``, which imports nothing of the client's (docs/architecture.md) and keeps a copy of it."""
+    assert {name for name, _, _ in DURATIONS} >= {"switch", "watch", "doctor", "status", "launch", "sim", "demo"}
+    for name, parser in commands().items():
+        for action in parser._actions:
+            if not action.option_strings or action.type is None:
+                continue
+            seconds_like = action.metavar in ("S", "SECONDS") or action.type is float or action.dest == "rpc_timeout"
+            assert is_duration(action) or not seconds_like, (name, action.option_strings)
+            if is_duration(action):
+                module = "nicswitch_agent.sim.cli" if name == "sim" else "nicswitch_agent.ops.durations"
+                assert action.type.__module__ == module, (name, action.option_strings)  # type: ignore[union-attr]
+    from nicswitch_agent.config.limits import MAX_DURATION_S
+    from nicswitch_agent.sim import cli as sim_cli
+
+    assert sim_cli.MAX_SECONDS == MAX_DURATION_S
+
+
+@pytest.mark.parametrize(("value", "complaint"), [
+    ("inf", "'inf' is not a finite number of seconds"),
+    ("-inf", "'-inf' is not a finite number of seconds"),
+    ("nan", "'nan' is not a finite number of seconds"),
+    ("1e308", "'1e308' is above the limit of 604800 s (7 days)"),
+    ("604800.5", "'604800.5' is above the limit of 604800 s (7 days)"),
+    ("-1", "'-1' must be a "),
+    ("soon", "'soon' is not a number of seconds"),
+])
+@pytest.mark.parametrize(("name", "flag", "action"), DURATIONS, ids=DURATION_IDS)
+def test_a_duration_flag_refuses_what_no_wait_can_take(name: str, flag: str, action: argparse.Action, value: str,
+                                                       complaint: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A usage error (exit 2) naming the flag and the value, while parsing: nothing is sent or started.
+    (Parsed only: were the value taken, running the command would wait for it, sim forever.)"""
+    with pytest.raises(SystemExit) as stopped:
+        cli._build_parser().parse_args([name, f"{flag}={value}", *REQUIRED.get(name, [])])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert f"nicswitch-agent {name}: error: argument {flag}: {complaint}" in err, err
+
+
+# A delay or a grace, where 0 is none; every other duration is a timeout or a period, and 0 means nothing.
+ZERO_ALLOWED = {("sim", "--standin-register-delay"), ("sim", "--fault-flush"), ("sim", "--force-release"),
+                ("sim", "--schedule-wait"), ("sim", "--restart-wait"), ("sim", "--list-delay"),
+                ("status", "--max-disconnected")}
+
+
+@pytest.mark.parametrize(("name", "flag", "action"), DURATIONS, ids=DURATION_IDS)
+def test_a_duration_flag_takes_up_to_seven_days_and_zero_only_where_it_means_something(
+        name: str, flag: str, action: argparse.Action, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = commands()[name]
+    assert getattr(parser.parse_args([flag, "604800", *REQUIRED.get(name, [])]), action.dest) == 604800.0
+    assert getattr(parser.parse_args([flag, "0.25", *REQUIRED.get(name, [])]), action.dest) == 0.25
+    if (name, flag) in ZERO_ALLOWED:
+        assert getattr(parser.parse_args([flag, "0", *REQUIRED.get(name, [])]), action.dest) == 0.0
+        return
+    with pytest.raises(SystemExit):
+        parser.parse_args([flag, "0", *REQUIRED.get(name, [])])
+    assert f"argument {flag}: '0' must be a positive number of seconds" in capsys.readouterr().err

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import importlib.util
 import json
+import math
 import os
 import re
 import signal
@@ -363,12 +364,18 @@ def test_ranks_that_never_join_do_not_keep_the_leader_from_clusterd(sim: Simulat
     assert sim.job_view(JOB).violations == []
 
 
-def test_join_timeout_is_validated_before_anything_starts() -> None:
+def test_join_timeout_is_validated_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
     assert plan(["--world-size", "2", "--join-timeout", "30", "--", "true"]).join_timeout_s == 30.0
     assert plan(["--world-size", "2", "--", "true"]).join_timeout_s is None  # the agent's setting then
-    for value in ("0", "-1", "inf", "nan"):
-        with pytest.raises(launcher.LaunchError, match=f"--join-timeout={float(value)!r} must be a positive"):
+    for value in ("0", "-1", "inf", "nan", "1e20"):  # by the parser: the type of every duration flag
+        with pytest.raises(SystemExit) as stopped:
             plan(["--world-size", "2", "--join-timeout", value, "--", "true"])
+        assert stopped.value.code == 2
+        assert f"argument --join-timeout: {value!r}" in capsys.readouterr().err
+    for number in (0.0, math.inf, math.nan, 1e20):  # arguments built by hand: checked again
+        args = argparse.Namespace(**{**vars(plan_args(["--world-size", "2", "--", "true"])), "join_timeout": number})
+        with pytest.raises(launcher.LaunchError, match=re.escape(f"--join-timeout={number!r} must be a positive")):
+            launcher.make_plan(args, {})
 
 
 @pytest.mark.parametrize("setting", ["NICSWITCH_RECONNECT_MAX_S=2200000", "NICSWITCH_KEEPALIVE_TIME_S=1e20",
@@ -502,10 +509,14 @@ def test_signals_are_forwarded_and_the_child_code_returned(sim: Simulator, tmp_p
 # -- the plan (in-process) ----------------------------------------------------------------------
 
 
-def plan(argv: list[str], env: dict[str, str] | None = None) -> launcher.Plan:
+def plan_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     launcher.add_arguments(parser)
-    return launcher.make_plan(parser.parse_args(argv), env or {})
+    return parser.parse_args(argv)
+
+
+def plan(argv: list[str], env: dict[str, str] | None = None) -> launcher.Plan:
+    return launcher.make_plan(plan_args(argv), env or {})
 
 
 @pytest.mark.parametrize(("command", "world"), [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import socket
 import threading
@@ -616,7 +617,7 @@ def test_cli_argparse_rejects_bad_timeout(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as exited:
         switch_args("--timeout", "-1")
     assert exited.value.code == 2
-    assert "must be > 0" in capsys.readouterr().err
+    assert "argument --timeout: '-1' must be a positive number of seconds" in capsys.readouterr().err
 
 
 def test_cli_help_documents_exit_codes() -> None:
@@ -670,6 +671,13 @@ def test_resolve_job() -> None:
 
 def test_format_seconds() -> None:
     assert [format_seconds(s) for s in (0.0123, 1.71, 125, 960)] == ["12 ms", "1.7 s", "2 min 5 s", "16 min"]
+
+
+def test_format_seconds_of_hours_days_and_what_no_flag_takes() -> None:
+    """Any float: ``inf`` was an OverflowError after the switch had succeeded, ``1e308`` 300 digits."""
+    assert [format_seconds(s) for s in (7200, 9000, 604800, 2_200_000)] == ["2.0 h", "2.5 h", "7 days", "25.5 days"]
+    assert [format_seconds(s) for s in (math.inf, -math.inf, math.nan)] == ["inf s", "-inf s", "nan s"]
+    assert format_seconds(1e308) == "1.16e+303 days"
 
 
 def test_cli_watch_waits_for_the_switch(serve: Serve, capsys: pytest.CaptureFixture[str]) -> None:

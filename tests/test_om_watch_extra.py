@@ -97,7 +97,8 @@ def test_watch_has_switchs_max_unreachable_default_and_check() -> None:
     assert watch.parse_args(["--max-unreachable", "2.5"]).max_unreachable == 2.5
     refused = nicswitch_run("watch", "--job", JOB, "--max-unreachable", "0")
     assert refused.returncode == ExitCode.USAGE, refused
-    assert "nicswitch-agent watch: error: argument --max-unreachable: must be > 0, got '0'" in refused.stderr
+    assert ("nicswitch-agent watch: error: argument --max-unreachable: '0' must be a positive number of seconds"
+            in refused.stderr)
 
 
 def test_watch_gives_up_with_6_once_clusterd_stays_away_for_max_unreachable(clusterd: ClusterD) -> None:

@@ -43,6 +43,7 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -395,10 +396,10 @@ def read_status(path: str | os.PathLike[str], *, now: float | None = None,
         return StatusReport(name, ExitCode.STALE, f"{gone}: it ended without stopping its agent (killed?), "
                             f"last state: {state}", document, age, limit)
     if age is None or age > limit:
-        shown = "unknown" if age is None else _duration(age)
+        shown = "unknown" if age is None else format_duration(age)
         return StatusReport(name, ExitCode.STALE,
-                            f"stale: written {shown} ago, more than {_duration(limit)} (the agent rewrites it "
-                            f"every {_duration(interval)}): its process is gone or hung (last state: {state})",
+                            f"stale: written {shown} ago, more than {format_duration(limit)} (the agent rewrites it "
+                            f"every {format_duration(interval)}): its process is gone or hung (last state: {state})",
                             document, age, limit)
     if state not in RUNNING_STATES:
         return _not_running(name, state, document, age, limit)
@@ -461,7 +462,8 @@ def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: flo
     if total <= max_disconnected_s:
         return ""
     error = status.get("last_error") or "no error seen: the stream waits for a connection or for ClusterD"
-    return f"not connected to ClusterD for {_duration(total)} (more than {_duration(max_disconnected_s)}): {error}"
+    return (f"not connected to ClusterD for {format_duration(total)} (more than "
+            f"{format_duration(max_disconnected_s)}): {error}")
 
 
 def _cannot_switch(document: dict[str, Any], now: float, max_parked_s: float) -> str:
@@ -475,8 +477,8 @@ def _cannot_switch(document: dict[str, Any], now: float, max_parked_s: float) ->
                 "answered false until it returns (the rank's log names the hook and its timeout)")
     since = _number(document.get("parked_since"))
     if status.get("parked") and since is not None and now - since > max_parked_s:
-        return (f"training parked at step {status.get('parked_step')} for {_duration(now - since)}, more than "
-                f"{_duration(max_parked_s)}: far past any switch's budget (see the leader's log)")
+        return (f"training parked at step {status.get('parked_step')} for {format_duration(now - since)}, more than "
+                f"{format_duration(max_parked_s)}: far past any switch's budget (see the leader's log)")
     return ""
 
 
@@ -487,7 +489,7 @@ def format_summary(report: StatusReport) -> str:
         return f"status: {report.problem}"
     s = report.status
     lines: list[str] = []
-    age = "unknown" if report.age_s is None else _duration(report.age_s)
+    age = "unknown" if report.age_s is None else format_duration(report.age_s)
     lines.append(f"file        {report.path} (written {age} ago by pid {doc.get('pid')} on {doc.get('host')})")
     role = s.get("role") or "no role yet"
     lines.append(f"state       {s.get('state')} ({role}, rank {s.get('rank')} of {s.get('world_size')}, "
@@ -505,9 +507,9 @@ def format_summary(report: StatusReport) -> str:
         connected = "yes" if s.get("connected") else "NO"
         since = _number(s.get("disconnected_s"))
         if not s.get("connected") and since is not None:
-            connected += f", for {_duration(since)} before the write"
+            connected += f", for {format_duration(since)} before the write"
         msg_age = _number(s.get("last_message_age_s"))
-        extra = "" if msg_age is None else f", last message {_duration(msg_age)} before the write"
+        extra = "" if msg_age is None else f", last message {format_duration(msg_age)} before the write"
         lines.append(f"connected   {connected} (stream {'open' if s.get('stream_open') else 'closed'}; "
                      f"subscriptions {stream.get('opens', 0)}, errors {stream.get('errors', 0)}{extra})")
         if s.get("last_error"):
@@ -521,13 +523,13 @@ def format_summary(report: StatusReport) -> str:
     if s.get("parked"):
         since = _number(doc.get("parked_since"))
         written = _number(doc.get("written_at"))
-        held = "" if since is None or written is None else f" for {_duration(max(0.0, written - since))}"
+        held = "" if since is None or written is None else f" for {format_duration(max(0.0, written - since))}"
         lines.append(f"training    PARKED at step {s.get('parked_step')}{held}")
     elif s.get("last_step") is not None:
         lines.append(f"training    last step {s.get('last_step')}")
     lines.append(f"last switch {_last_switch(s.get('last_switch'), _number(doc.get('written_at')))}")
     lines.append(f"last verify {_last_verify(s.get('last_verify'), _number(doc.get('written_at')))}")
-    links = format_links(s.get("links"), _number(doc.get("written_at")), _duration)
+    links = format_links(s.get("links"), _number(doc.get("written_at")), format_duration)
     if links:
         lines.append(f"links       {links}")
     c = s.get("counters") or {}
@@ -563,10 +565,10 @@ def _last_switch(last: Any, written_at: float | None) -> str:
                  f"reply {result} NOT delivered ({last.get('reply')}{tries}{why})"]
     total = _number(last.get("total_s"))
     if total is not None:
-        parts.append(f"{_duration(total)} from list to reply")
+        parts.append(f"{format_duration(total)} from list to reply")
     at = _number(last.get("at"))
     if at is not None and written_at is not None:
-        parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
+        parts.append(f"{format_duration(max(0.0, written_at - at))} before the write")
     return ", ".join(parts)
 
 
@@ -581,14 +583,14 @@ def _last_verify(last: Any, written_at: float | None) -> str:
     parts = [f"#{seq}: {verdict}"]
     took = _number(last.get("duration_s"))
     if took is not None:
-        parts[0] += f" in {_duration(took)}"
+        parts[0] += f" in {format_duration(took)}"
     report = last.get("report")
     groups = report.get("groups") if isinstance(report, dict) else None
     if isinstance(groups, list):
         parts.append(f"{sum(1 for g in groups if isinstance(g, dict) and g.get('ok'))} of {len(groups)} group(s) ok")
     at = _number(last.get("at"))
     if at is not None and written_at is not None:
-        parts.append(f"{_duration(max(0.0, written_at - at))} before the write")
+        parts.append(f"{format_duration(max(0.0, written_at - at))} before the write")
     return ", ".join(parts)
 
 
@@ -598,7 +600,8 @@ def _error_seen(status: dict[str, Any], written_at: float | None) -> str:
     if not isinstance(seen, dict) or not seen.get("error"):
         return ""
     at = _number(seen.get("at"))
-    when = "" if at is None or written_at is None else f"{_duration(max(0.0, written_at - at))} before the write, "
+    when = ("" if at is None or written_at is None
+            else f"{format_duration(max(0.0, written_at - at))} before the write, ")
     holds = "still holds" if status.get("last_error") == seen.get("error") else "over"
     return f"{seen.get('error')} ({when}{seen.get('stream', '?')} stream; {holds})"
 
@@ -615,7 +618,7 @@ def _timings(timings: Any) -> str:
         entry = timings.get(key)
         if isinstance(entry, dict) and _number(entry.get("last")) is not None:
             peak = _number(entry.get("max")) or 0.0
-            parts.append(f"{label} {_duration(float(entry['last']))} (max {_duration(peak)}, "
+            parts.append(f"{label} {format_duration(float(entry['last']))} (max {format_duration(peak)}, "
                          f"{entry.get('count')} time(s))")
     losses = timings.get("stream_losses")
     if isinstance(losses, int) and losses:
@@ -629,7 +632,12 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
+    """``12 ms``, ``1.7 s``, ``2 min 5 s``, ``16 min``, ``2.5 h``, ``3.2 days``: short and unambiguous
+    for any float, also one read from a file or given by a program (``inf s``, never an OverflowError
+    or a number of 300 digits)."""
+    if not math.isfinite(seconds):
+        return f"{seconds} s"
     if seconds < 1:
         return f"{seconds * 1000:.0f} ms"
     if seconds < 120:
@@ -637,7 +645,10 @@ def _duration(seconds: float) -> str:
     minutes, rest = divmod(round(seconds), 60)
     if minutes < 120:
         return f"{minutes} min {rest} s" if rest else f"{minutes} min"
-    return f"{minutes / 60:.1f} h"
+    if minutes < 48 * 60:
+        return f"{minutes / 60:.1f} h"
+    return f"{seconds / 86400:.3g} days"
+
 
 
 __all__ = [
@@ -651,6 +662,7 @@ __all__ = [
     "StatusReport",
     "default_max_age",
     "expand_path",
+    "format_duration",
     "format_summary",
     "read_status",
     "template_problem",

@@ -121,6 +121,8 @@ def _version() -> str:
 
 
 def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    from nicswitch_agent.ops.durations import seconds
+
     # Here, not in demo/run.py: building the parser must not import the demo (and its simulator).
     parser.description = (
         "Run a ClusterD simulator and a small training job with the agent on this machine, ask for a failover "
@@ -156,7 +158,7 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     join.add_argument("--job", metavar="JOB_ID", help=f"job id to register (default: {_JOIN_DEFAULTS['job']})")
     join.add_argument("--switches", type=int, metavar="N",
                       help=f"stop after N switches (default: {_JOIN_DEFAULTS['switches']}; 0: until SIGINT/SIGTERM)")
-    join.add_argument("--timeout", type=float, metavar="S",
+    join.add_argument("--timeout", type=seconds(), metavar="S",
                       help=f"stop after S seconds at most (default: {_JOIN_DEFAULTS['timeout']:g}; with --switches 0 "
                            "it bounds only the wait for the job to register)")
     join.add_argument("--background", action="store_true", default=None,

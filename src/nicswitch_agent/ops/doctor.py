@@ -65,11 +65,11 @@ from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.ops import doctor_ranks, hook_spec
+from nicswitch_agent.ops.durations import seconds
 from nicswitch_agent.ops.om_cli import (
     JOB_HELP,
     SERVER_HELP,
     add_tls_arguments,
-    positive_float,
     positive_int,
     tls_overrides,
 )
@@ -584,9 +584,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-free", type=parse_size, default=DEFAULT_MIN_FREE_BYTES, metavar="SIZE",
                         help="free space the checkpoint directory must keep beyond the next checkpoint "
                              "(default: 1G, the guard's default)")
-    parser.add_argument("--rpc-timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, metavar="S",
+    parser.add_argument("--rpc-timeout", type=seconds(), default=DEFAULT_TIMEOUT_S, metavar="S",
                         help="deadline of the HealthCheck call, seconds (default: %(default)g)")
-    parser.add_argument("--timeout", type=positive_float, dest="rpc_timeout", help=argparse.SUPPRESS)  # first name
+    parser.add_argument("--timeout", type=seconds(), dest="rpc_timeout", help=argparse.SUPPRESS)  # first name
     parser.add_argument("--world-size", type=positive_int, metavar="N",
                         help="ranks of the job, to check the file-descriptor limit the Store's host needs "
                              "(default: NICSWITCH_WORLD_SIZE, else WORLD_SIZE)")

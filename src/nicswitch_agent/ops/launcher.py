@@ -101,6 +101,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
+from nicswitch_agent.ops.durations import MAX_DURATION_S, MAX_DURATION_TEXT, seconds
 from nicswitch_agent.ops.hosted_leader import HostedLeader, LaunchError
 from nicswitch_agent.ops.launch_msrun import MsrunOptions, launch_framework, parse_msrun
 
@@ -347,8 +348,8 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
 
 def _join_timeout(args: argparse.Namespace) -> float | None:
     value = getattr(args, "join_timeout", None)
-    if value is not None and not 0 < value < float("inf"):
-        raise LaunchError(f"--join-timeout={value!r} must be a positive number of seconds")
+    if value is not None and not 0 < value <= MAX_DURATION_S:  # the parser's check, for arguments built by hand
+        raise LaunchError(f"--join-timeout={value!r} must be a positive number of seconds, at most {MAX_DURATION_TEXT}")
     return None if value is None else float(value)
 
 
@@ -545,7 +546,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true",
                         help="log only warnings and errors (default: INFO, the leader's state changes: "
                              "'registered job', 'switch #N ... received', 'replied true', ...)")
-    parser.add_argument("--join-timeout", type=float, metavar="S",
+    parser.add_argument("--join-timeout", type=seconds(), metavar="S",
                         help="first node: seconds to wait for every rank to join before the leader registers "
                              "with ClusterD anyway (default: env NICSWITCH_JOIN_TIMEOUT_S, else 600); until "
                              "then ClusterD refuses a switch ('job ... is not registered') instead of pausing "

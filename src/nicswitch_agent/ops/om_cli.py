@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nicswitch_agent.config import parse_server, server_from_mindcluster, tls_from_env
+from nicswitch_agent.ops.durations import format_seconds, seconds
 from nicswitch_agent.ops.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_MAX_UNREACHABLE_S,
@@ -166,17 +167,6 @@ class _NicFlag(argparse.Action):
         setattr(namespace, self.dest, flags)
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a number above 0 (seconds)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return value
-
-
 def _adopt_help(parser: argparse.ArgumentParser, epilog: str) -> None:
     """Add our epilog unless the caller set one; keep its line breaks."""
     if parser.epilog is None:
@@ -200,14 +190,14 @@ def _add_common(parser: argparse.ArgumentParser, *, watch: bool = False) -> None
     parser.add_argument("--job", metavar="JOB_ID", help=JOB_HELP)
     parser.add_argument("--job-id", dest="job", help=argparse.SUPPRESS)  # launch's first name for it
     if watch:
-        parser.add_argument("--timeout", type=positive_float, default=None, metavar="S",
+        parser.add_argument("--timeout", type=seconds(), default=None, metavar="S",
                             help="stop watching after S seconds (default: no limit; Ctrl-C stops it)")
         parser.add_argument("--json", action="store_true",
                             help="print one JSON object per line: one per result, then one summary")
     else:
         parser.add_argument(
             "--timeout",
-            type=positive_float,
+            type=seconds(),
             default=DEFAULT_FOLLOW_TIMEOUT_S,
             metavar="S",
             help="how long to wait for the result, seconds (default: %(default)g, "
@@ -274,7 +264,7 @@ def add_switch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--rpc-timeout",
-        type=positive_float,
+        type=seconds(),
         default=DEFAULT_RPC_TIMEOUT_S,
         metavar="S",
         help="deadline of the SwitchNicTrack call, seconds (default: %(default)g)",
@@ -290,7 +280,7 @@ def add_max_unreachable_argument(parser: argparse.ArgumentParser, when: str, cav
     to the command."""
     parser.add_argument(
         "--max-unreachable",
-        type=positive_float,
+        type=seconds(),
         default=DEFAULT_MAX_UNREACHABLE_S,
         metavar="S",
         help=f"{when}, give up (exit 6) when ClusterD has not answered for S seconds "
@@ -305,7 +295,7 @@ def add_watch_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(parser, watch=True)
     parser.add_argument("--count", type=positive_int, default=None, metavar="N",
                         help="stop after N results (default: no limit)")
-    parser.add_argument("--poll", type=positive_float, default=DEFAULT_WATCH_POLL_S, metavar="S",
+    parser.add_argument("--poll", type=seconds(), default=DEFAULT_WATCH_POLL_S, metavar="S",
                         help="while no switch runs, ask ClusterD every S seconds (default: %(default)g); a "
                              "switch shorter than this can be missed")
     add_max_unreachable_argument(parser, "once ClusterD has answered",
@@ -389,16 +379,6 @@ def resolve_job(given: str | None, env: Mapping[str, str]) -> str:
 # --------------------------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------------------------
-
-
-def format_seconds(seconds: float) -> str:
-    """``12 ms``, ``1.7 s``, ``2 min 5 s``, ``16 min``: short and unambiguous."""
-    if seconds < 1:
-        return f"{seconds * 1000:.0f} ms"
-    if seconds < 120:
-        return f"{seconds:.1f} s"
-    minutes, rest = divmod(round(seconds), 60)
-    return f"{minutes} min {rest} s" if rest else f"{minutes} min"
 
 
 # Every key of ``switch --json``, in every outcome (None where it is not known): a script reads

@@ -23,6 +23,7 @@ from nicswitch_agent.observability.status_file import (
     read_status,
     template_problem,
 )
+from nicswitch_agent.ops.durations import seconds
 
 
 def _mtime(path: str) -> float:
@@ -30,17 +31,6 @@ def _mtime(path: str) -> float:
         return os.stat(path).st_mtime
     except OSError:
         return 0.0
-
-
-def _positive_seconds(text: str) -> float:
-    """``--max-age``: a number of seconds above 0 (0 or less would call every file stale)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a number of seconds above 0")
-    return value
 
 
 def _rank(text: str) -> int | str:
@@ -60,13 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rank", type=_rank, default=None, metavar="N",
                         help="rank whose file to read when the path has {rank}, or 'leader' for the leader "
                              "that nicswitch-agent launch hosts (default: $RANK, else 0)")
-    parser.add_argument("--max-age", type=_positive_seconds, default=None, metavar="S",
+    parser.add_argument("--max-age", type=seconds(), default=None, metavar="S",
                         help="call the file stale past this age, seconds "
                              "(default: 3 x the agent's interval, at least the interval + 5 s)")
-    parser.add_argument("--max-disconnected", type=float, default=DEFAULT_MAX_DISCONNECTED_S, metavar="S",
+    parser.add_argument("--max-disconnected", type=seconds(positive=False), default=DEFAULT_MAX_DISCONNECTED_S,
+                        metavar="S",
                         help="call a running leader not connected past this many seconds (default: "
                              f"{DEFAULT_MAX_DISCONNECTED_S:g}; it is briefly not connected after every switch)")
-    parser.add_argument("--max-parked", type=_positive_seconds, default=DEFAULT_MAX_PARKED_S, metavar="S",
+    parser.add_argument("--max-parked", type=seconds(), default=DEFAULT_MAX_PARKED_S, metavar="S",
                         help="call an agent stuck when its training has been parked this long, seconds (default: "
                              f"{DEFAULT_MAX_PARKED_S:g}, far past any switch's budget)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")

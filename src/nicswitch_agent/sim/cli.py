@@ -71,15 +71,29 @@ def _port(text: str) -> int:
     return port
 
 
+# The longest duration a flag takes: the client's own limit (ops/durations.py, which the simulator
+# does not import: it shares no code with the client), far past any of ClusterD's waits; a larger one
+# (``1e20``) would crash a wait with an OverflowError.
+MAX_SECONDS = 7 * 24 * 3600.0
+
+
 def _seconds(positive: bool) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds up to :data:`MAX_SECONDS`, above 0 if ``positive``;
+    the messages are ops/durations.py's."""
+    kind = "positive" if positive else "non-negative"
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-        if not math.isfinite(value) or value < 0 or (positive and value == 0):
-            raise argparse.ArgumentTypeError(f"{text} must be a {'positive' if positive else 'non-negative'} "
-                                             "number of seconds")
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number of seconds")
+        if value < 0 or (positive and value == 0):
+            raise argparse.ArgumentTypeError(f"{text!r} must be a {kind} number of seconds")
+        if value > MAX_SECONDS:
+            raise argparse.ArgumentTypeError(f"{text!r} is above the limit of {MAX_SECONDS:.0f} s "
+                                             f"({MAX_SECONDS / 86400:g} days)")
         return value
 
     parse.__name__ = "seconds"  # argparse names the type in "invalid seconds value" messages
