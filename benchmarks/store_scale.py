@@ -993,7 +993,7 @@ class SizeRun:
     switches: list[dict[str, Any]] = field(default_factory=list)
 
 
-GUARD_ENV = "NICSWITCH_BENCH_GUARD"  # --guard: every rank has a checkpoint guard (a no-op); the children inherit it
+GUARD_ENV = "STORE_SCALE_GUARD"  # --guard: every rank has a checkpoint guard (a no-op); the children inherit it
 
 
 def guarded() -> bool:

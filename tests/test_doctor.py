@@ -210,9 +210,14 @@ def test_job_flag_overrides_env() -> None:
         ({"MINDX_SERVER_IP": "clusterd"}, False, "MINDX_SERVER_IP='clusterd' is not an IP address"),
         ({"NICSWITCH_SERVER": "no-port:"}, False, "NICSWITCH_SERVER='no-port:': the port after ':' is missing"),
         ({}, False, "not set: set MINDX_SERVER_IP"),
+        # Found by an outside check: "true" looks like yes, and went around the sidecar without a word
+        ({"MINDX_SERVER_IP": "10.0.0.7", "LOCAL_PROXY_ENABLE": "true"}, None,
+         "10.0.0.7:8899 (from MINDX_SERVER_IP); LOCAL_PROXY_ENABLE='true' is not 'on' (the only value MindCluster "
+         "takes), so it does not dial the local mTLS proxy"),
+        ({"MINDX_SERVER_IP": "10.0.0.7", "LOCAL_PROXY_ENABLE": "off"}, True, "10.0.0.7:8899 (from MINDX_SERVER_IP)"),
     ],
 )
-def test_server_address(env: dict[str, str], ok: bool, text: str) -> None:
+def test_server_address(env: dict[str, str], ok: bool | None, text: str) -> None:
     check = doctor.check_server(gather_inputs(env=env))
     assert check.ok is ok and check.detail.startswith(text), check.detail
 

@@ -339,6 +339,11 @@ def test_doctor_names_both_mismatches(harness: Any, pki: Pki) -> None:
     to_secure = doctor.check_clusterd(doctor.gather_inputs(env={**base, "NICSWITCH_SERVER": secure.address}))
     assert to_secure.ok is False and TLS_SERVER in to_secure.detail
     assert doctor.check_tls(doctor.gather_inputs(env=base)).detail.startswith("off: plaintext")
+    # TLS on toward the local sidecar, which takes plaintext (found by an outside check: "ok TLS on")
+    proxied = doctor.check_tls(doctor.gather_inputs(env={**base, "LOCAL_PROXY_ENABLE": "on",
+                                                         "NICSWITCH_TLS_CA_FILE": pki.ca}))
+    assert proxied.ok is None and proxied.detail.endswith("which takes plaintext and does the TLS itself: turn TLS "
+                                                          "off"), proxied.detail
 
 
 def test_om_switch_names_the_mismatch(harness: Any, pki: Pki, capsys: pytest.CaptureFixture[str]) -> None:

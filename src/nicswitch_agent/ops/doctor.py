@@ -222,6 +222,12 @@ def check_server(inp: Inputs) -> Check:
             return Check(name, False, "not set: set MINDX_SERVER_IP (ascend-operator injects it), "
                                       "NICSWITCH_SERVER=host:port, or LOCAL_PROXY_ENABLE=on; or pass --server")
         return Check(name, False, f"{inp.server_error} (from {inp.server_source})")
+    proxy = inp.env.get("LOCAL_PROXY_ENABLE", "").strip()
+    if inp.server_source != "--server" and proxy and proxy.lower() not in ("on", "off"):
+        # taskd takes "on" only; "true" or "1" look like yes and silently bypass the mTLS sidecar
+        return Check(name, None, f"{inp.server} (from {inp.server_source}); LOCAL_PROXY_ENABLE={proxy!r} is not "
+                                 "'on' (the only value MindCluster takes), so it does not dial the local mTLS "
+                                 "proxy: set LOCAL_PROXY_ENABLE=on to use it, or unset it")
     return Check(name, True, f"{inp.server} (from {inp.server_source})")
 
 
@@ -271,6 +277,10 @@ def check_tls(inp: Inputs) -> Check:
     if inp.tls is None:
         return Check(name, True, "off: plaintext, as ClusterD serves it (with LOCAL_PROXY_ENABLE=on the local "
                                  "sidecar does the TLS)")
+    if inp.server_source.startswith("LOCAL_PROXY_ENABLE=on"):
+        return Check(name, None, f"on ({inp.tls.describe()}; from {source}), but the agent dials the local mTLS "
+                                 "sidecar (LOCAL_PROXY_ENABLE=on), which takes plaintext and does the TLS itself: "
+                                 "turn TLS off")
     return Check(name, True, f"on ({inp.tls.describe()}; from {source})")
 
 
