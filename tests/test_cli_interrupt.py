@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,37 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
             proc.wait(10)
     assert proc.returncode == 130, (proc.returncode, out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_switch_waits_for_its_result_says_how_to_follow_it(tmp_path: Path) -> None:
+    """The switch goes on inside ClusterD: the line says how to follow it, as --no-wait's does
+    (found by an outside check: only "interrupted; the switch goes on inside ClusterD")."""
+    from nicswitch_agent.sim import SimJob, Simulator
+
+    # The stand-in registers the job and takes the pause, and no agent takes the list: the switch waits
+    with Simulator(jobs=[SimJob(job_id="j", nodes={"node-0": ["0"]})], standin=True) as sim:
+        argv = [sys.executable, "-m", "nicswitch_agent", "switch", "--server", sim.address, "--job", "j",
+                "--node", "node-0", "--dev", "0", "--op", "standby"]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                preexec_fn=default_sigint)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
+        reader.start()
+        try:
+            assert poll(lambda: any("waiting for the result" in line for line in lines) or proc.poll() is not None,
+                        60)
+            assert proc.poll() is None, proc.communicate()
+            proc.send_signal(signal.SIGINT)
+            proc.wait(60)
+            err = proc.stderr.read() if proc.stderr is not None else ""
+            reader.join(10)
+            out = "".join(lines)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    assert proc.returncode == 130, (proc.returncode, out, err)
+    assert f"interrupted; the switch goes on inside ClusterD; follow it with: nicswitch-agent watch --server " \
+           f"{sim.address} --job j" in err, err
+    assert "Traceback" not in err

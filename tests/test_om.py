@@ -667,6 +667,12 @@ def test_resolve_job() -> None:
     assert resolve_job("c", {"MINDX_TASK_ID": "b"}) == "c"
     with pytest.raises(ValueError, match="--job"):
         resolve_job(None, {})
+    assert resolve_job(" c ", {}) == "c"  # spaces trimmed, as the agent trims NICSWITCH_JOB_ID and MINDX_TASK_ID
+    # A control character is refused, as the agent refuses it (found by an outside check: printed raw)
+    with pytest.raises(ValueError, match=r"^--job='job\\nx' has control characters: a job id never does$"):
+        resolve_job("job\nx", {})
+    with pytest.raises(ValueError, match=r"^MINDX_TASK_ID='b\\x01' has control characters"):
+        resolve_job(None, {"MINDX_TASK_ID": "b\x01"})
 
 
 def test_format_seconds() -> None:

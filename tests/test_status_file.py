@@ -262,6 +262,12 @@ def test_path_from_env_with_rank(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert run(status_args(None), env=env) == ExitCode.OK
     assert run(status_args(None, "--rank", "4"), env=env) == ExitCode.NO_FILE
     capsys.readouterr()
+    # A path without {rank} is the whole job's one file: --rank picks nothing, and says so
+    one = {**env, "NICSWITCH_STATUS_FILE": str(tmp_path / "job-status-3.json")}
+    assert run(status_args(None, "--rank", "5"), env=one) == ExitCode.OK
+    assert capsys.readouterr().err == (f"nicswitch-agent status: --rank 5 ignored: NICSWITCH_STATUS_FILE="
+                                       f"{str(tmp_path / 'job-status-3.json')!r} has no {{rank}}\n")
+    assert run(status_args(None), env=one) == ExitCode.OK and capsys.readouterr().err == ""  # RANK alone: quiet
 
 
 @pytest.mark.parametrize(("env", "argv", "needle"), [

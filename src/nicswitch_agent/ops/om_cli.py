@@ -368,8 +368,11 @@ def resolve_job(given: str | None, env: Mapping[str, str]) -> str:
     Raises:
         ValueError: none set.
     """
-    for value in (given, env.get("NICSWITCH_JOB_ID"), env.get("MINDX_TASK_ID")):
+    for name, value in (("--job", given), ("NICSWITCH_JOB_ID", env.get("NICSWITCH_JOB_ID")),
+                        ("MINDX_TASK_ID", env.get("MINDX_TASK_ID"))):
         if value is not None and value.strip():
+            if any(ord(c) < 32 or ord(c) == 127 for c in value.strip()):  # as the agent refuses it
+                raise ValueError(f"{name}={value!r} has control characters: a job id never does")
             return value.strip()
     if given is not None:
         raise ValueError("--job: empty value")
@@ -536,7 +539,8 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             outcome = client.follow(job_id, args.timeout, server_seen=True, max_unreachable_s=args.max_unreachable,
                                     on_note=lambda text: report.say(text, error=True))
         except KeyboardInterrupt:
-            report.say("interrupted; the switch goes on inside ClusterD", error=True)
+            report.say(f"interrupted; the switch goes on inside ClusterD; follow it with: "
+                       f"{watch_command(server, job_id, args)}", error=True)
             return report.done(ExitCode.INTERRUPTED, outcome=OutcomeKind.CANCELLED.value,
                                detail="interrupted while waiting for the result; the switch goes on inside ClusterD",
                                elapsed_s=round(time.monotonic() - started, 3))

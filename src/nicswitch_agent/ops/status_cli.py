@@ -76,6 +76,9 @@ def run(args: argparse.Namespace, *, env: Mapping[str, str] | None = None) -> in
         return int(ExitCode.USAGE)
     source = "--file" if args.file else STATUS_FILE_ENV  # every error names where the value came from
     rank = args.rank
+    if rank is not None and "{rank}" not in template:  # one file for the whole job: the rank picks nothing
+        print(f"nicswitch-agent status: --rank {rank} ignored: {source}={template!r} has no {{rank}}",
+              file=sys.stderr)
     if rank is None:
         raw = env.get("RANK", "").strip()
         if raw and not (raw.isascii() and raw.isdigit()):
