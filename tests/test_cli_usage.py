@@ -43,6 +43,31 @@ def test_a_bad_value_still_names_its_subcommand(capsys: pytest.CaptureFixture[st
     assert err.startswith("usage: nicswitch-agent watch ") and "nicswitch-agent watch: error: argument --count" in err
 
 
+@pytest.mark.parametrize("bad", [["--timeout", "-1"], ["--no-such-option"], ["--count", "1"]])
+def test_a_usage_error_of_switch_json_is_its_object_with_every_key(bad: list[str],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--json gives the same keys in every outcome; argparse's errors gave none (found by an outside check)."""
+    import json
+
+    from nicswitch_agent.ops.om_cli import SWITCH_JSON_KEYS
+
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["switch", "--json", "--server", "127.0.0.1:1", "--job", "j", "--node", "n", "--dev", "0",
+                  "--op", "standby", *bad])
+    assert ended.value.code == 2
+    out, err = capsys.readouterr()
+    document = json.loads(out)
+    assert list(document) == list(SWITCH_JSON_KEYS)
+    assert document["exit_code"] == 2 and document["result"] == "usage" and document["outcome"] is None
+    assert document["error"] and f"nicswitch-agent switch: error: {document['error']}" in err
+
+
+def test_a_usage_error_without_json_prints_no_object(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["switch", "--server", "127.0.0.1:1", "--job", "j", "--timeout", "-1"])
+    assert capsys.readouterr().out == ""
+
+
 def test_an_unknown_option_before_the_subcommand_is_the_top_levels(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         cli.main(["--no-such-option", "version"])

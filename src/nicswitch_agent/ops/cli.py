@@ -27,7 +27,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 Runner = Callable[..., Any]
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -41,13 +41,30 @@ class _CommandParser(argparse.ArgumentParser):
     ``switch`` option; the user needs ``switch``'s usage.
     """
 
+    _json = False  # --json among this command's arguments: a usage error is one JSON object too
+
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        self._json = "--json" in (sys.argv[1:] if args is None else args)
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
         return parsed, extras
+
+    def error(self, message: str) -> NoReturn:
+        """As argparse's (usage and message on stderr, exit 2); with ``--json`` also the object a
+        script reads (``switch``: every key it always has, docs/operations.md)."""
+        if self._json:
+            import json
+
+            from nicswitch_agent.ops.om_cli import SWITCH_JSON_KEYS
+
+            command = self.prog.rsplit(" ", 1)[-1]
+            keys = SWITCH_JSON_KEYS if command == "switch" else ()
+            print(json.dumps({**dict.fromkeys(keys), "command": command, "error": message, "exit_code": 2,
+                              "result": "usage"}), flush=True)
+        super().error(message)
 
 
 def _build_parser() -> argparse.ArgumentParser:
