@@ -36,6 +36,7 @@ pytest.importorskip("torch")
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.observability.timeline import build, read_events
 from nicswitch_agent.ops import launcher
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
@@ -201,7 +202,7 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     watch = StreamWatch(sim, JOB)
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the launcher sets it (with torchrun's shared store, a
     # restarted gloo group read the dead attempt's addresses and failed in 7 of 9 plain torchrun runs).
-    env = base_env(sim)
+    env = base_env(sim) | {"NICSWITCH_EVENTS_FILE": str(tmp_path / "events" / "ev-{rank}.jsonl")}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
     launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                           "--monitor-interval", "0.1", str(TRAIN), "--out", str(out)], env)
@@ -268,6 +269,16 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     # Exactly one ClusterD client for the whole job, restart included.
     assert max_open.get(PM) == 1 and max_open.get(NOTIFY) == 1, max_open
     assert sim.job_view(JOB).violations == []
+    # The leader's events are its own file's, not training rank 0's: the timeline sees one run, each rank's
+    # agent started twice (torchrun restarted both) and the leader once, in the launcher's process.
+    events = tmp_path / "events"
+    assert sorted(p.name for p in events.iterdir()) == ["ev-0.jsonl", "ev-1.jsonl", "ev-leader.jsonl"]
+    timeline = build(read_events([str(events)]))
+    (run,) = timeline.runs
+    assert run.leader_pids == [launch.proc.pid]
+    assert sorted(p.source[0] for p in run.processes if p.source[0] is not None) == [0, 0, 1, 1]
+    assert [s.ok for s in timeline.switches] == [True, True]
+    assert not [p for p in timeline.problems if "without a rank" in p], timeline.problems
 
 
 def _two_ranks_training(sim: Simulator, tmp_path: Path, launches: list[Launch],

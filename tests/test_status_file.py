@@ -402,7 +402,11 @@ def test_a_launchers_leader_and_training_rank_0_write_files_of_their_own(tmp_pat
     assert json.loads((tmp_path / "status-0.json").read_text())["status"]["role"] == "member"
     assert run(status_args(None, "--rank", "leader", "--json"), env={"NICSWITCH_STATUS_FILE": template}) == (
         ExitCode.NOT_RUNNING)
-    assert json.loads(capsys.readouterr().out)["status"]["role"] == "leader"
+    status = json.loads(capsys.readouterr().out)["status"]
+    assert (status["role"], status["rank"]) == ("leader", "leader")  # no training rank: rank 0 is the other file
+    assert run(status_args(None, "--rank", "leader"), env={"NICSWITCH_STATUS_FILE": template}) == ExitCode.NOT_RUNNING
+    assert "state       stopped (leader of 1 rank(s), hosted by nicswitch-agent launch, pause external)" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.parametrize("value", ["-1", "lead", "1.5"])

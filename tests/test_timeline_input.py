@@ -319,6 +319,42 @@ def test_a_rejected_list_takes_its_number_and_the_next_switch_keeps_its_own(clus
     assert all({"guard", "switch"} <= {b.phase for b in lane.bars} for lane in second.lanes)
 
 
+def test_a_launchers_leader_writes_its_own_events_file_and_is_no_restart_of_rank_0(clusterd: ScriptedClusterD,
+                                                                                    tmp_path: Path) -> None:
+    """The leader ``nicswitch-agent launch`` hosts is rank 0 to the coordination only: with ``{rank}``
+    in the path it writes ``events-leader.jsonl`` with ``"rank": "leader"`` (as its status file).
+    Before, its events went into training rank 0's file as rank 0, and the timeline took the two
+    agents for a restart of rank 0's ("1 restart(s) of a rank's agent" in every run)."""
+    clusterd.script(Send(rank_list(["0", "1"], [True, True])), End())
+    store, template = InProcessStore(), str(tmp_path / "events-{rank}.jsonl")
+    leader = SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", world_size=2, store=store,
+                         leader_only=True, events_file=template)
+    ranks = [SwitchAgent(server=clusterd.address, job_id="job-1", pause="external", rank=rank, world_size=2,
+                         store=store, leader="launcher", switch_hook=lambda order: True, events_file=template)
+             for rank in (0, 1)]
+    agents = [*ranks, leader]  # the ranks first, as under the launcher: a rank that joins after a list never sees it
+    try:
+        for agent in agents:
+            agent.start()
+        assert [r.result for r in clusterd.wait_replies(1)] == [True]
+    finally:
+        for agent in agents:
+            agent.stop()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events-0.jsonl", "events-1.jsonl", "events-leader.jsonl"]
+    leader_lines = load(tmp_path / "events-leader.jsonl")
+    assert {r["rank"] for r in leader_lines} == {"leader"}
+    assert [r["detail"]["rank"] for r in leader_lines if r["kind"] == ev.AGENT_STARTED] == ["leader"]
+    assert {r["rank"] for r in load(tmp_path / "events-0.jsonl")} == {0}
+    assert not any(r["kind"] == ev.SWITCH_DONE for r in load(tmp_path / "events-0.jsonl"))
+    timeline = build(read_events([template]))
+    assert timeline.alignment.leader_found and timeline.problems == [], timeline.problems
+    (run,) = timeline.runs
+    assert run.leader_pids and sorted(p.source[0] for p in run.processes if p.source[0] is not None) == [0, 1]
+    (switch,) = timeline.switches
+    assert switch.ok is True and [lane.label for lane in switch.lanes] == ["rank 0", "rank 1"]
+    assert any(m.label.startswith("reply sent: true") for m in switch.leader)
+
+
 def test_a_closed_stdout_still_writes_the_page_without_a_traceback(events: Path, tmp_path: Path) -> None:
     """``nicswitch-agent timeline ... | head -1``: the reader is gone before the summary is printed."""
     page = tmp_path / "t.html"

@@ -46,7 +46,7 @@ from nicswitch_agent.hooks.base import CheckpointHook, SwitchHook, check_hook, r
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.observability.events import AgentEvent, EventListener, EventLog
 from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
-from nicswitch_agent.observability.status_file import LEADER_FILE_RANK, StatusFileWriter, expand_path
+from nicswitch_agent.observability.status_file import StatusFileWriter, expand_path, own_rank
 from nicswitch_agent.orders import RankMap, SwitchOrder, build_order
 
 if TYPE_CHECKING:
@@ -188,7 +188,7 @@ class SwitchAgent:
         self._events.add_listener(self._stats)
         self._event_sink: JsonlEventSink | None = None
         if config.events_file:
-            self._event_sink = JsonlEventSink(config.events_file, rank=lambda: self.rank)
+            self._event_sink = JsonlEventSink(config.events_file, rank=lambda: own_rank(self.rank, leader_only))
             self._events.add_listener(self._event_sink)
         self._metrics: PrometheusMetrics | None = None  # the leader's, made at start()
         self._status_writer: StatusFileWriter | None = None
@@ -310,7 +310,7 @@ class SwitchAgent:
         """Status file (the leader, or every rank with {rank}/{pid} in the path); metrics endpoint (leader)."""
         cfg = self.config
         if cfg.status_file:
-            path = expand_path(cfg.status_file, rank=LEADER_FILE_RANK if self._leader_only else self.rank,
+            path = expand_path(cfg.status_file, rank=own_rank(self.rank, self._leader_only),
                                job_id=cfg.job_id, role="leader" if leads else "member")
             if path is not None:
                 self._status_writer = StatusFileWriter(path, self.status, cfg.status_interval_s)
@@ -361,7 +361,8 @@ class SwitchAgent:
                     self.world_size, cfg.job_id, cfg.server, self.pause_mode, self._pause_reason,
                     " (dry run)" if cfg.dry_run else "", self._describe_layout())
         self._emit(ev.AGENT_STARTED, detail={"server": cfg.server, "pause": self.pause_mode, "dry_run": cfg.dry_run,
-                                             "rank": self.rank, "role": "leader", "world_size": self.world_size})
+                                             "rank": own_rank(self.rank, self._leader_only), "role": "leader",
+                                             "world_size": self.world_size})
         return self
 
     def step(self, step: int | None = None) -> None:
@@ -498,7 +499,7 @@ class SwitchAgent:
             "state": state,
             "reason": reason if state in (FAILED, STOPPED, INACTIVE) else "",
             "role": "leader" if self._coordinator is not None else ("member" if self._member is not None else None),
-            "rank": None if state == INACTIVE else self.rank,
+            "rank": None if state == INACTIVE else own_rank(self.rank, self._leader_only),
             "world_size": self.world_size,
             "job_id": self.config.job_id,
             "server": self.config.server,

@@ -59,7 +59,7 @@ class EventKind:
 EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
     EventKind(AGENT_STARTED, "every rank", "the agent started (as `start()` returns: a rank list ClusterD sends at "
                                            "once may be received just before it)", (
-        ("rank", "this process's global rank (a launcher's leader: 0)"),
+        ("rank", "this process's global rank (the leader `nicswitch-agent launch` hosts: `leader`)"),
         ("role", "`leader` or `member`"),
         ("server", "leader: ClusterD's address"),
         ("pause", "leader: the effective pause mode, `agent` or `external`"),

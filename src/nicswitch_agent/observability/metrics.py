@@ -63,7 +63,7 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 PHASES = ("pause", "guard", "switch", "verify", "reply")
 """The phases of a switch, in order, timed by :func:`event_timings` (``phase_<name>_s``)."""
 
-RankSource = int | Callable[[], "int | None"] | None
+RankSource = int | str | Callable[[], "int | str | None"] | None  # str: "leader", the launcher's leader
 
 
 def _number(value: Any) -> float | None:
@@ -174,7 +174,9 @@ class JsonlEventSink:
     Args:
         path: The file; ``{rank}``, ``{pid}`` and ``{job}`` are replaced at the first event.
         rank: This process's global rank: an int, or a callable read at every event (e.g.
-            ``lambda: agent.rank``, which is known only once the agent has started).
+            ``lambda: agent.rank``, which is known only once the agent has started). The leader
+            that ``nicswitch-agent launch`` hosts gives ``"leader"``: it is no training rank, and
+            training rank 0 writes its own file (and lines) beside it.
 
     Never raises into the agent: a failed open or write is logged once per distinct error and
     counted in :attr:`errors`; the open is retried at the next event.
@@ -193,7 +195,7 @@ class JsonlEventSink:
         self.lines = 0
         self.errors = 0
 
-    def _current_rank(self) -> int | None:
+    def _current_rank(self) -> int | str | None:
         rank = self._rank
         if callable(rank):
             try:

@@ -85,6 +85,12 @@ class ExitCode(enum.IntEnum):
 LEADER_FILE_RANK = "leader"  # what {rank} becomes in the file of a leader-only agent (the launcher's)
 
 
+def own_rank(rank: int, leader_only: bool) -> int | str:
+    """A process's rank in its files, events and status: ``leader`` for a leader-only agent (the
+    launcher's), which is rank 0 to the coordination only: training rank 0 writes its own."""
+    return LEADER_FILE_RANK if leader_only else rank
+
+
 def expand_path(template: str, *, rank: int | str, job_id: str, role: str | None = "leader") -> str | None:
     """The file this process writes for ``template``, or None when it writes none.
 
@@ -492,7 +498,10 @@ def format_summary(report: StatusReport) -> str:
     age = "unknown" if report.age_s is None else format_duration(report.age_s)
     lines.append(f"file        {report.path} (written {age} ago by pid {doc.get('pid')} on {doc.get('host')})")
     role = s.get("role") or "no role yet"
-    lines.append(f"state       {s.get('state')} ({role}, rank {s.get('rank')} of {s.get('world_size')}, "
+    # The launcher's leader is no training rank: it leads world_size of them (its {rank} is "leader").
+    rank = (f" of {s.get('world_size')} rank(s), hosted by nicswitch-agent launch" if s.get("rank") == LEADER_FILE_RANK
+            else f", rank {s.get('rank')} of {s.get('world_size')}")
+    lines.append(f"state       {s.get('state')} ({role}{rank}, "
                  f"pause {s.get('pause')}{', dry run' if s.get('dry_run') else ''})")
     lines.append(f"job         {s.get('job_id')} on ClusterD {s.get('server')}")
     if s.get("reason"):

@@ -165,7 +165,8 @@ def _build(events: EventSet, ranks_per_node: int, aggregate_above: int, only_swi
     leaders = {s for s, recs in by_source.items() if any(_is_leader(r) for r in recs)}
     alignment, offset = align(by_source, leaders)
     ranks_seen = {source[0] for source in by_source if source[0] is not None}
-    no_rank = sum(len(records) for source, records in by_source.items() if source[0] is None)
+    # The launcher's leader writes "rank": "leader" (read as None): it is no rank, and found by its events.
+    no_rank = sum(len(records) for source, records in by_source.items() if source[0] is None and source not in leaders)
     job_runs = runs.group(runs.split(by_source, offset, leaders, _is_leader))
     walked: list[tuple[dict[int, dict[int, _RankPart]], dict[int, dict[int, _Pause]], list[tuple[float, Record]]]] = []
     for run in job_runs:

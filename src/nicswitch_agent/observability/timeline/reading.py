@@ -31,7 +31,7 @@ class Record(NamedTuple):
 
     kind: str
     job_id: str
-    rank: int | None
+    rank: int | None  # None: not known yet, or the launcher's leader ("leader": no training rank)
     seq: int | None
     wall: float
     mono: float | None
