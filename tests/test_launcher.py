@@ -466,6 +466,20 @@ def test_first_node_exports_the_leader_and_forwards_a_signal_any_thread_took(sim
 
 
 @pytest.mark.timeout(60)
+def test_the_children_get_the_world_size_the_leader_leads(sim: Simulator, tmp_path: Path,
+                                                          launches: list[Launch]) -> None:
+    """--world-size overrides an exported NICSWITCH_WORLD_SIZE for the training ranks too (as the
+    server, job id and pause mode the leader resolved), not for the leader alone."""
+    env = base_env(sim) | {"NICSWITCH_WORLD_SIZE": "3"}
+    launch = Launch(tmp_path, ["--world-size", "2", "--join-timeout", "0.01", "--", sys.executable, "-c", EXIT,
+                               str(tmp_path), "0"], env)
+    launches.append(launch)
+    assert launch.wait(60) == 0, launch.log()
+    assert json.loads((tmp_path / "env.json").read_text())["NICSWITCH_WORLD_SIZE"] == "2"
+    assert "2 ranks" in launch.log()
+
+
+@pytest.mark.timeout(60)
 def test_pass_through_node_starts_no_leader_and_points_at_the_first_node(sim: Simulator, tmp_path: Path,
                                                                         launches: list[Launch]) -> None:
     port = free_port()
@@ -549,6 +563,19 @@ def test_world_size_flag_and_env_win_over_the_command() -> None:
     assert plan(["--", "torchrun", "t.py"], {"PET_NPROC_PER_NODE": "4"}).world_size == 4  # torchrun's own env
 
 
+def test_the_ranks_are_told_the_world_size_the_leader_leads() -> None:
+    """Whatever N the leader leads reaches the ranks as NICSWITCH_WORLD_SIZE: an exported one that
+    --world-size overrode would make every rank refuse torch's world size (after training began)."""
+    command = ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "t.py"]
+    assert plan(["--world-size", "2", *command], {"NICSWITCH_WORLD_SIZE": "3"}).env["NICSWITCH_WORLD_SIZE"] == "2"
+    assert plan(command, {"NICSWITCH_WORLD_SIZE": "3"}).env["NICSWITCH_WORLD_SIZE"] == "3"  # the user's, as led
+    assert plan(command).env["NICSWITCH_WORLD_SIZE"] == "2"  # torchrun's count
+    # Other nodes lead nothing: the flag only, as --server and --job.
+    other = ["--node-rank", "1", "--store-host", "h", "--store-port", "1"]
+    assert "NICSWITCH_WORLD_SIZE" not in plan([*other, *command], {"NICSWITCH_WORLD_SIZE": "3"}).env
+    assert plan([*other, "--world-size", "2", *command]).env["NICSWITCH_WORLD_SIZE"] == "2"
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--", "python", "train.py"], "not torchrun"),
     (["--", "bash", "-c", "torchrun --nproc-per-node 2 t.py"], "pass --world-size"),
@@ -625,7 +652,7 @@ def test_an_msrun_command_is_a_mindspore_job_read_as_msrun_reads_it() -> None:
     assert (one_node.framework, one_node.world_size, one_node.local_world_size, one_node.store_port) == (
         "mindspore", 4, 4, 0)
     assert one_node.env == {"NICSWITCH_LEADER": "launcher", "NICSWITCH_FRAMEWORK": "mindspore",
-                            "NICSWITCH_LOCAL_WORLD_SIZE": "4"}  # no torchrun variable
+                            "NICSWITCH_WORLD_SIZE": "4", "NICSWITCH_LOCAL_WORLD_SIZE": "4"}  # no torchrun variable
     msrun = ["msrun", "--worker_num", "16", "--local_worker_num", "8", "--master_addr", "10.0.0.1",
              "--master_port", "8200"]
     first = plan(["--", *msrun, "--node_rank", "0", "t.py"])

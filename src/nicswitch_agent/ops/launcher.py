@@ -19,6 +19,9 @@ What the child gets (on top of the launcher's own environment, which passes thro
     NICSWITCH_SERVER, NICSWITCH_JOB_ID     first node: as the leader resolved them (members must
                                            use the leader's job id: it names the Store keys);
                                            other nodes: only when given as flags
+    NICSWITCH_WORLD_SIZE                   first node: the N the leader leads (an exported one it
+                                           overrode must not reach the ranks); other nodes: only
+                                           when --world-size is given
     NICSWITCH_PAUSE                        first node: the leader's effective mode; other nodes:
                                            only when --pause is given
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1   every node, unless the launcher's environment sets it
@@ -324,11 +327,15 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     world_size: int | None = None
     if hosts_leader:
         world_size = _world_size(args, environ, torchrun, leader_only, msrun)
+        # The ranks check the N the leader leads against torch's, not an NICSWITCH_WORLD_SIZE it overrode.
+        env["NICSWITCH_WORLD_SIZE"] = str(world_size)
         host = args.store_host or LOOPBACK  # our own children: loopback always reaches the server
     else:
         host = args.store_host or msrun.master_addr if msrun is not None else _store_host(args, environ, torchrun)
     if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
         env["NICSWITCH_STORE_ADDRESS"] = _join_host_port(host, port)
+        if args.world_size is not None:  # as --server and --job: the flag only, the first node checks N
+            env["NICSWITCH_WORLD_SIZE"] = str(_int("--world-size", args.world_size))
     # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
     # the ranks per node the leader is told are the ones the training ranks are told.
     per_node = torchrun.local_world_size() if torchrun is not None else msrun.local_worker_num if msrun else None
@@ -515,7 +522,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "The child gets NICSWITCH_LEADER=launcher and NICSWITCH_STORE_ADDRESS=host:port (plus, on the first "
-        "node, NICSWITCH_SERVER/JOB_ID/PAUSE as the leader resolved them), and "
+        "node, NICSWITCH_SERVER/JOB_ID/PAUSE/WORLD_SIZE as the leader resolved them), and "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 unless it is set (torchrun's shared rendezvous store keeps a "
         "failed attempt's keys, and a restarted gloo group can read them and fail). Other settings: NICSWITCH_* "
         "and MindCluster env, passed through. Example: nicswitch-agent launch -- torchrun --nproc-per-node 8 "
@@ -529,8 +536,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="this node's rank: 0 hosts the leader, others pass through (default: the torchrun "
                              "command's --node-rank, else env GROUP_RANK, else NODE_RANK, else 0)")
     parser.add_argument("--world-size", type=int, metavar="N",
-                        help="training ranks the leader leads (default: env NICSWITCH_WORLD_SIZE, else torchrun's "
-                             "--nproc-per-node x --nnodes; an elastic --nnodes MIN:MAX needs this flag)")
+                        help="training ranks the leader leads, exported to them as NICSWITCH_WORLD_SIZE (default: "
+                             "env NICSWITCH_WORLD_SIZE, else torchrun's --nproc-per-node x --nnodes; an elastic "
+                             "--nnodes MIN:MAX needs this flag)")
     parser.add_argument("--store-port", type=int, metavar="P",
                         help="port of the leader's Store (default: a free port for a single-node torchrun, else "
                              "MASTER_PORT+1, else torchrun's --master-port+1 or --rdzv-endpoint port+1, else a free "
