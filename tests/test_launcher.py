@@ -576,6 +576,35 @@ def test_the_ranks_are_told_the_world_size_the_leader_leads() -> None:
     assert plan([*other, "--world-size", "2", *command]).env["NICSWITCH_WORLD_SIZE"] == "2"
 
 
+@pytest.mark.parametrize(("argv", "env", "message"), [
+    (["--store-host", "bad host"], {}, "NICSWITCH_STORE_ADDRESS='bad host:1234': 'bad host' is not a host name or IP "
+                                       "address"),
+    ([], {"MASTER_ADDR": "http://x"}, "NICSWITCH_STORE_ADDRESS='http://x:1234': give host:port without a scheme"),
+    ([], {"MASTER_ADDR": "10.0.0.300"}, "'10.0.0.300' is not an IPv4 address"),
+], ids=["store-host", "master-addr-url", "master-addr-ipv4"])
+def test_a_store_host_the_ranks_would_refuse_is_a_usage_error(argv: list[str], env: dict[str, str],
+                                                              message: str) -> None:
+    """The address a passing-through node exports is read by the agent's own parser, as every rank
+    would read it: refused before the command starts, naming where the host came from."""
+    source = "--store-host='bad host'" if argv else f"MASTER_ADDR={env['MASTER_ADDR']!r}"
+    with pytest.raises(launcher.LaunchError) as refused:
+        plan(["--node-rank", "1", "--store-port", "1234", *argv, "--", "python", "t.py"], env)
+    assert message in str(refused.value) and f"its host from {source})" in str(refused.value)
+
+
+@pytest.mark.parametrize("role", [["--node-rank", "1", "--store-port", "1234"],
+                                  ["--world-size", "1", "--server", "127.0.0.1:1", "--job-id", "j"]],
+                         ids=["other-node", "first-node"])
+def test_a_bad_store_host_exits_2_before_the_command_starts(role: list[str], tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """On the first node --store-host is the address its own ranks dial: checked once the Store's port is known."""
+    marker = tmp_path / "ran"
+    assert launcher.main([*role, "--store-host", "bad host", "--", "touch", str(marker)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), err
+    assert "error: NICSWITCH_STORE_ADDRESS='bad host:" in err and "'bad host' is not a host name" in err, err
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--", "python", "train.py"], "not torchrun"),
     (["--", "bash", "-c", "torchrun --nproc-per-node 2 t.py"], "pass --world-size"),

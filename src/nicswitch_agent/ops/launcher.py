@@ -15,7 +15,8 @@ What the child gets (on top of the launcher's own environment, which passes thro
 
     NICSWITCH_LEADER=launcher              every in-process SwitchAgent becomes a member
     NICSWITCH_STORE_ADDRESS=<host>:<port>  the leader's Store (first node: 127.0.0.1 unless
-                                           --store-host; other nodes: the first node's address)
+                                           --store-host; other nodes: the first node's address),
+                                           checked as the ranks' agent reads it (exit 2 if not)
     NICSWITCH_SERVER, NICSWITCH_JOB_ID     first node: as the leader resolved them (members must
                                            use the leader's job id: it names the Store keys);
                                            other nodes: only when given as flags
@@ -93,6 +94,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -269,6 +271,7 @@ class Plan:
     local_world_size: int | None  # ranks per node (torchrun's nproc-per-node), None if unknown
     store_port: int  # 0: a free port (first node only)
     store_host: str  # the Store host exported to the child
+    store_host_source: str = "--store-host"  # where store_host came from, named when it is unusable
     env: dict[str, str] = field(default_factory=dict)  # exported on top of the launcher's environment
     join_timeout_s: float | None = None  # --join-timeout (None: the agent's join_timeout_s)
     framework: str = "torch"  # whose Store the leader hosts: torch's, or MindSpore's (ops/launch_msrun.py)
@@ -325,15 +328,19 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
 
     port = _store_port(args, environ, torchrun, hosts_leader, msrun)
     world_size: int | None = None
+    host_source = "--store-host"
     if hosts_leader:
         world_size = _world_size(args, environ, torchrun, leader_only, msrun)
         # The ranks check the N the leader leads against torch's, not an NICSWITCH_WORLD_SIZE it overrode.
         env["NICSWITCH_WORLD_SIZE"] = str(world_size)
         host = args.store_host or LOOPBACK  # our own children: loopback always reaches the server
+    elif msrun is not None:
+        host, host_source = (args.store_host, "--store-host") if args.store_host else (msrun.master_addr,
+                                                                                       "msrun --master_addr")
     else:
-        host = args.store_host or msrun.master_addr if msrun is not None else _store_host(args, environ, torchrun)
+        host, host_source = _store_host(args, environ, torchrun)
     if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
-        env["NICSWITCH_STORE_ADDRESS"] = _join_host_port(host, port)
+        env["NICSWITCH_STORE_ADDRESS"] = store_address(host, port, host_source)
         if args.world_size is not None:  # as --server and --job: the flag only, the first node checks N
             env["NICSWITCH_WORLD_SIZE"] = str(_int("--world-size", args.world_size))
     # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
@@ -349,7 +356,7 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     elif "NICSWITCH_FAN_OUT" not in environ:
         env["NICSWITCH_FAN_OUT"] = "flat"  # the leader cannot tell the nodes apart: nor may the ranks
     return Plan(command=command, hosts_leader=hosts_leader, node_rank=node_rank, why=why, world_size=world_size,
-                local_world_size=per_node, store_port=port, store_host=host, env=env,
+                local_world_size=per_node, store_port=port, store_host=host, store_host_source=host_source, env=env,
                 join_timeout_s=_join_timeout(args), framework=framework)
 
 
@@ -413,21 +420,48 @@ def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
                       "port its Store listens: pass --store-port P (as on the first node), or set MASTER_PORT")
 
 
-def _store_host(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None) -> str:
+def _store_host(args: argparse.Namespace, environ: Mapping[str, str],
+                torchrun: TorchrunOptions | None) -> tuple[str, str]:
+    """The first node's address as this node reaches it, and where it came from."""
     if args.store_host:
-        return str(args.store_host)
+        return str(args.store_host), "--store-host"
     if environ.get("MASTER_ADDR", "").strip():
-        return environ["MASTER_ADDR"].strip()
+        return environ["MASTER_ADDR"].strip(), "MASTER_ADDR"
     if torchrun is not None:
-        host = torchrun.master_addr or torchrun.rdzv_host_port()[0]
+        if torchrun.master_addr:
+            return torchrun.master_addr, "torchrun --master-addr"
+        host = torchrun.rdzv_host_port()[0]
         if host:
-            return host
+            return host, "torchrun --rdzv-endpoint"
     raise LaunchError("this node passes through to the leader on the first node, but nothing says where that "
                       "is: pass --store-host HOST (or set MASTER_ADDR)")
 
 
-def _join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+def store_address(host: str, port: int, source: str) -> str:
+    """``NICSWITCH_STORE_ADDRESS`` for the training ranks, checked by the parser their agent reads it
+    with: a host they cannot use stops the launch (exit 2), not every rank once training started.
+
+    Raises:
+        LaunchError: the agent's own message, and where the host came from (``source``).
+    """
+    from nicswitch_agent.config import parse_server
+    from nicswitch_agent.errors import ConfigError
+
+    address = f"[{host}]:{port}" if _is_ipv6(host) else f"{host}:{port}"
+    try:
+        return parse_server(address, "NICSWITCH_STORE_ADDRESS", default_port=None)
+    except ConfigError as exc:
+        raise LaunchError(f"{exc} (the training ranks' Store address, its host from {source}={host!r})") from None
+
+
+def _is_ipv6(host: str) -> bool:
+    """A bare IPv6 address (``fd00::1``), which the address needs in brackets; anything else is left
+    as given (``http://x`` stays itself, and the parser names its problem)."""
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 # -- the child --------------------------------------------------------------------------------
@@ -589,14 +623,17 @@ def run(args: argparse.Namespace) -> int:
             leader = HostedLeader.start(args, world_size=plan.world_size, local_world_size=plan.local_world_size,
                                         store_port=plan.store_port, join_timeout_s=plan.join_timeout_s,
                                         framework=plan.framework)
+            address = store_address(plan.store_host, leader.port, plan.store_host_source)  # the port is known now
         except (LaunchError, ConfigError) as exc:
+            if leader is not None:
+                leader.stop("the launch was refused")
             print(f"nicswitch-agent launch: error: {exc}", file=sys.stderr)
             return EXIT_USAGE
         except Exception:  # before the child: better no training than a job whose switches cannot work
             logger.exception("the leader could not start; the training command was not run")
             return 1
         cfg = leader.agent.config
-        env.update({"NICSWITCH_STORE_ADDRESS": _join_host_port(plan.store_host, leader.port),
+        env.update({"NICSWITCH_STORE_ADDRESS": address,
                     "NICSWITCH_SERVER": cfg.server, "NICSWITCH_JOB_ID": cfg.job_id,
                     "NICSWITCH_PAUSE": leader.agent.pause_mode})
         logger.info("hosting the job's leader (%s): %d ranks, job %s, ClusterD %s, pause %s, %s Store on port %d",
