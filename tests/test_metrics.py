@@ -610,6 +610,17 @@ def test_compact_ranks_and_the_status_line() -> None:
     many.decided(SwitchOrder(seq=1, job_id=JOB, ranks=tuple(range(0, 100, 2)), ops=(True,) * 50), "switch",
                  Outcome())
     assert format_links(many.status(), None).startswith("50 primary, 50 standby (ranks 0,2,4,")
+
+    class Failed:
+        ok, attempted = False, True
+
+    failed = LinkMap()
+    failed(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 4}))
+    failed.decided(SwitchOrder(seq=1, job_id=JOB, ranks=(2, 3), ops=(True, True)), "switch", Failed())
+    # The uncertain ranks are among those counted (found by an outside check: "4 primary, 0 standby; 2 UNCERTAIN")
+    assert format_links(failed.status(), None) == (
+        "4 primary, 0 standby; of which 2 UNCERTAIN (ranks 2-3: a failed switch's hooks ran on them, and no rollback "
+        "put them back); last switch #1 failed")
     assert ",...)" in format_links(many.status(), None)
     assert format_links(None, None) == format_links({"ranks": 0}, None) == ""
 

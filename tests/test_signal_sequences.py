@@ -271,3 +271,26 @@ def test_clusterds_recovery_after_a_failed_switch_is_an_event_on_the_leader(list
     assert emitted == [
         ("recovery", 7, {"signal": "globalFault", "offered": ["retry", "recover", "dump", "exit"], "chosen": None}),
         ("recovery", 7, {"signal": "changeStrategy", "offered": None, "chosen": "retry"})]
+
+
+def test_after_a_guard_refused_no_dump_is_offered_and_retry_goes_on() -> None:
+    """The guard failed on a rank at this pause: a checkpoint now would fail the same way, so dump is
+    not offered (found by an outside check: dump was offered, chosen, and had no checkpoint); the
+    switch moved nothing, so retry is."""
+    rig = Rig([])
+
+    def refuse(order: SwitchOrder) -> None:
+        raise OSError("No space left on device")
+
+    rig.member.hooks = MemberHooks(switch_hook=rig.member.hooks.switch_hook, checkpoint_hook=refuse,
+                                   guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False)
+    try:
+        rig.controller._handle(pb.ProcessManageSignal(uuid="p", jobId="j", signalType=STOP_TRAIN,
+                                                      actions=[ACTION_PAUSE]), 1)
+        assert not rig.controller.execute(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,))).ok
+        rig.controller._handle(pb.ProcessManageSignal(uuid="g", jobId="j", signalType=GLOBAL_FAULT), 1)
+        assert rig.reports.calls[-1][0] == "report_recover_strategy"
+        assert rig.reports.calls[-1][1] == ("retry", "recover", "exit"), rig.reports.calls[-1]
+        assert rig.switched == []
+    finally:
+        rig.close()

@@ -140,6 +140,7 @@ class AgentModeController:
         self._failed_switch_attempted = False
         self._failed_unsafe = ""  # why a rank may be unable to go on after it (verification, a guard still running)
         self._checkpoint_ok = False  # every rank has a checkpoint of the currently parked step
+        self._guard_failed = ""  # why this pause's guard round failed: no checkpoint is to be had (no dump)
         self._rollback_ok = False
         self._stopped_reason: str | None = None
         self.last_signal = ""
@@ -175,6 +176,7 @@ class AgentModeController:
         outcome = self.hooks.run_switch(self.coordinator, order)
         with self._lock:
             self._checkpoint_ok = self._checkpoint_ok or outcome.guard_ok
+            self._guard_failed = outcome.reason if outcome.guard_failed else self._guard_failed
             if outcome.ok:
                 self.links.apply(order)
                 self._failed_order = None
@@ -230,7 +232,7 @@ class AgentModeController:
 
     def _pause(self, client: _Reports) -> None:
         with self._lock:
-            self._failed_order, self._rollback_ok, self._checkpoint_ok = None, False, False
+            self._failed_order, self._rollback_ok, self._checkpoint_ok, self._guard_failed = None, False, False, ""
             # A new pause is a new episode: a stop decided in an earlier one must not keep a later
             # reset from releasing the ranks this pause parks.
             self._stopped_reason = None
@@ -281,22 +283,27 @@ class AgentModeController:
         return ok
 
     def _checkpoint_available(self) -> bool:
+        """A checkpoint of the parked step exists, or can be taken now: not after this pause's guard
+        failed on a rank (the same save would fail again: offering dump would promise what fails)."""
         with self._lock:
-            have = self._checkpoint_ok
-        return have or (self.hooks.has_checkpoint_hook and self.coordinator.paused)
+            have, refused = self._checkpoint_ok, self._guard_failed
+        return have or (self.hooks.has_checkpoint_hook and self.coordinator.paused and not refused)
 
-    def _ensure_checkpoint(self) -> bool:
+    def _ensure_checkpoint(self) -> str:
+        """Why no checkpoint of the parked step exists after trying ("" once one does)."""
         with self._lock:
             if self._checkpoint_ok:
-                return True  # the guard's pre-switch checkpoint of this very step counts
-            failed = self._failed_order
+                return ""  # the guard's pre-switch checkpoint of this very step counts
+            failed, refused = self._failed_order, self._guard_failed
+        if refused:
+            return f"the guard failed at this pause ({refused})"
         if not self.hooks.has_checkpoint_hook or not self.coordinator.paused:
-            return False
+            return "no checkpoint hook" if not self.hooks.has_checkpoint_hook else "training is not parked"
         order = failed or SwitchOrder(seq=0, job_id="", ranks=(), ops=())
         outcome = self.coordinator.run(order, kind=KIND_CHECKPOINT, budget_s=self.hooks.guard_timeout_s)
         with self._lock:
             self._checkpoint_ok = outcome.ok
-        return outcome.ok
+        return "" if outcome.ok else outcome.reason
 
     def _change_strategy(self, client: _Reports, signal: pb.ProcessManageSignal) -> None:
         strategy = signal.changeStrategy
@@ -315,10 +322,13 @@ class AgentModeController:
                 client.report_recover_status(CODE_CLIENT_ERROR, strategy, "rollback did not succeed")
                 self._stop_training(f"{strategy} was chosen but the links could not be rolled back")
         elif strategy == STRATEGY_DUMP:
-            ok = self._ensure_checkpoint()
-            client.report_recover_status(CODE_OK if ok else CODE_CLIENT_ERROR, STRATEGY_DUMP,
-                                         "" if ok else "no checkpoint of the parked step")
-            self._stop_training("ClusterD chose dump after a failed switch")
+            missing = self._ensure_checkpoint()
+            if missing:
+                logger.error("ClusterD chose dump, but there is no checkpoint of the parked step: %s", missing)
+            client.report_recover_status(CODE_CLIENT_ERROR if missing else CODE_OK, STRATEGY_DUMP,
+                                         "no checkpoint of the parked step" if missing else "")
+            self._stop_training("ClusterD chose dump after a failed switch"
+                                + ("; no checkpoint of the parked step" if missing else ""))
         elif strategy == STRATEGY_EXIT:
             if signal.extraParams == EXTRA_DUMP_EXIT:
                 logger.info("ClusterD: dump_exit (informational)")
@@ -351,15 +361,15 @@ class AgentModeController:
         if not self.coordinator.paused or stopping:
             return
         if self.coordinator.release_if_settled():
-            logger.warning("process-manage stream ended (%s) while training was parked; ClusterD has reset the "
-                           "job and will not send continue: resuming training", reason)
+            logger.warning("process-manage stream ended (%s) while training was parked; ClusterD reset the job "
+                           "or went away, and will not send continue for this pause: resuming training", reason)
             return
         with self._lock:
             failed = self._failed_order
         if failed is not None and self._rollback():
             logger.warning("process-manage stream ended (%s) while training was parked after switch #%d failed; "
-                           "ClusterD has reset the job: its links were rolled back, resuming training", reason,
-                           failed.seq)
+                           "ClusterD reset the job or went away: its links were rolled back, resuming training",
+                           reason, failed.seq)
             self.coordinator.release()
             return
         self._stop_training(f"the process-manage stream ended ({reason}) after a switch failed and its links "

@@ -51,6 +51,7 @@ class RunOutcome:
     verify_s: float = 0.0  # the largest verify budget a rank asked for (0: no verify round)
     verified: bool = False  # the verify round ran and every rank passed it
     unsafe: bool = False  # a failed verification may have left communicators unusable (messages.MemberResult)
+    guard_failed: bool = False  # a switch's guard round failed: a checkpoint of the parked step is not to be had
 
 
 class Coordinator:
@@ -279,7 +280,7 @@ class Coordinator:
                 guard = self._guard_round(epoch, order, name, text, (guard_budget_s or 0.0) + self.warm_up_s,
                                           started, session)
                 if not guard.ok:
-                    outcome = guard
+                    outcome = replace(guard, guard_failed=True)
             if outcome is None:
                 outcome = self._order_round(epoch, order, name, kind, text, budget_s, started, session,
                                             guard_ok=guard.guard_ok if guarded else None)

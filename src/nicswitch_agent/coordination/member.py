@@ -493,7 +493,8 @@ class Member:
                     return p.MemberResult(
                         self.rank, False, f"{what} did not finish within {timeout:g} s (it goes on running on "
                         "the training thread, which stays parked until it returns)",
-                        attempted=what.split(" hook", 1)[0] in _LINK_HOOKS, unsafe=kind == p.KIND_GUARD)
+                        attempted=what.split(" hook", 1)[0] in _LINK_HOOKS,
+                        unsafe=kind in (p.KIND_GUARD, p.KIND_CHECKPOINT))
                 wait = deadline - now
             elif now >= idle_deadline:
                 runner.abandon()

@@ -136,9 +136,9 @@ class LevelStopped(RuntimeError):
 
 def waits_for_every_rank(name: str) -> bool:
     """Whether order ``name`` is decided only once every rank answered, a failure included: a
-    guard round, whose ranks may still be inside a hook (a collective save) when one refuses, and
-    must not be released beside them."""
-    return name.endswith(f".{KIND_GUARD}")
+    guard round or a checkpoint, whose ranks may still be inside a hook (a collective save) when
+    one refuses, and must not be released beside them."""
+    return name.endswith((f".{KIND_GUARD}", f".{KIND_CHECKPOINT}"))
 
 
 def order_name(message: dict[str, Any]) -> str:

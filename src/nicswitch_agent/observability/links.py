@@ -196,8 +196,9 @@ def format_links(links: Any, written_at: float | None, duration: Callable[[float
     if links.get("standby_ranks"):
         text += f" (ranks {_clip(str(links['standby_ranks']))})"
     if links.get("uncertain"):
-        text += (f"; {links['uncertain']:,} UNCERTAIN (ranks {_clip(str(links.get('uncertain_ranks')))}: "
-                 "a switch failed after hooks ran, no rollback yet)")
+        # Counted above by their last known link: "of which", so that the counts do not seem to add up to more
+        text += (f"; of which {links['uncertain']:,} UNCERTAIN (ranks {_clip(str(links.get('uncertain_ranks')))}: "
+                 "a failed switch's hooks ran on them, and no rollback put them back)")
     last = links.get("last_switch")
     if isinstance(last, dict):
         text += f"; last switch #{last.get('seq')} {'ok' if last.get('ok') else 'failed'}"
