@@ -576,3 +576,31 @@ def test_clusterds_recovery_is_drawn_on_the_switch_it_follows(events: Path) -> N
     page = render_html(timeline)
     assert "ClusterD chose the recovery strategy retry</title>" in page  # a numbered tick on the leader lane
     assert "recovery strategies offered to ClusterD: retry, recover, dump, exit</td>" in page  # and in its table
+
+
+def test_a_switch_its_guard_round_decided_names_the_refusal_and_the_last_answer(events: Path) -> None:
+    """A guard refused on rank 3: no switch order went out, so no rank has a switch result. Every
+    rank's answer to the guard round counts (found by an outside check: "no result from ranks 0-3",
+    and the critical path named only the rank that parked last)."""
+    for rank in range(WORLD):
+        path = events / f"rank-{rank}.jsonl"
+        kept = []
+        for r in load(path):
+            if r["kind"] == "member_result" and r["seq"] == 1 and r["detail"]["kind"] == "switch":
+                continue  # no switch order went out
+            if r["kind"] == "member_result" and r["seq"] == 1 and r["detail"]["kind"] == "guard":
+                if rank == 3:
+                    r["detail"].update(ok=False,
+                                       reason="checkpoint hook raised OSError: disk full; switch not attempted")
+                if rank == 2:  # its save took longer: the leader waited for it
+                    r["wall"] += 0.5
+                    r["mono"] += 0.5
+            kept.append(r)
+        save(path, kept)
+    switch = timeline_of(events).switches[0]
+    assert not [m for m in switch.missing if "no result" in m], switch.missing
+    assert switch.critical[-2].startswith("rank 2 answered last (+"), switch.critical
+    assert switch.critical[-2].endswith("ms): the guard round is decided once every rank answered"), switch.critical
+    assert switch.critical[-1].startswith("rank 3 failed first (+") and "its failure decided" in switch.critical[-1]
+    assert [lane.failed for lane in switch.lanes] == [0, 0, 0, 1]
+    assert not any(b.phase == "switch" for lane in switch.lanes for b in lane.bars)  # no switch ran

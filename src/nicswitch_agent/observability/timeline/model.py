@@ -144,6 +144,7 @@ class _RankPart:
     epoch: int | None = None
     guard: tuple[float, float, bool, str] | None = None
     result: tuple[float, float, bool, str] | None = None
+    guard_answer: tuple[float, float, bool, str] | None = None  # its answer to a guard round (member_result)
     extras: list[Bar] = field(default_factory=list)
     outcome: float | None = None
     order_sent: float | None = None
@@ -288,7 +289,9 @@ def _take(part: _RankPart, kind: str, t: float, d: dict[str, Any]) -> None:
             # The first order sent: the guard round's, where one ran before the switch order
             part.order_sent = min(x for x in (sent, part.order_sent) if x is not None) \
                 if sent is not None or part.order_sent is not None else None
-        elif what not in ("guard", "verify"):  # drawn from their own events: guard_done, verify_done
+        elif what == "guard":  # drawn from guard_done; its answer decides a switch whose guard failed
+            part.guard_answer = (t - duration, t, ok, note)
+        elif what != "verify":  # drawn from verify_done
             part.extras.append(Bar(what, t - duration, t, ok, note))
     elif kind == ev.SWITCH_OUTCOME:
         if d.get("kind", "switch") == "switch":
@@ -360,17 +363,19 @@ def _switch(shown: int, seq: int, run: int, parts: dict[int, _RankPart], pauses:
     done = by_kind.get(ev.SWITCH_DONE)
     size = _int(done[1].detail.get("ranks")) if done else None
     world = size or expected
-    ok, reason = _verdict(by_kind, parts)
+    answers, in_guard = _answers(parts)
+    ok, reason = _verdict(by_kind, answers)
     switch = Switch(seq=shown, start_wall=t0, duration=t1 - t0, ok=ok, reason=reason, ranks_expected=world,
                     ranks_seen=len(parts), step=None, list_seq=seq, run=run)
     switch.leader = _leader_marks(mine, parts, rank_pauses, t0)
-    lanes = {rank: _rank_lane(rank, part, rank_pauses.get(rank), t0, t1) for rank, part in sorted(parts.items())}
+    lanes = {rank: _rank_lane(rank, part, rank_pauses.get(rank), t0, t1, answers.get(rank))
+             for rank, part in sorted(parts.items())}
     steps = Counter(p.step for p in rank_pauses.values() if p is not None and p.step is not None)
     switch.step = steps.most_common(1)[0][0] if steps else None
-    switch.critical = _critical(lanes, parts, rank_pauses, t0)
+    switch.critical = _critical(lanes, answers, rank_pauses, t0, in_guard=in_guard)
     switch.stats = _stats(lanes)
-    switch.slowest = _slowest(parts, t0)
-    switch.missing = _missing(shown, by_kind, parts, world, rank_pauses)
+    switch.slowest = _slowest(answers, t0)
+    switch.missing = _missing(shown, by_kind, answers, world, rank_pauses)
     if len(lanes) > aggregate_above:
         switch.lanes, switch.by_node, switch.ranks_per_node = _node_lanes(lanes, ranks_per_node), True, ranks_per_node
     else:
@@ -384,7 +389,7 @@ def _window(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
     lows, highs = [t for t, _ in mine], [t for t, _ in mine]
     for rank, part in parts.items():
         times = [x for x in (part.order_sent, part.outcome, part.outcome_sent) if x is not None]
-        times += [x for span in (part.guard, part.result) if span for x in span[:2]]
+        times += [x for span in (part.guard, part.result, part.guard_answer) if span for x in span[:2]]
         times += [x for b in part.extras for x in (b.start, b.end)]
         pause = rank_pauses.get(rank)
         if pause is not None:
@@ -395,14 +400,26 @@ def _window(mine: list[tuple[float, Record]], parts: dict[int, _RankPart],
     return (min(lows), max(highs)) if lows else (0.0, 0.0)
 
 
-def _verdict(by_kind: dict[str, tuple[float, Record]], parts: dict[int, _RankPart]) -> tuple[bool | None, str]:
+Answer = tuple[float, float, bool, str]  # a rank's answer that counts for a switch: (start, end, ok, note)
+
+
+def _answers(parts: dict[int, _RankPart]) -> tuple[dict[int, Answer], bool]:
+    """Each rank's answer to the switch: its switch result; where the guard round decided the switch
+    (a guard failed: no switch order went out), its answer to that round (then True)."""
+    if any(p.result is not None for p in parts.values()) or not any(
+            p.guard_answer is not None and not p.guard_answer[2] for p in parts.values()):
+        return {rank: p.result for rank, p in parts.items() if p.result is not None}, False
+    return {rank: p.guard_answer for rank, p in parts.items() if p.guard_answer is not None}, True
+
+
+def _verdict(by_kind: dict[str, tuple[float, Record]], answers: dict[int, Answer]) -> tuple[bool | None, str]:
     done = by_kind.get(ev.SWITCH_DONE)
     if done is not None:
         return done[1].detail.get("ok") is True, str(done[1].detail.get("reason", ""))
     rejected = by_kind.get(ev.LIST_REJECTED)
     if rejected is not None:
         return False, f"list rejected: {rejected[1].detail.get('reason', '')}"
-    failed = sorted((rank, part.result[3]) for rank, part in parts.items() if part.result and not part.result[2])
+    failed = sorted((rank, answer[3]) for rank, answer in answers.items() if not answer[2])
     if failed:
         return False, f"rank {failed[0][0]}: {failed[0][1]}"
     return None, "the leader's switch_done is not in these events"
@@ -465,7 +482,8 @@ def _reply_sent_at(t: float, record: Record) -> tuple[float, str]:
     return sent, (f" (the call returned {(t - sent) * 1000:.1f} ms later)" if t - sent >= 0.0005 else "")
 
 
-def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: float) -> Lane:
+def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: float,
+               answer: Answer | None) -> Lane:
     lane = Lane(label=f"rank {rank}", rank=rank)
     bars = lane.bars
     if pause is not None:
@@ -485,7 +503,8 @@ def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: 
         start, end, ok, reason = part.result
         begin = part.guard[1] if part.guard is not None else start
         bars.append(Bar("switch", begin - t0, end - t0, ok, reason))
-        lane.failed = int(not ok)
+    if answer is not None:  # its switch result, or its guard round's answer where that decided
+        lane.failed = int(not answer[2])
     else:
         lane.unfinished = True
     bars.extend(Bar(b.phase, b.start - t0, b.end - t0, b.ok, b.note) for b in part.extras)
@@ -493,17 +512,23 @@ def _rank_lane(rank: int, part: _RankPart, pause: _Pause | None, t0: float, t1: 
     return lane
 
 
-def _critical(lanes: dict[int, Lane], parts: dict[int, _RankPart], rank_pauses: dict[int, _Pause | None],
-              t0: float) -> list[str]:
-    """Who everyone waited for: the rank that parked last, and the one whose answer decided."""
+def _critical(lanes: dict[int, Lane], answers: dict[int, Answer], rank_pauses: dict[int, _Pause | None],
+              t0: float, *, in_guard: bool = False) -> list[str]:
+    """Who everyone waited for: the rank that parked last, and the one whose answer decided (in a
+    guard round, decided once every rank answered: the first failure, and the last to answer)."""
     found = []
     parked = [(p.parked, rank) for rank, p in rank_pauses.items() if p is not None and p.parked is not None]
     if len(parked) > 1:
         t, rank = max(parked)
         lanes[rank].critical = f"parked last (+{(t - t0) * 1000:.1f} ms)"
         found.append(f"rank {rank} {lanes[rank].critical}: every rank waited for it to reach the step boundary")
-    failed = [(p.result[1], rank) for rank, p in parts.items() if p.result is not None and not p.result[2]]
-    answered = [(p.result[1], rank) for rank, p in parts.items() if p.result is not None]
+    failed = [(answer[1], rank) for rank, answer in answers.items() if not answer[2]]
+    answered = [(answer[1], rank) for rank, answer in answers.items()]
+    if in_guard and failed and max(answered)[1] != min(failed)[1]:
+        t, rank = max(answered)
+        why = f"answered last (+{(t - t0) * 1000:.1f} ms)"
+        lanes[rank].critical = "; ".join(filter(None, [lanes[rank].critical, why]))
+        found.append(f"rank {rank} {why}: the guard round is decided once every rank answered")
     if failed:
         t, rank = min(failed)
         why = f"failed first (+{(t - t0) * 1000:.1f} ms)"
@@ -542,13 +567,12 @@ def _stats(lanes: dict[int, Lane]) -> list[PhaseStats]:
     return stats
 
 
-def _slowest(parts: dict[int, _RankPart], t0: float, count: int = 5) -> list[tuple[int, float, str]]:
-    answered = sorted(((p.result[1] - t0, rank, p.result[2]) for rank, p in parts.items() if p.result is not None),
-                      reverse=True)
+def _slowest(answers: dict[int, Answer], t0: float, count: int = 5) -> list[tuple[int, float, str]]:
+    answered = sorted(((answer[1] - t0, rank, answer[2]) for rank, answer in answers.items()), reverse=True)
     return [(rank, at, "answered" if ok else "failed") for at, rank, ok in answered[:count]]
 
 
-def _missing(seq: int, by_kind: dict[str, tuple[float, Record]], parts: dict[int, _RankPart], world: int,
+def _missing(seq: int, by_kind: dict[str, tuple[float, Record]], answers: dict[int, Answer], world: int,
              rank_pauses: dict[int, _Pause | None]) -> list[str]:
     missing: list[str] = []
     if ev.LIST_REJECTED in by_kind:
@@ -558,7 +582,7 @@ def _missing(seq: int, by_kind: dict[str, tuple[float, Record]], parts: dict[int
                        "running, or the leader's events file is missing or cut short)")
     if ev.REPLY_SENT not in by_kind and ev.REPLY_FAILED not in by_kind:
         missing.append(f"switch {seq}: no reply to ClusterD in these events")
-    silent = sorted(set(range(world)) - {rank for rank, p in parts.items() if p.result is not None})
+    silent = sorted(set(range(world)) - set(answers))
     if silent:
         missing.append(f"switch {seq}: no result from {_ranks_text(silent)}")
     stuck = sorted(rank for rank, p in rank_pauses.items() if p is not None and p.parked is not None
