@@ -11,8 +11,9 @@ switch, two sockets per rank on the Store's host, and a single-threaded Store se
   Store (a TCPStore on 127.0.0.1 that it hosts); the node's members run exactly as they do
   without a relay, on that local Store;
 - it answers the leader once for the node: for a pause, the largest ``c_r`` of its ranks; for the
-  target, "parked" once every local rank parked; for an order, the first local failure at once,
-  or one success once every local rank succeeded (any rank attempted, every rank checkpointed,
+  target, "parked" once every local rank parked; for an order, the first local failure at once
+  (a guard round or a checkpoint: once every local rank answered), or one success once every local
+  rank succeeded (any rank attempted, every rank checkpointed,
   the largest verify budget a rank asked for). A switch's ``verify`` round is an order like any
   other here; where the switch order says one may follow (``"v"``), the relay that answered it
   blocks on its go key above and writes what it holds to its slots' go keys below (the verify
@@ -303,7 +304,8 @@ class NodeRelay:
     def _answer_order(self, epoch: int, name: str, budget_s: float, slack_s: float, above: int | None, *,
                       verify: bool = False) -> None:
         """Forward the first local failure at once; else one success once every rank succeeded. A
-        guard round answers once every slot did (p.waits_for_every_rank): its first failure then."""
+        guard round or a checkpoint answers once every slot did (p.waits_for_every_rank): its first
+        failure then, unsafe if a slot may still be inside its hook."""
         if not self.local.queues:
             counter = p.result_counter_key(epoch, name)
             self._garbage += [counter, done_key(counter),
