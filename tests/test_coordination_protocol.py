@@ -367,3 +367,30 @@ def test_a_member_thread_that_fails_unexpectedly_lets_training_go_on_and_says_wh
         assert support.wait_until(lambda: not rank.member.running, 10)
     finally:
         rank.member.stop()
+
+
+def test_parked_names_the_leaders_pause_in_a_process_started_after_earlier_ones() -> None:
+    """A process a launcher restarted counts its own parking requests from 1 while the leader is at
+    pause 7: its parked event must say 7, as its pause_requested does, or the timeline puts its
+    parking into another switch (found by an outside check after a torchrun restart)."""
+    store = InProcessStore()
+    events: list[tuple[str, dict[str, object]]] = []
+    lot = ParkingLot(on_event=lambda kind, detail: events.append((kind, detail)))
+    member = Member(KV(store, "t"), 0, lot, MemberHooks(switch_hook=None, checkpoint_hook=None, guard_timeout_s=5,
+                                                        switch_timeout_s=5, dry_run=False), lambda: 3,
+                    on_event=lambda kind, detail: events.append((kind, detail)))
+    member.start()
+    stepping = threading.Thread(target=lambda: lot.at_step_boundary(4), daemon=True)
+    try:
+        kv = KV(store, "t")
+        kv.set(p.queue_key(0, 1), p.encode({"t": p.PAUSE, "e": 7, "timeout": 30, "n": 1}))
+        assert support.wait_until(lambda: any(kind == "pause_requested" for kind, _ in events), 10)
+        kv.set(p.queue_key(0, 2), p.encode({"t": p.TARGET, "e": 7, "S": 4, "timeout": 30, "n": 1}))
+        stepping.start()
+        assert support.wait_until(lambda: any(kind == "parked" for kind, _ in events), 10)
+        assert lot.request_epoch == 1  # this process's own count
+        assert [detail["epoch"] for kind, detail in events if kind in ("pause_requested", "parked")] == [7, 7]
+    finally:
+        lot.release()
+        member.stop()
+        stepping.join(10)

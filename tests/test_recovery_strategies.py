@@ -145,8 +145,10 @@ def test_torch_job_after_a_rolled_back_failed_switch(tmp_path: Path, strategies:
         assert sim.wait_until(lambda s: picks(s, mp.JOB) != [], 20)
         assert picks(sim, mp.JOB) == [pick]
         assert OFFERED_AFTER_ROLLBACK in job.log(0)
-        for rank in (0, 1):
-            assert [(c["seq"], c["ops"]) for c in job.hooks(rank)] == [(1, [True]), (1, [False])]
+        assert [(c["seq"], c["ops"]) for c in job.hooks(1)] == [(1, [True]), (1, [False])]  # switch, rollback
+        # Rank 0 may read the switch order only after rank 1's failure decided it: it skips it, as
+        # a decided order is never run late (member.py _order_of); the rollback runs everywhere
+        assert [(c["seq"], c["ops"]) for c in job.hooks(0)] in ([(1, [True]), (1, [False])], [(1, [False])])
         if goes_on:
             job.wait_steps(max(job.last_step(r) for r in (0, 1)) + 10)
             assert cluster.op.switch("node-0", ["1"], [True])[0] == mp.FINISH

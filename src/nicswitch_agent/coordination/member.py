@@ -268,7 +268,7 @@ class Member:
     def _handle(self, message: dict[str, Any], *, from_go: bool = False) -> None:
         kind, epoch = message["t"], int(message.get("e", 0))
         if kind == p.PAUSE:
-            local = self.lot.request(aligned=True)  # the flag first ...
+            local = self.lot.request(aligned=True, label=epoch)  # the flag first ...
             self._local_epoch[epoch] = local
             completed = self._last_step()  # ... then the last completed step
             # (None: step() was never called, which a pause that times out says)

@@ -61,6 +61,7 @@ class ParkingLot:
         self._cond = threading.Condition()  # guards everything below
         self._aligned = False  # the current request parks at a target step, once it is known
         self._target: int | None = None
+        self._label: int | None = None  # what the parked event calls the current request (request())
         self.request_epoch = 0  # written by the agent thread only
         self.handled_epoch = 0  # written by the training thread only
         self._cancelled_epoch = 0
@@ -90,18 +91,19 @@ class ParkingLot:
     def parked_step(self) -> int | None:
         return self._parked_step
 
-    def request(self, *, aligned: bool = False) -> int:
+    def request(self, *, aligned: bool = False, label: int | None = None) -> int:
         """Ask the training thread to park; returns the epoch.
 
         Unaligned: at its next step boundary. Aligned (several ranks): at the target step given
         later by :meth:`set_target`; until then a training thread that reaches a boundary waits
         for the target (it arrives within milliseconds: the leader computes it as soon as every
-        rank has said which step it completed last).
+        rank has said which step it completed last). ``label``: the number the ``parked`` event
+        gives this request (the leader's pause, which a process restarted since counts apart).
         """
         with self._cond:
             self.request_epoch += 1
             self._arm(True)
-            self._aligned, self._target = aligned, None
+            self._aligned, self._target, self._label = aligned, None, label
             self.interrupted = None
             self._cond.notify_all()
             return self.request_epoch
@@ -211,7 +213,7 @@ class ParkingLot:
             self._parked_thread = threading.current_thread()
             self._cond.notify_all()
             logger.info("%straining parked at step %s", self._who(), step)
-            self._emit("parked", {"step": step, "epoch": epoch})
+            self._emit("parked", {"step": step, "epoch": epoch if self._label is None else self._label})
             interrupted: BaseException | None = None
             try:
                 while True:
