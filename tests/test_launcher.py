@@ -559,7 +559,14 @@ def test_world_size_is_derived_from_torchrun_as_torchrun_counts(command: list[st
 def test_world_size_flag_and_env_win_over_the_command() -> None:
     command = ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "t.py"]
     assert plan(["--world-size", "5", *command]).world_size == 5
-    assert plan(command, {"NICSWITCH_WORLD_SIZE": "6"}).world_size == 6
+    assert plan(command, {"NICSWITCH_WORLD_SIZE": "2"}).world_size == 2  # agrees with torchrun's count
+    assert plan(["--store-port", "7", "--", "torchrun", "--nnodes", "1:2", "--nproc-per-node", "2", "t.py"],
+                {"NICSWITCH_WORLD_SIZE": "6"}).world_size == 6  # elastic: torchrun's count is not fixed
+    # An exported N the command does not start: every rank would refuse it once training began
+    # (found by an outside check); before the command starts, a usage error
+    with pytest.raises(launcher.LaunchError,
+                       match=r"^NICSWITCH_WORLD_SIZE=6 disagrees with the 2 rank\(s\) the command starts; unset it"):
+        plan(command, {"NICSWITCH_WORLD_SIZE": "6"})
     assert plan(["--", "torchrun", "t.py"], {"PET_NPROC_PER_NODE": "4"}).world_size == 4  # torchrun's own env
 
 
@@ -568,7 +575,7 @@ def test_the_ranks_are_told_the_world_size_the_leader_leads() -> None:
     --world-size overrode would make every rank refuse torch's world size (after training began)."""
     command = ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "t.py"]
     assert plan(["--world-size", "2", *command], {"NICSWITCH_WORLD_SIZE": "3"}).env["NICSWITCH_WORLD_SIZE"] == "2"
-    assert plan(command, {"NICSWITCH_WORLD_SIZE": "3"}).env["NICSWITCH_WORLD_SIZE"] == "3"  # the user's, as led
+    assert plan(command, {"NICSWITCH_WORLD_SIZE": "2"}).env["NICSWITCH_WORLD_SIZE"] == "2"  # the user's, as led
     assert plan(command).env["NICSWITCH_WORLD_SIZE"] == "2"  # torchrun's count
     # Other nodes lead nothing: the flag only, as --server and --job.
     other = ["--node-rank", "1", "--store-host", "h", "--store-port", "1"]

@@ -51,7 +51,8 @@ Rules (each one is also in ``--help``):
   leader, any other rank passes through. Exactly one launcher per job may host the leader (ClusterD
   has one queue per job: a second subscriber steals rank lists).
 - **World size N** (how many members the leader waits for; lists naming ranks >= N are refused):
-  ``--world-size``, else env ``NICSWITCH_WORLD_SIZE``, else, without ``--leader-only``, from the
+  ``--world-size``, else env ``NICSWITCH_WORLD_SIZE`` (which must agree with the wrapped command's
+  count where it gives one: else exit 2), else, without ``--leader-only``, from the
   wrapped torchrun (``torchrun ...`` or ``python -m torch.distributed.run ...``) as torchrun
   computes it: ``--nproc-per-node`` (``auto``/``cpu``/``gpu`` resolved like torchrun) times
   ``--nnodes`` (a fixed count, or ``MIN:MAX`` with MIN == MAX). Anything else is an error (exit 2)
@@ -373,6 +374,11 @@ def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
         value = _int("--world-size", args.world_size)
     elif environ.get("NICSWITCH_WORLD_SIZE", "").strip():
         value = _int("NICSWITCH_WORLD_SIZE", environ["NICSWITCH_WORLD_SIZE"])
+        counted = _command_world_size(torchrun, msrun)
+        if counted is not None and counted != value:  # every rank would refuse it against torch's, once started
+            raise LaunchError(f"NICSWITCH_WORLD_SIZE={value} disagrees with the {counted} rank(s) the command "
+                              "starts; unset it (the leader leads what the command starts), or pass "
+                              "--world-size N to lead another number on purpose")
     elif torchrun is not None:
         value = torchrun.world_size()
     elif msrun is not None:
@@ -386,6 +392,16 @@ def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
     if value < 1:
         raise LaunchError(f"the world size must be at least 1, got {value}")
     return value
+
+
+def _command_world_size(torchrun: TorchrunOptions | None, msrun: MsrunOptions | None) -> int | None:
+    """The ranks the wrapped command starts, where it says (None: elastic, or not torchrun nor msrun)."""
+    if torchrun is not None:
+        try:
+            return torchrun.world_size()
+        except LaunchError:
+            return None
+    return msrun.worker_num if msrun is not None else None
 
 
 def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
@@ -571,7 +587,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "command's --node-rank, else env GROUP_RANK, else NODE_RANK, else 0)")
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="training ranks the leader leads, exported to them as NICSWITCH_WORLD_SIZE (default: "
-                             "env NICSWITCH_WORLD_SIZE, else torchrun's --nproc-per-node x --nnodes; an elastic "
+                             "env NICSWITCH_WORLD_SIZE if it agrees with the command's count, else torchrun's "
+                             "--nproc-per-node x --nnodes; an elastic "
                              "--nnodes MIN:MAX needs this flag)")
     parser.add_argument("--store-port", type=int, metavar="P",
                         help="port of the leader's Store (default: a free port for a single-node torchrun, else "
