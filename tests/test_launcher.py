@@ -612,6 +612,38 @@ def test_a_bad_store_host_exits_2_before_the_command_starts(role: list[str], tmp
     assert "error: NICSWITCH_STORE_ADDRESS='bad host:" in err and "'bad host' is not a host name" in err, err
 
 
+@pytest.mark.parametrize(("env", "needle"), [
+    ({"NICSWITCH_SWITCH_TIMEOUT_S": "604801"}, "NICSWITCH_SWITCH_TIMEOUT_S='604801': switch_timeout_s=604801.0 must be "
+                                               "at most 604800 s (7 days)"),
+    ({"NICSWITCH_PAUSE": "sometimes"}, "NICSWITCH_PAUSE='sometimes'"),
+])
+def test_a_passing_through_node_refuses_a_setting_its_ranks_would(
+        env: dict[str, str], needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As the first node does (it builds the leader's config): exit 2 before the command starts,
+    not every rank failing once training began (found by an outside check)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    marker = tmp_path / "ran"
+    assert launcher.main(["--node-rank", "1", "--store-host", "10.0.0.1", "--store-port", "1234", "--", "touch",
+                          str(marker)]) == 2
+    err = capsys.readouterr().err
+    assert not marker.exists(), err
+    assert "nicswitch-agent launch: error: the training ranks' settings: " in err and needle in err, err
+
+
+def test_a_passing_through_node_with_good_settings_runs_the_command(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith(("NICSWITCH_", "MINDX_"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("RANK", "7")  # the pod's own, torchrun replaces it per worker: not checked here
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    marker = tmp_path / "ran"
+    assert launcher.main(["--node-rank", "1", "--store-host", "10.0.0.1", "--store-port", "1234", "--", "touch",
+                          str(marker)]) == 0
+    assert marker.exists()
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--", "python", "train.py"], "not torchrun"),
     (["--", "bash", "-c", "torchrun --nproc-per-node 2 t.py"], "pass --world-size"),

@@ -394,6 +394,23 @@ def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
     return value
 
 
+def _ranks_settings_refused(child_env: Mapping[str, str]) -> str:
+    """On a node that only passes through: the ranks' NICSWITCH_* settings as their agents will check
+    them ("" if fine), so that a bad one stops the launch here, before training, as on the first node.
+    Only NICSWITCH_*: the pod's own RANK or WORLD_SIZE are torchrun's to replace per worker."""
+    from nicswitch_agent.config import AgentConfig
+    from nicswitch_agent.errors import ConfigError
+
+    ours = {k: v for k, v in child_env.items() if k.startswith("NICSWITCH_")}
+    stand_ins = {"server": None if ours.get("NICSWITCH_SERVER", "").strip() else "127.0.0.1:1",  # its own check
+                 "job_id": None if ours.get("NICSWITCH_JOB_ID", "").strip() else "job"}
+    try:
+        AgentConfig.from_env(ours, **stand_ins)
+    except ConfigError as exc:
+        return f"the training ranks' settings: {exc}"
+    return ""
+
+
 def _command_world_size(torchrun: TorchrunOptions | None, msrun: MsrunOptions | None) -> int | None:
     """The ranks the wrapped command starts, where it says (None: elastic, or not torchrun nor msrun)."""
     if torchrun is not None:
@@ -657,6 +674,10 @@ def run(args: argparse.Namespace) -> int:
                     plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode,
                     "a MindSpore" if plan.framework == "mindspore" else "a torch", leader.port)
     else:
+        refused = _ranks_settings_refused({**environ, **env})
+        if refused:
+            print(f"nicswitch-agent launch: error: {refused}", file=sys.stderr)
+            return EXIT_USAGE
         logger.info("passing through (%s): the leader's Store is %s", plan.why, env["NICSWITCH_STORE_ADDRESS"])
     if FRESH_RDZV_STORE in env:
         logger.info("%s=1 for the training command: every torchrun restart gets a fresh store (set it in the "
