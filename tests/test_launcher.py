@@ -216,7 +216,7 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
         assert all(s["role"] == "member" and not s["holds_channel"] for s in starts), starts
         assert all(s["env"]["NICSWITCH_LEADER"] == "launcher" for s in starts)
         assert {s["env"]["NICSWITCH_STORE_ADDRESS"].rpartition(":")[0] for s in starts} == {"127.0.0.1"}
-        assert "hosting the job's leader" in launch.log() and "2 ranks" in launch.log()
+        assert "hosting the job's leader" in launch.log() and "2 rank(s)" in launch.log()
         # torchrun honoured the launcher's opt-out: rank 0 of each attempt hosts a fresh store.
         assert all(s["torch_env"] == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
                                       "TORCHELASTIC_USE_AGENT_STORE": "False"} for s in starts), starts
@@ -476,7 +476,7 @@ def test_the_children_get_the_world_size_the_leader_leads(sim: Simulator, tmp_pa
     launches.append(launch)
     assert launch.wait(60) == 0, launch.log()
     assert json.loads((tmp_path / "env.json").read_text())["NICSWITCH_WORLD_SIZE"] == "2"
-    assert "2 ranks" in launch.log()
+    assert "2 rank(s)" in launch.log()
 
 
 @pytest.mark.timeout(60)

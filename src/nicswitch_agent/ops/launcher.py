@@ -670,7 +670,7 @@ def run(args: argparse.Namespace) -> int:
         env.update({"NICSWITCH_STORE_ADDRESS": address,
                     "NICSWITCH_SERVER": cfg.server, "NICSWITCH_JOB_ID": cfg.job_id,
                     "NICSWITCH_PAUSE": leader.agent.pause_mode})
-        logger.info("hosting the job's leader (%s): %d ranks, job %s, ClusterD %s, pause %s, %s Store on port %d",
+        logger.info("hosting the job's leader (%s): %d rank(s), job %s, ClusterD %s, pause %s, %s Store on port %d",
                     plan.why, plan.world_size, cfg.job_id, cfg.server, leader.agent.pause_mode,
                     "a MindSpore" if plan.framework == "mindspore" else "a torch", leader.port)
     else:

@@ -542,7 +542,8 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             report.say(f"interrupted; the switch goes on inside ClusterD; follow it with: "
                        f"{watch_command(server, job_id, args)}", error=True)
             return report.done(ExitCode.INTERRUPTED, outcome=OutcomeKind.CANCELLED.value,
-                               detail="interrupted while waiting for the result; the switch goes on inside ClusterD",
+                               detail="interrupted while waiting for the result; the switch goes on inside ClusterD; "
+                                      f"follow it with: {watch_command(server, job_id, args)}",
                                elapsed_s=round(time.monotonic() - started, 3))
     elapsed = accepted.rpc_s + outcome.elapsed_s
     _say_outcome(report, outcome, job_id, elapsed, hint=watch_command(server, job_id, args))
