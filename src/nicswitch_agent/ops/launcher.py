@@ -110,6 +110,7 @@ from typing import Any
 from nicswitch_agent.ops.durations import MAX_DURATION_S, MAX_DURATION_TEXT, seconds
 from nicswitch_agent.ops.hosted_leader import HostedLeader, LaunchError
 from nicswitch_agent.ops.launch_msrun import MsrunOptions, launch_framework, parse_msrun
+from nicswitch_agent.ops.launch_torchrun import TorchrunOptions, non_negative_int, parse_torchrun
 
 logger = logging.getLogger("nicswitch_agent.launcher")
 
@@ -119,142 +120,6 @@ EXIT_NOT_FOUND = 127
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 LOOPBACK = "127.0.0.1"
 FRESH_RDZV_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # see the module docstring
-
-
-# -- the wrapped torchrun ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TorchrunOptions:
-    """The torchrun options of a wrapped command that the launcher needs (None: not given)."""
-
-    nproc_per_node: str
-    nnodes: str
-    standalone: bool
-    node_rank: int | None
-    master_addr: str | None
-    master_port: int | None
-    rdzv_endpoint: str
-
-    def node_range(self) -> tuple[int, int]:
-        """(min, max) nodes, as torchrun reads ``--nnodes``."""
-        from torch.distributed.run import parse_min_max_nnodes
-
-        try:
-            low, high = parse_min_max_nnodes(self.nnodes)
-        except (ValueError, RuntimeError) as exc:
-            raise LaunchError(f"torchrun --nnodes={self.nnodes!r} is not N or MIN:MAX") from exc
-        return int(low), int(high)
-
-    def single_node(self) -> bool:
-        return self.standalone or self.node_range()[1] == 1
-
-    def local_world_size(self) -> int | None:
-        """nproc_per_node as torchrun resolves it (the LOCAL_WORLD_SIZE of its workers); None if unknown."""
-        from torch.distributed.run import determine_local_world_size
-
-        try:
-            return int(determine_local_world_size(self.nproc_per_node))
-        except ValueError:
-            return None
-
-    def world_size(self) -> int:
-        """nproc_per_node x nnodes, exactly as torchrun computes them; LaunchError if not fixed."""
-        from torch.distributed.run import determine_local_world_size
-
-        low, high = self.node_range()
-        if low != high:
-            raise LaunchError(
-                f"torchrun --nnodes={self.nnodes} is elastic, so the number of training ranks is not fixed; "
-                "pass --world-size N (the ranks the leader waits for)"
-            )
-        try:
-            per_node = int(determine_local_world_size(self.nproc_per_node))
-        except ValueError as exc:
-            raise LaunchError(
-                f"cannot tell how many processes torchrun --nproc-per-node={self.nproc_per_node} starts "
-                f"({exc}); pass --world-size N"
-            ) from exc
-        return per_node * high
-
-    def rdzv_host_port(self) -> tuple[str | None, int | None]:
-        host, sep, port = self.rdzv_endpoint.rpartition(":")
-        if not sep:
-            return (self.rdzv_endpoint or None), None
-        return (host.strip("[]") or None), (int(port) if port.isdigit() else None)
-
-
-def _torchrun_argv(command: Sequence[str]) -> tuple[list[str], bool] | None:
-    """(the torchrun options and script, is torch.distributed.launch) when ``command`` runs torchrun."""
-    if not command:
-        return None
-    if os.path.basename(command[0]) == "torchrun":
-        return list(command[1:]), False
-    if not os.path.basename(command[0]).startswith("python"):
-        return None
-    for i, arg in enumerate(command[1:], start=1):
-        module = None
-        if arg == "-m" and i + 1 < len(command):
-            module, rest = command[i + 1], command[i + 2:]
-        elif arg.startswith("-m") and len(arg) > 2:
-            module, rest = arg[2:], command[i + 1:]
-        if module in ("torch.distributed.run", "torch.distributed.launch"):
-            return list(rest), module == "torch.distributed.launch"
-        if module is not None or not arg.startswith("-"):
-            return None  # another module, or a script: not torchrun
-    return None
-
-
-def parse_torchrun(command: Sequence[str], environ: Mapping[str, str]) -> TorchrunOptions | None:
-    """The torchrun options of ``command`` (read with torchrun's own parser), or None if it is not torchrun.
-
-    Raises:
-        LaunchError: it is torchrun but its options cannot be read.
-    """
-    found = _torchrun_argv(command)
-    if found is None:
-        return None
-    argv, is_launch = found
-    from torch.distributed.run import get_args_parser
-
-    parser = get_args_parser()
-    if is_launch:  # torch.distributed.launch = torchrun's options + --use-env
-        parser.add_argument("--use-env", "--use_env", action="store_true")
-
-    def fail(message: str) -> Any:
-        raise LaunchError(f"cannot read the torchrun options of the command ({message}); pass --world-size N")
-
-    parser.error = fail  # type: ignore[method-assign]
-    # torchrun defaults these from PET_* env; read them from `environ` and tell "not given" apart.
-    parser.set_defaults(
-        nnodes=environ.get("PET_NNODES", "1:1"),
-        nproc_per_node=environ.get("PET_NPROC_PER_NODE", "1"),
-        node_rank=environ.get("PET_NODE_RANK"),
-        master_addr=environ.get("PET_MASTER_ADDR"),
-        master_port=environ.get("PET_MASTER_PORT"),
-        rdzv_endpoint=environ.get("PET_RDZV_ENDPOINT", ""),
-        standalone=environ.get("PET_STANDALONE", "").strip().lower() in ("1", "true"),
-    )
-    ns = parser.parse_args(argv)
-    return TorchrunOptions(
-        nproc_per_node=str(ns.nproc_per_node),
-        nnodes=str(ns.nnodes),
-        standalone=bool(ns.standalone),
-        node_rank=None if ns.node_rank is None else _int("torchrun --node-rank", ns.node_rank),
-        master_addr=ns.master_addr or None,
-        master_port=None if ns.master_port is None else _int("torchrun --master-port", ns.master_port),
-        rdzv_endpoint=str(ns.rdzv_endpoint or ""),
-    )
-
-
-def _int(what: str, value: object) -> int:
-    try:
-        number = int(str(value).strip())
-    except ValueError:
-        raise LaunchError(f"{what}={value!r} is not an integer") from None
-    if number < 0:
-        raise LaunchError(f"{what}={value!r} must not be negative")
-    return number
 
 
 # -- the plan ---------------------------------------------------------------------------------
@@ -295,7 +160,7 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     torchrun = None if leader_only or msrun is not None else parse_torchrun(command, environ)
 
     if args.node_rank is not None:
-        node_rank, source = _int("--node-rank", args.node_rank), "--node-rank"
+        node_rank, source = non_negative_int("--node-rank", args.node_rank), "--node-rank"
     elif torchrun is not None and torchrun.node_rank is not None:
         node_rank, source = torchrun.node_rank, "the torchrun --node-rank"
     elif msrun is not None and msrun.node_rank is not None:
@@ -304,7 +169,7 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
         node_rank, source = 0, "no node rank set"
         for name in ("GROUP_RANK", "NODE_RANK"):
             if environ.get(name, "").strip():
-                node_rank, source = _int(name, environ[name]), name
+                node_rank, source = non_negative_int(name, environ[name]), name
                 break
     hosts_leader = leader_only or node_rank == 0
     why = "--leader-only" if leader_only else f"node rank {node_rank} ({source})"
@@ -343,7 +208,7 @@ def make_plan(args: argparse.Namespace, environ: Mapping[str, str]) -> Plan:
     if not hosts_leader:  # the first node exports it once its Store listens (the port may be picked then)
         env["NICSWITCH_STORE_ADDRESS"] = store_address(host, port, host_source)
         if args.world_size is not None:  # as --server and --job: the flag only, the first node checks N
-            env["NICSWITCH_WORLD_SIZE"] = str(_int("--world-size", args.world_size))
+            env["NICSWITCH_WORLD_SIZE"] = str(non_negative_int("--world-size", args.world_size))
     # The leader and every rank must agree on node-local fan-out (docs/configuration.md, fan_out):
     # the ranks per node the leader is told are the ones the training ranks are told.
     per_node = torchrun.local_world_size() if torchrun is not None else msrun.local_worker_num if msrun else None
@@ -371,9 +236,9 @@ def _join_timeout(args: argparse.Namespace) -> float | None:
 def _world_size(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
                 leader_only: bool, msrun: MsrunOptions | None = None) -> int:
     if args.world_size is not None:
-        value = _int("--world-size", args.world_size)
+        value = non_negative_int("--world-size", args.world_size)
     elif environ.get("NICSWITCH_WORLD_SIZE", "").strip():
-        value = _int("NICSWITCH_WORLD_SIZE", environ["NICSWITCH_WORLD_SIZE"])
+        value = non_negative_int("NICSWITCH_WORLD_SIZE", environ["NICSWITCH_WORLD_SIZE"])
         counted = _command_world_size(torchrun, msrun)
         if counted is not None and counted != value:  # every rank would refuse it against torch's, once started
             raise LaunchError(f"NICSWITCH_WORLD_SIZE={value} disagrees with the {counted} rank(s) the command "
@@ -424,7 +289,7 @@ def _command_world_size(torchrun: TorchrunOptions | None, msrun: MsrunOptions | 
 def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: TorchrunOptions | None,
                 hosts_leader: bool, msrun: MsrunOptions | None = None) -> int:
     if args.store_port is not None:
-        port = _int("--store-port", args.store_port)
+        port = non_negative_int("--store-port", args.store_port)
         if port > 65535 or (port == 0 and not hosts_leader):
             raise LaunchError(f"--store-port={port} must be a port number between 1 and 65535")
         return port
@@ -432,7 +297,7 @@ def _store_port(args: argparse.Namespace, environ: Mapping[str, str], torchrun: 
         return 0  # only this node's children need it
     candidates: list[tuple[str, int | None]] = []
     if environ.get("MASTER_PORT", "").strip():
-        candidates.append(("MASTER_PORT", _int("MASTER_PORT", environ["MASTER_PORT"])))
+        candidates.append(("MASTER_PORT", non_negative_int("MASTER_PORT", environ["MASTER_PORT"])))
     if torchrun is not None:
         candidates += [("torchrun --master-port", torchrun.master_port),
                        ("torchrun --rdzv-endpoint", torchrun.rdzv_host_port()[1])]
