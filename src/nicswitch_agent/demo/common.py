@@ -189,7 +189,7 @@ def describe_event(event: AgentEvent) -> str | None:
                f"{d['to_primary']} to primary"
     if event.kind == "member_result":
         where = "on the parked training thread" if d["parked"] else "on the member thread"
-        what = "guard + switch" if d["kind"] == "switch" else d["kind"]
+        what = d["kind"]  # a guard round's "guard", then the "switch" itself
         result = "ok" if d["ok"] else "FAILED: " + d["reason"]
         return f"{what} {result} in {d['duration_s'] * 1000:.1f} ms {where}"
     if event.kind == "switch_done":
