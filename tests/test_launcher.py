@@ -198,20 +198,18 @@ def launches() -> Iterator[list[Launch]]:
 def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simulator, tmp_path: Path,
                                                                      launches: list[Launch]) -> None:
     """One launcher, one ClusterD client, through a failover, a training restart, a switchback and SIGTERM."""
-    out = tmp_path / "job"
     watch = StreamWatch(sim, JOB)
     # No TORCH_DISABLE_SHARE_RDZV_TCP_STORE here: the launcher sets it (with torchrun's shared store, a
     # restarted gloo group read the dead attempt's addresses and failed in 7 of 9 plain torchrun runs).
     env = base_env(sim) | {"NICSWITCH_EVENTS_FILE": str(tmp_path / "events" / "ev-{rank}.jsonl")}
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in env
-    launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out)], env)
-    launches.append(launch)
-    job, operator = TrainJob(out), Operator(sim)
     try:
-        assert poll(lambda: launch.proc.poll() is None and job.stepping(0), STARTUP_S), "the ranks never trained"
-        assert sim.wait_until(streams_ready, 30), sim.job_view(JOB).open_streams
-        launch.remember_tree()
+        out, launch, operator = _two_ranks_training(sim, tmp_path, launches, env=env)
+    except BaseException:
+        watch.stop()
+        raise
+    job = TrainJob(out)
+    try:
         starts = [job.lines(r, "start", 0)[0] for r in (0, 1)]
         assert all(s["role"] == "member" and not s["holds_channel"] for s in starts), starts
         assert all(s["env"]["NICSWITCH_LEADER"] == "launcher" for s in starts)
@@ -281,13 +279,15 @@ def test_torchrun_job_switches_survives_a_restart_and_sigterm_ends_it(sim: Simul
     assert not [p for p in timeline.problems if "without a rank" in p], timeline.problems
 
 
-def _two_ranks_training(sim: Simulator, tmp_path: Path, launches: list[Launch],
-                        *flags: str) -> tuple[Path, Launch, Operator]:
+def _two_ranks_training(sim: Simulator, tmp_path: Path, launches: list[Launch], *flags: str,
+                        env: dict[str, str] | None = None) -> tuple[Path, Launch, Operator]:
     """Two ranks under the launcher and torchrun (one restart allowed) with train.py's ``flags``,
-    training, the leader's streams open: (the job's directory, the launch, an operator to close)."""
+    training, the leader's streams open: (the job's directory, the launch, an operator to close).
+    ``env``: the launcher's (default: base_env)."""
     out = tmp_path / "job"
     launch = Launch(out, ["--", "torchrun", "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
-                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), *flags], base_env(sim))
+                          "--monitor-interval", "0.1", str(TRAIN), "--out", str(out), *flags],
+                    base_env(sim) if env is None else env)
     launches.append(launch)
     job, operator = TrainJob(out), Operator(sim)
     try:

@@ -196,6 +196,15 @@ def check_sequence(rig: Rig, steps: list[Any]) -> None:
         assert rig.training.stop_seen.wait(10), f"stopped ({rig.stops}) but step() never raised"
 
 
+def _refusing_guard(rig: Rig) -> None:
+    """The rig's rank gets a checkpoint guard that refuses (a full disk)."""
+    def refuse(order: SwitchOrder) -> None:
+        raise OSError("No space left on device")
+
+    rig.member.hooks = MemberHooks(switch_hook=rig.member.hooks.switch_hook, checkpoint_hook=refuse,
+                                   guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False)
+
+
 @pytest.mark.parametrize(("rollback_ok", "guard_ok"), [(True, True), (False, True), (True, False)],
                          ids=["rolled-back", "rollback-fails", "guard-refused"])
 def test_a_reset_after_a_failed_switch_lets_training_go_on_only_on_rolled_back_links(
@@ -206,10 +215,7 @@ def test_a_reset_after_a_failed_switch_lets_training_go_on_only_on_rolled_back_l
     nothing and goes on at once."""
     rig = Rig([False, rollback_ok])
     if not guard_ok:
-        def refuse(order: SwitchOrder) -> None:
-            raise OSError("No space left on device")
-        rig.member.hooks = MemberHooks(switch_hook=rig.member.hooks.switch_hook, checkpoint_hook=refuse,
-                                       guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False)
+        _refusing_guard(rig)
     try:
         rig.controller._handle(pb.ProcessManageSignal(uuid="p", jobId="j", signalType=STOP_TRAIN,
                                                       actions=[ACTION_PAUSE]), 1)
@@ -278,12 +284,7 @@ def test_after_a_guard_refused_no_dump_is_offered_and_retry_goes_on() -> None:
     not offered (found by an outside check: dump was offered, chosen, and had no checkpoint); the
     switch moved nothing, so retry is."""
     rig = Rig([])
-
-    def refuse(order: SwitchOrder) -> None:
-        raise OSError("No space left on device")
-
-    rig.member.hooks = MemberHooks(switch_hook=rig.member.hooks.switch_hook, checkpoint_hook=refuse,
-                                   guard_timeout_s=2.0, switch_timeout_s=2.0, dry_run=False)
+    _refusing_guard(rig)
     try:
         rig.controller._handle(pb.ProcessManageSignal(uuid="p", jobId="j", signalType=STOP_TRAIN,
                                                       actions=[ACTION_PAUSE]), 1)
