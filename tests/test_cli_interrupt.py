@@ -1,7 +1,9 @@
-"""Ctrl-C while ``nicswitch-agent`` is still importing: exit 130, one quiet line at most, no traceback.
+"""Ctrl-C at the moments where it used to break ``nicswitch-agent``: while the command is still
+importing (exit 130, one quiet line at most, no traceback), and inside grpcio's creation of a call
+(exit 130 with the command's own line, not a hang).
 
-The command is a real process. A ``sitecustomize`` on its PYTHONPATH stalls the import of one
-module (it says so in a file, then waits), so SIGINT lands inside that import, every time.
+The command is a real process. A ``sitecustomize`` on its PYTHONPATH stalls it at the line in
+question (it says so in a file, then waits), so SIGINT lands there, every time.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 
 import pytest
@@ -62,35 +63,67 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+# grpcio starts the thread that serves a channel's streaming calls inside the call's creation
+# (grpc/_channel.py, _channel_managed_call_management): stalled there until SIGINT has come, so
+# that it lands there every time. In the main thread, as before ops/ctrl_c.py, the call is left
+# with no thread to complete it and the client's close() waits for it forever: the command hangs.
+STALL_CALL = textwrap.dedent("""
+    import os, signal, threading, time
+    import grpc._channel as channel
+
+    start_serving_calls = channel._run_channel_spin_thread
+
+    def stalled(state):
+        open(os.environ["STALL_FILE"], "w").close()
+        if os.environ.get("SIGINT_HERE"):  # to the thread that creates the call, not the process
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        while not os.path.exists(os.environ["GO_FILE"]):
+            time.sleep(0.01)
+        start_serving_calls(state)
+
+    channel._run_channel_spin_thread = stalled
+""")
+
+
 @pytest.mark.timeout(120)
-def test_ctrl_c_while_switch_waits_for_its_result_says_how_to_follow_it(tmp_path: Path) -> None:
-    """The switch goes on inside ClusterD: the line says how to follow it, as --no-wait's does
-    (found by an outside check: only "interrupted; the switch goes on inside ClusterD")."""
+# to_thread: the kernel gives the process's SIGINT to a thread other than the main one (any that
+# does not block it; gRPC's block none), which does not wake a main thread asleep in Event.wait
+@pytest.mark.parametrize(("command", "to_thread"), [("switch", False), ("watch", False), ("switch", True)])
+def test_ctrl_c_inside_grpcs_call_creation_ends_the_command(tmp_path: Path, command: str, to_thread: bool) -> None:
+    """Ctrl-C while the CLI opens its result stream: exit 130 with the command's own line (for
+    switch: how to follow the switch, found by an outside check), never a hang in close()."""
+    import grpc._channel
+
     from nicswitch_agent.sim import SimJob, Simulator
 
+    assert callable(getattr(grpc._channel, "_run_channel_spin_thread", None)), "grpcio moved the line this test stalls"
+    (tmp_path / "sitecustomize.py").write_text(STALL_CALL)
+    stalled, go = tmp_path / "stalled", tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+           "STALL_FILE": str(stalled), "GO_FILE": str(go), "SIGINT_HERE": "1" if to_thread else ""}
     # The stand-in registers the job and takes the pause, and no agent takes the list: the switch waits
     with Simulator(jobs=[SimJob(job_id="j", nodes={"node-0": ["0"]})], standin=True) as sim:
-        argv = [sys.executable, "-m", "nicswitch_agent", "switch", "--server", sim.address, "--job", "j",
-                "--node", "node-0", "--dev", "0", "--op", "standby"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        argv = [sys.executable, "-m", "nicswitch_agent", command, "--server", sim.address, "--job", "j"]
+        if command == "switch":
+            argv += ["--node", "node-0", "--dev", "0", "--op", "standby"]
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 preexec_fn=default_sigint)
-        lines: list[str] = []
-        reader = threading.Thread(target=lambda: lines.extend(proc.stdout or ()), daemon=True)
-        reader.start()
         try:
-            assert poll(lambda: any("waiting for the result" in line for line in lines) or proc.poll() is not None,
-                        60)
+            assert poll(lambda: stalled.exists() or proc.poll() is not None, 60), "the stream was never opened"
             assert proc.poll() is None, proc.communicate()
-            proc.send_signal(signal.SIGINT)
-            proc.wait(60)
-            err = proc.stderr.read() if proc.stderr is not None else ""
-            reader.join(10)
-            out = "".join(lines)
+            if not to_thread:
+                proc.send_signal(signal.SIGINT)
+            go.touch()
+            out, err = proc.communicate(timeout=60)
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait(10)
     assert proc.returncode == 130, (proc.returncode, out, err)
-    assert f"interrupted; the switch goes on inside ClusterD; follow it with: nicswitch-agent watch --server " \
-           f"{sim.address} --job j" in err, err
+    if command == "switch":
+        assert "waiting for the result" in out, out
+        assert f"interrupted; the switch goes on inside ClusterD; follow it with: nicswitch-agent watch " \
+               f"--server {sim.address} --job j" in err, err
+    else:
+        assert "stopped after 0 result(s)" in err, err
     assert "Traceback" not in err

@@ -43,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nicswitch_agent.config import parse_server, server_from_mindcluster, tls_from_env
+from nicswitch_agent.ops.ctrl_c import call_beside_ctrl_c
 from nicswitch_agent.ops.durations import format_seconds, seconds
 from nicswitch_agent.ops.om import (
     DEFAULT_FOLLOW_TIMEOUT_S,
@@ -502,7 +503,7 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
 
     with client:
         try:
-            accepted = client.switch(job_id, nic_ops)
+            accepted = call_beside_ctrl_c(lambda: client.switch(job_id, nic_ops), client.close)
         except ValueError as exc:  # what parsing let through but the request check refuses
             return report.usage("switch", str(exc))
         except SwitchRejected as exc:
@@ -536,8 +537,10 @@ def run_switch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None
             return report.done(ExitCode.OK, outcome="accepted", elapsed_s=round(accepted.rpc_s, 3))
         report.say(f"waiting for the result (up to {format_seconds(args.timeout)})...")
         try:
-            outcome = client.follow(job_id, args.timeout, server_seen=True, max_unreachable_s=args.max_unreachable,
-                                    on_note=lambda text: report.say(text, error=True))
+            outcome = call_beside_ctrl_c(
+                lambda: client.follow(job_id, args.timeout, server_seen=True, max_unreachable_s=args.max_unreachable,
+                                      on_note=lambda text: report.say(text, error=True)),
+                client.close)
         except KeyboardInterrupt:
             report.say(f"interrupted; the switch goes on inside ClusterD; follow it with: "
                        f"{watch_command(server, job_id, args)}", error=True)
@@ -616,8 +619,10 @@ def run_watch(args: argparse.Namespace, *, env: Mapping[str, str] | None = None)
 
     with client:
         try:
-            end = client.watch(job_id, on_result, count=args.count, timeout_s=args.timeout, poll_s=args.poll,
-                               max_unreachable_s=args.max_unreachable, on_note=on_note)
+            end = call_beside_ctrl_c(
+                lambda: client.watch(job_id, on_result, count=args.count, timeout_s=args.timeout, poll_s=args.poll,
+                                     max_unreachable_s=args.max_unreachable, on_note=on_note),
+                client.close)
         except KeyboardInterrupt:
             report.say(f"stopped after {len(results)} result(s)", error=True)
             return report.done(ExitCode.INTERRUPTED, results=len(results))
