@@ -196,3 +196,34 @@ def test_a_switch_failing_on_one_rank_first_counts_as_attempted_while_others_hav
         assert outcome.reason == "rank 3: no switch hook configured", outcome.reason
     finally:
         done.set()
+
+
+def test_the_switch_order_follows_a_passed_guard_round_on_go_keys_not_the_queues(
+        layout: Layout, jobs: list[Job]) -> None:
+    """Every rank whose guard passed blocks on its go key, and the leader (each relay for its
+    node) writes the switch order there in one multi-set: no queue event to read and delete per
+    rank (docs/performance.md, "The switch order on go keys")."""
+    job = Job(layout, {rank: (lambda order: None) for rank in range(WORLD)})
+    jobs.append(job)
+    assert job.leader.pause(30).ok
+    read = [rank.member._next for rank in job.ranks]  # the queue event each reads next
+    outcome = job.leader.run(ORDER, kind=p.KIND_SWITCH, budget_s=20, guard_budget_s=20)
+    assert outcome.ok and outcome.guard_ok, outcome
+    assert sorted(job.switched) == list(range(WORLD))
+    assert [rank.member._next - before for rank, before in zip(job.ranks, read, strict=True)] == [1] * WORLD, \
+        "a rank read more than the guard round's event from its queue"
+
+
+def test_a_refused_guard_sends_the_ranks_whose_guard_passed_back_to_their_queues_at_once(
+        layout: Layout, jobs: list[Job]) -> None:
+    """Ranks 0-2 passed their guard and wait on their go keys, which may wait as long as the guard
+    round may last (here 35 s): the refusal must wake them (a wake on every go key), or the next
+    order finds them deaf to their queues."""
+    job = Job(layout, {0: lambda order: None, 1: lambda order: None, 2: lambda order: None, 3: refuse})
+    jobs.append(job)
+    assert job.leader.pause(30).ok
+    refused = job.leader.run(ORDER, kind=p.KIND_SWITCH, budget_s=20, guard_budget_s=30)
+    assert not refused.ok and refused.guard_failed, refused
+    rollback = SwitchOrder(seq=2, job_id="job-guard", ranks=(2, 3), ops=(False, False))
+    outcome = job.leader.run(rollback, kind=p.KIND_ROLLBACK, budget_s=3)
+    assert outcome.ok, outcome

@@ -305,6 +305,7 @@ class Coordinator:
         outcome = self._gather(epoch, name, started + budget_s + RESULT_SLACK_S, started)
         self._collect(epoch, name)
         if not outcome.ok:
+            self._go(epoch, name, p.encode({"t": p.WAKE}))  # the ranks whose guard passed wait on it
             logger.warning("switch #%d: not started on any rank, its guard failed: %s", order.seq, outcome.reason)
         return outcome
 
@@ -320,9 +321,13 @@ class Coordinator:
         self._name_in_flight(epoch, name)
         # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
         # (a process restarted since the pause) must not run it next to a running step.
-        self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s,
-                       "seq": order.seq, **p.inline_order(text), **({"v": 1, "w": warm_up_s} if go else {}),
-                       **({"g": 1} if guard_ok is not None else {}), **({} if session else {"p": 1})})
+        event = {"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s, "seq": order.seq,
+                 **p.inline_order(text), **({"v": 1, "w": warm_up_s} if go else {}),
+                 **({"g": 1} if guard_ok is not None else {}), **({} if session else {"p": 1})}
+        if guard_ok is not None:  # after the guard round every rank waits on its go key for it
+            self._go(epoch, f"{epoch}.{order.seq}.{p.KIND_GUARD}", self._event(event))
+        else:
+            self._publish(event)
         deadline = time.monotonic() + budget_s + warm_up_s + RESULT_SLACK_S
         outcome = self._gather(epoch, name, deadline, started)
         if guard_ok is not None:

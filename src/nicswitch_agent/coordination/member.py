@@ -14,7 +14,8 @@ The member reads its event queue (see messages.py) and drives the rank's :class:
   order (the leader sends one only once the switch succeeded on every rank) runs the verify hook
   the same way, on the same thread as the switch hook when parked. A switch order that says a
   verify round may follow (``"v"``) is followed, on a rank that switched, by a blocking read of
-  the switch's go key instead of the queue: the verify order, or a wake (messages.py).
+  the switch's go key instead of the queue: the verify order, or a wake (messages.py). So is a
+  guard round, on a rank whose guard passed: the switch order, or a wake.
 - ``outcome``: the leader's decision on an order; told to listeners as ``switch_outcome``, so a
   rank that is only a member (the launcher leads) learns how a switch ended too.
 - ``release``: let the training thread go (or make ``step()`` raise TrainingStopped).
@@ -301,7 +302,7 @@ class Member:
                 self._in_flight = None
             if not answered_by_stop:
                 queues.answer_result(self.kv, epoch, name, result, _expected(message))
-                if result.ok and message.get("v") and message.get("kind") == p.KIND_SWITCH:
+                if result.ok and p.followed_by_go(message):
                     self._follow_go(epoch, name, message)
         elif kind == p.OUTCOME:
             key, op = self._target
@@ -321,9 +322,10 @@ class Member:
             logger.warning("rank %d: unknown coordination message %r", self.rank, kind)
 
     def _follow_go(self, epoch: int, name: str, message: dict[str, Any]) -> None:
-        """After switch order ``name`` succeeded here: block on its go key and run what it holds
-        (the verify order) at once, without a queue event. Bounded: a leader gone leaves the
-        wait to the queue loop (and its ``max_parked_s``)."""
+        """After order ``name`` succeeded here (p.followed_by_go): block on its go key and run what
+        it holds (the switch order after a guard round, the verify order after a switch) at once,
+        without a queue event. Bounded: a leader gone leaves the wait to the queue loop (and its
+        ``max_parked_s``)."""
         key = p.go_key(epoch, name, self.slot)
         with self._result_lock:
             if self._stop.is_set():

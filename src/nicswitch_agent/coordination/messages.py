@@ -178,9 +178,19 @@ def go_key(epoch: int, name: str, rank: int) -> str:
     return f"e/{epoch}/go/{name}/{rank}"
 
 
+def followed_by_go(message: dict[str, Any]) -> bool:
+    """Whether a rank that answered order ``message`` ok then blocks on its go key (and a relay,
+    whatever its node answered) for what follows, instead of reading it from its queue: after a
+    guard round the switch order (or a wake: the guard failed), after a switch that says a verify
+    round may follow (``"v"``) the verify order (or a wake). One multi-set per level, where a queue
+    event costs a read and a delete per rank (docs/performance.md)."""
+    kind = message.get("kind")
+    return kind == KIND_GUARD or (kind == KIND_SWITCH and bool(message.get("v")))
+
+
 def go_wait_s(message: dict[str, Any]) -> float:
-    """How long a rank (or relay) that answered switch order ``message`` ok waits for its go key:
-    the leader decides the switch within its budget, the warm-up and its slack (it started first)."""
+    """How long a rank (or relay) that answered order ``message`` (followed_by_go) waits for its go
+    key: the leader decides the order within its budget, the warm-up and its slack (it started first)."""
     return float(message["budget"]) + float(message.get("w", 0.0)) + GO_SLACK_S
 
 

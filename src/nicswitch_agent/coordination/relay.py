@@ -17,7 +17,8 @@ switch, two sockets per rank on the Store's host, and a single-threaded Store se
   the largest verify budget a rank asked for). A switch's ``verify`` round is an order like any
   other here; where the switch order says one may follow (``"v"``), the relay that answered it
   blocks on its go key above and writes what it holds to its slots' go keys below (the verify
-  order, or a wake), then answers the verify round: one multi-set per level (messages.py).
+  order, or a wake), then answers the verify round: one multi-set per level (messages.py). A
+  guard round is followed the same way by the switch order.
 
 Why the step-aligned pause stays deadlock-free: each member still sets its flag before it reads
 its ``c_r``, and the leader's target is ``max`` over nodes of ``max`` over ranks, which is the
@@ -211,18 +212,23 @@ class NodeRelay:
             self._answer_parked(epoch, int(message["S"]), float(message.get("timeout", DEFAULT_PHASE_TIMEOUT_S)),
                                 above)
         elif kind == p.ORDER:
-            self._answer_order(epoch, str(message["key"]), float(message["budget"]),
-                               float(message.get("slack", ORDER_SLACK_S)), above,
-                               verify=message.get("kind") == p.KIND_VERIFY)
-            if message.get("v") and message.get("kind") == p.KIND_SWITCH:
-                self._forward_go(epoch, str(message["key"]), message)
+            self._answer_and_follow(epoch, message, above)
         elif kind == p.RELEASE:
             self._clean_up()
 
+    def _answer_and_follow(self, epoch: int, message: dict[str, Any], above: int | None) -> None:
+        """Answer order ``message`` for the node; then, where the order is followed by a go key
+        (a guard round, or a switch a verify round may follow), forward what follows."""
+        self._answer_order(epoch, str(message["key"]), float(message["budget"]),
+                           float(message.get("slack", ORDER_SLACK_S)), above,
+                           verify=message.get("kind") == p.KIND_VERIFY)
+        if p.followed_by_go(message):
+            self._forward_go(epoch, str(message["key"]), message)
+
     def _forward_go(self, epoch: int, name: str, message: dict[str, Any]) -> None:
-        """What follows switch ``name`` (this relay's go key above) to its slots' go keys below; a
-        verify order is then answered as any order. A leader silent past the switch's bound (or a
-        stop) sends the slots back to their queues."""
+        """What follows order ``name`` (this relay's go key above) to its slots' go keys below: the
+        switch order after a guard round, the verify order after a switch, answered as any order.
+        A leader silent past the order's bound (or a stop) sends the slots back to their queues."""
         self._go = p.go_key(epoch, name, self.node)
         text = None if self._stop.is_set() else self.job.get_when_set(self._go, p.go_wait_s(message))
         self._go = None
@@ -238,9 +244,7 @@ class NodeRelay:
             return
         assert text is not None
         self.local.set_many(below, [_for_the_level_below(follow, text, self.size)] * self.size)
-        above = int(follow["n"]) if follow.get("n") is not None else None
-        self._answer_order(epoch, str(follow["key"]), float(follow["budget"]),
-                           float(follow.get("slack", ORDER_SLACK_S)), above, verify=True)
+        self._answer_and_follow(epoch, follow, int(follow["n"]) if follow.get("n") is not None else None)
 
     def _publish_local(self, text: str) -> None:
         self._local_n += 1
