@@ -23,7 +23,13 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import ChannelSettings, ConnectivityWatch, RecoverStub, open_channel
+from nicswitch_agent.clusterd.channel import (
+    ChannelSettings,
+    ConnectivityWatch,
+    RecoverStub,
+    close_channel,
+    open_channel,
+)
 from nicswitch_agent.clusterd.notify import NotifySubscriber, SubscriberSettings
 from nicswitch_agent.clusterd.process_manage import ProcessManageClient, ProcessManageSettings
 from nicswitch_agent.clusterd.reply import Replier, ReplyPolicy, ReplyReport
@@ -220,7 +226,7 @@ class LeaderSession:
         try:
             self.watch.close()
         finally:
-            self.channel.close()
+            close_channel(self.channel)  # and grpcio's call thread done with the streams' last events
 
     def abort(self) -> None:
         """Undo a start that failed half way: everything stopped and closed, nothing waits."""

@@ -34,7 +34,14 @@ from types import TracebackType
 
 import grpc
 
-from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, TlsSettings, open_channel, settings_of
+from nicswitch_agent.clusterd.channel import (
+    ChannelSettings,
+    RecoverStub,
+    TlsSettings,
+    close_channel,
+    open_channel,
+    settings_of,
+)
 from nicswitch_agent.ops.om_follow import (
     DEFAULT_FOLLOW_TIMEOUT_S,
     DEFAULT_MAX_UNREACHABLE_S,
@@ -136,7 +143,7 @@ class OmClient:
         self._closed.set()
         self._stream.cancel()
         if self._own_channel:
-            self._channel.close()
+            close_channel(self._channel)
 
     # -- SwitchNicTrack ----------------------------------------------------------------------
 
