@@ -144,3 +144,24 @@ def test_a_ctrl_c_after_the_command_decided_its_result_does_not_change_the_exit_
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=45, check=False)
     assert "KeyboardInterrupt" not in result.stderr, result.stderr
     assert result.returncode == 4, (result.returncode, result.stdout, result.stderr)
+
+
+def test_a_ctrl_c_after_the_reader_went_away_keeps_141() -> None:
+    """As above, after ``| head`` left: the 141 is decided too (found by an outside check: a late
+    Ctrl-C killed the process by the signal instead)."""
+    code = "\n".join([
+        "import atexit, os, signal, sys, time",
+        "import nicswitch_agent.ops.cli as cli",
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.2)))",
+        "sys.argv = ['nicswitch-agent', 'version']",
+        "sys.exit(cli.console())",
+    ])
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-c", code], stdout=write_end, stderr=subprocess.PIPE, text=True,
+                                timeout=45, check=False)
+    finally:
+        os.close(write_end)
+    assert "KeyboardInterrupt" not in result.stderr, result.stderr
+    assert result.returncode == 141, (result.returncode, result.stderr)

@@ -13,7 +13,8 @@ Subcommands:
   version print the version (also ``--version``)
 
 Every command ends with 130 on Ctrl-C and with 141 (128 + SIGPIPE) when the reader of its output
-goes away (``| head``), without a traceback.
+goes away (``| head``), without a traceback, once the package's first lines have run (a Ctrl-C
+in the interpreter's own start-up, before them, is Python's: a traceback and death by SIGINT).
 
 ``-v/--verbose`` (DEBUG logging) is accepted before and after the command. The demo (and its
 simulator run) is imported only when it runs.
@@ -275,6 +276,8 @@ def _run(argv: Sequence[str] | None, *, exiting: bool) -> int:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         return 130 if code is None else code  # a Ctrl-C after the result does not change it
     except BrokenPipeError:
+        if exiting:  # decided too: a Ctrl-C now must not turn 141 into death by SIGINT
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return _reader_gone()
 
 
