@@ -388,3 +388,17 @@ def test_a_node_tcpstore_listens_on_127_0_0_1_only() -> None:
     joined, _ = topology.node_kv(job, 0, 1, 10.0, 2, transport="store")
     stored.push("q/1", "over 127.0.0.1")
     assert joined.pop("q/1", 5.0) == "over 127.0.0.1"
+
+
+def test_a_go_key_reaches_only_the_copy_of_the_rank_it_is_for(hub: NodeHub) -> None:
+    """A relay writes its slots' go keys in one multi-set (relay.py _forward_go): at n ranks a node
+    would parse n x n of them if every copy got every key."""
+    ranks = [link(hub, slot) for slot in (1, 2)]
+    kv = KV(hub, PREFIX, queues=True)
+    kv.set_for_readers(["go/x/1", "go/x/2"], ["for 1", "for 2"], ["q/1", "q/2"])
+    for slot, rank in enumerate(ranks, 1):
+        hub.queue_push(queue(slot), "after")  # on the same socket, after the key
+        assert rank.queue_pop_within(queue(slot), 5.0) == b"after"
+        assert rank.get(f"{PREFIX}/go/x/{slot}") == f"for {slot}".encode()
+        assert not rank.check([f"{PREFIX}/go/x/{3 - slot}"]), "another rank's go key reached this copy"
+    assert hub.check([f"{PREFIX}/go/x/1", f"{PREFIX}/go/x/2"])  # for local rank 0's member, and a rank that redials

@@ -275,3 +275,32 @@ def test_the_leaders_go_keys_are_deleted_one_epoch_after_the_others() -> None:
     finally:
         members.stop()
 
+
+
+def test_over_the_node_link_each_rank_gets_its_own_go_key_only() -> None:
+    """The relay writes its slots' go keys in one multi-set; over the node link each rank's copy
+    gets its own key alone (node_link.py multi_set_addressed), not the node's n of them."""
+    store = InProcessStore()
+    node = Node(store, 0, [0, 1, 2], way="link")
+    node.relay.start()
+    leader = Coordinator(KV(store, PREFIX), 1, ranks_per_node=3, verify_expected=True)
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            running: Future[Any] = pool.submit(leader.run, SwitchOrder(seq=1, job_id="job-go", ranks=(0, 1, 2),
+                                                                       ops=(True, True, True)),
+                                               kind=KIND_SWITCH, budget_s=30.0)
+            orders = [node.next_event(slot) for slot in range(3)]
+            for slot, event in enumerate(orders):
+                queues.answer_result(node.views[slot], int(event["e"]), str(event["key"]), p.MemberResult(
+                    node.ranks[slot], True, "ok", attempted=True, verify_s=5.0), int(event["n"]))
+            for slot in (1, 2):  # the ranks with a link of their own (slot 0 reads the hub itself)
+                epoch, name = int(orders[slot]["e"]), str(orders[slot]["key"])
+                view = node.views[slot]
+                text = view.get_when_set(p.go_key(epoch, name, slot), 10)
+                assert text is not None and p.decode(text)["kind"] == p.KIND_VERIFY
+                others = [p.go_key(epoch, name, other) for other in range(3) if other != slot]
+                assert not any(view.check([key]) for key in others), "another rank's go key reached this copy"
+        finally:
+            leader.wake()  # the verify round is not the point: it ends unanswered
+            running.result(20)
+            node.relay.stop()

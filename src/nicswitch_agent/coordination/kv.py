@@ -180,6 +180,16 @@ class KV:
         for key, value in zip(full, values, strict=True):
             self.store.set(key, value)
 
+    def set_for_readers(self, keys: Sequence[str], values: Sequence[str], readers: Sequence[str]) -> None:
+        """Set key i for the rank that reads queue ``readers[i]`` alone (a go key): on the node
+        link only that rank's copy gets it (``NodeHub.multi_set_addressed``); any other Store
+        has one copy for all, so this is :meth:`set_many`."""
+        addressed = getattr(self.store, "multi_set_addressed", None)
+        if addressed is None:
+            self.set_many(keys, values)
+            return
+        addressed([self._k(k) for k in keys], list(values), [self._k(r) for r in readers])
+
     def get_many(self, keys: Sequence[str]) -> list[str]:
         """The values of ``keys``, in one round trip where the Store can (``multi_get``); like
         ``get``, it waits for a key that does not exist yet (bounded by the connection's timeout)."""

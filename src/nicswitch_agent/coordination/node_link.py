@@ -503,6 +503,19 @@ class NodeHub(_Copy):
             self._to_every_rank(data)
             self._changed()
 
+    def multi_set_addressed(self, keys: list[str], values: list[str | bytes], readers: list[str]) -> None:
+        """As :meth:`multi_set`, but key i reaches only the copy of the rank that reads queue
+        ``readers[i]`` (and this one: for local rank 0's member, and a rank that dials again). A
+        go key is one rank's: sent to every copy, a node of n ranks would parse n x n of them."""
+        self._accept()
+        with self._cond:
+            for key, value, reader in zip(keys, values, readers, strict=True):
+                self._data[key] = _as_bytes(value)
+                peer = self._peers.get(reader)
+                if peer is not None:
+                    self._send(peer, _frame(_SET, key, self._data[key]))
+            self._changed()
+
     def delete_key(self, key: str) -> bool:
         return self.delete_keys([key]) > 0
 

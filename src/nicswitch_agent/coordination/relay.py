@@ -238,12 +238,13 @@ class NodeRelay:
             logger.error("%s: ignoring a malformed go message: %s", self._label, exc)
             follow = {"t": p.WAKE}
         below = [p.go_key(epoch, name, slot) for slot in range(self.size)]
+        readers = [queues.queue_name(slot) for slot in range(self.size)]  # each key is its slot's alone
         self._go_garbage[0].extend(below)
         if follow["t"] != p.ORDER or self._stop.is_set():
-            self.local.set_many(below, [p.encode({"t": p.WAKE})] * self.size)
+            self.local.set_for_readers(below, [p.encode({"t": p.WAKE})] * self.size, readers)
             return
         assert text is not None
-        self.local.set_many(below, [_for_the_level_below(follow, text, self.size)] * self.size)
+        self.local.set_for_readers(below, [_for_the_level_below(follow, text, self.size)] * self.size, readers)
         self._answer_and_follow(epoch, follow, int(follow["n"]) if follow.get("n") is not None else None)
 
     def _publish_local(self, text: str) -> None:
