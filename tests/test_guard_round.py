@@ -202,7 +202,7 @@ def test_the_switch_order_follows_a_passed_guard_round_on_go_keys_not_the_queues
         layout: Layout, jobs: list[Job]) -> None:
     """Every rank whose guard passed blocks on its go key, and the leader (each relay for its
     node) writes the switch order there in one multi-set: no queue event to read and delete per
-    rank (docs/performance.md, "The switch order on go keys")."""
+    rank (docs/performance.md, "The switch order on go keys after the guard round")."""
     job = Job(layout, {rank: (lambda order: None) for rank in range(WORLD)})
     jobs.append(job)
     assert job.leader.pause(30).ok
