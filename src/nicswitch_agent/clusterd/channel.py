@@ -193,7 +193,7 @@ def close_channel(channel: grpc.Channel, timeout_s: float = _CALLS_HANDLED_S) ->
     call's event handler, which holds the call's lock. A process that exits meanwhile (a command
     right after Ctrl-C) ends that thread at the interpreter's shutdown with the lock held, and the
     final garbage collection of the call (its ``__del__`` takes the lock) then waits forever: seen
-    with ``watch`` after Ctrl-C, 5 exits in 120 on a loaded machine (tests/test_cli_interrupt.py).
+    with ``watch`` after Ctrl-C, 5 exits in 120 on a loaded machine (tests/test_channel_close.py).
     grpcio counts those calls on the channel (``_call_state.managed_calls``, private: without it,
     no wait).
     """
