@@ -170,3 +170,40 @@ def test_the_armed_flag_step_reads_never_loses_a_request() -> None:
         thread.join(5)
     # The flag changes under the lot's lock together with the epochs: it always says "pending".
     assert armed[0] == lot.pending
+
+
+def test_a_pause_right_after_a_release_waits_for_the_park_of_its_own_request() -> None:
+    """Found in CI (test_signal_sequences, ClusterD's retry then the next pause): a release and the
+    next request before the training thread woke from the released parking found it "parked",
+    so the leader heard every rank parked at S while the thread was about to leave, and the next
+    order failed with "training is no longer parked". Here the test holds the lot's lock through
+    the release, the request and the wait's first look, so the thread cannot wake before it."""
+    lot = ParkingLot()
+    with Trainer(lot) as trainer:
+        first = lot.request()
+        assert lot.wait_parked(first, 10)
+        parked_at = lot.parked_step
+        assert parked_at is not None
+        with lot._cond:  # the training thread stays in the first parking until the wait lets go of the lock
+            lot.release()
+            second = lot.request(aligned=True)
+            lot.set_target(second, parked_at + 1)
+            assert lot.wait_parked(second, 10)
+        assert lot.parked_step == parked_at + 1 and trainer.step == parked_at + 1
+        assert lot.run_parked(lambda: threading.current_thread()).result(5) is trainer.thread
+
+
+def test_work_is_refused_by_a_parking_released_for_an_earlier_request() -> None:
+    """The same moment: the thread is still in the released parking. Work handed to it there would
+    run beside a resuming step; it is refused as for a thread that is not parked."""
+    lot = ParkingLot()
+    with Trainer(lot):
+        assert lot.wait_parked(lot.request(), 10)
+        ran: list[bool] = []
+        with lot._cond:
+            lot.release()
+            lot.request(aligned=True)
+            future = lot.run_parked(lambda: ran.append(True))
+        with pytest.raises(RuntimeError, match="not parked"):
+            future.result(5)
+        assert ran == []

@@ -68,6 +68,7 @@ class ParkingLot:
         self._released_epoch = 0
         self._stop_reason: str | None = None
         self._parked = False
+        self._parked_epoch = 0  # the request the thread is parked for (a released one until it wakes)
         self._parked_step: int | None = None
         self._parked_at: float | None = None
         self._parked_thread: threading.Thread | None = None
@@ -129,7 +130,10 @@ class ParkingLot:
         parked by a pause that was reported as failed.
         """
         with self._cond:
-            ok = self._cond.wait_for(lambda: self._parked and self.request_epoch == epoch, timeout)
+            # Parked for this request, not still in the parking of one released a moment ago: a
+            # release followed at once by the next pause finds the thread there until it wakes.
+            ok = self._cond.wait_for(lambda: self._parked and self._parked_epoch == epoch == self.request_epoch,
+                                     timeout)
             if not ok:
                 self._cancelled_epoch = max(self._cancelled_epoch, epoch)
                 self._cond.notify_all()
@@ -139,7 +143,8 @@ class ParkingLot:
         """Run ``fn`` on the parked training thread; the future holds its result or exception."""
         future: Future[Any] = Future()
         with self._cond:
-            if not self._parked or self._released_epoch >= self.request_epoch:
+            if not self._parked or self._parked_epoch != self.request_epoch or \
+                    self._released_epoch >= self.request_epoch:
                 future.set_exception(RuntimeError("training is not parked"))
                 return future
             self._work.append((fn, future))
@@ -209,7 +214,7 @@ class ParkingLot:
                 return  # train on to the target step
             if target is not None and step is not None and step > target:
                 logger.error("%sreached step %s past the pause target %s; parking here", self._who(), step, target)
-            self._parked, self._parked_step, self._parked_at = True, step, time.monotonic()
+            self._parked, self._parked_epoch, self._parked_step, self._parked_at = True, epoch, step, time.monotonic()
             self._parked_thread = threading.current_thread()
             self._cond.notify_all()
             logger.info("%straining parked at step %s", self._who(), step)
