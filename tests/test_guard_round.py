@@ -41,7 +41,7 @@ class Rank:
 
     def __init__(self, kv: KV, rank: int, slot: int | None, guard: Callable[[SwitchOrder], Any] | None,
                  switched: list[int], switch: Callable[[SwitchOrder], Any] | None = None,
-                 guard_timeout_s: float = 20) -> None:
+                 guard_timeout_s: float = 20, verify: Any = None) -> None:
         self.last = 0
         self.answered: list[dict[str, Any]] = []  # the member_result events: the orders it answered
         self._go = threading.Event()
@@ -53,7 +53,7 @@ class Rank:
 
         self.member = Member(kv, rank, self.lot, MemberHooks(
             switch_hook=switch_and_record, checkpoint_hook=guard, guard_timeout_s=guard_timeout_s, switch_timeout_s=20,
-            dry_run=False), lambda: self.last, slot=slot,
+            dry_run=False, verify_hook=verify, verify_timeout_s=2), lambda: self.last, slot=slot,
             on_event=lambda kind, detail: self.answered.append(detail) if kind == "member_result" else None)
         threading.Thread(target=self._train, daemon=True).start()
         self.member.start()
@@ -68,7 +68,8 @@ class Rank:
 
 class Job:
     def __init__(self, layout: Layout, guards: dict[int, Callable[[SwitchOrder], Any]], *,
-                 switches: dict[int, Callable[[SwitchOrder], Any]] | None = None, guard_timeout_s: float = 20) -> None:
+                 switches: dict[int, Callable[[SwitchOrder], Any]] | None = None, guard_timeout_s: float = 20,
+                 verifies: dict[int, Any] | None = None) -> None:
         self.store = InProcessStore()
         self.switched: list[int] = []
         self.fan_outs = [RankFanOut(KV(self.store, PREFIX), layout, rank, node_store_timeout_s=10, stop_timeout_s=2)
@@ -76,7 +77,7 @@ class Job:
         for fan_out in self.fan_outs:
             fan_out.start()
         self.ranks = [Rank(f.member_kv, rank, f.slot, guards.get(rank), self.switched, (switches or {}).get(rank),
-                           guard_timeout_s) for rank, f in enumerate(self.fan_outs)]
+                           guard_timeout_s, (verifies or {}).get(rank)) for rank, f in enumerate(self.fan_outs)]
         self.leader = Coordinator(KV(self.store, PREFIX), layout.answerers, layout=layout)
 
     def stop(self) -> None:
@@ -227,3 +228,65 @@ def test_a_refused_guard_sends_the_ranks_whose_guard_passed_back_to_their_queues
     rollback = SwitchOrder(seq=2, job_id="job-guard", ranks=(2, 3), ops=(False, False))
     outcome = job.leader.run(rollback, kind=p.KIND_ROLLBACK, budget_s=3)
     assert outcome.ok, outcome
+
+
+class CollectiveProbe:
+    """A verify hook whose warm-up is a collective of every rank (a barrier, as a link probe's
+    all_reduce): a rank that skips it leaves the others waiting in it."""
+
+    def __init__(self, barrier: threading.Barrier, warmed: list[int], rank: int, wait_s: float = 30) -> None:
+        self.barrier, self.warmed, self.rank, self.wait_s = barrier, warmed, rank, wait_s
+        self.pending = False
+
+    def prepare(self, order: SwitchOrder) -> bool:
+        try:
+            self.barrier.wait(self.wait_s)
+        except threading.BrokenBarrierError:  # as TorchLinkProbe past its own timeout: the op stays pending
+            self.pending = True
+            return False
+        self.warmed.append(self.rank)
+        return True
+
+    def communicators_unusable(self) -> bool:
+        return self.pending
+
+    def __call__(self, order: SwitchOrder) -> bool:
+        return True
+
+
+def test_a_refused_guard_still_joins_the_warm_up_collective_so_training_can_go_on(
+        layout: Layout, jobs: list[Job]) -> None:
+    """Found by an outside check (TorchLinkProbe, 4 gloo ranks): rank 2's guard raised, so it
+    skipped the probe's warm-up all_reduce; the others waited in it until their timeout, ClusterD's
+    retry resumed training next to the pending op, and gloo aborted the job. Every rank runs the
+    warm-up, its guard refused or not: the refusal moves no link and leaves nothing pending."""
+    barrier, warmed = threading.Barrier(WORLD), []
+    job = Job(layout, {0: lambda order: None, 1: lambda order: None, 2: refuse, 3: lambda order: None},
+              verifies={rank: CollectiveProbe(barrier, warmed, rank) for rank in range(WORLD)})
+    jobs.append(job)
+    assert job.leader.pause(30).ok
+    outcome = job.leader.run(ORDER, kind=p.KIND_SWITCH, budget_s=20, guard_budget_s=20)
+    assert not outcome.ok and outcome.guard_failed and not outcome.unsafe, outcome
+    assert outcome.reason.startswith("rank 2: checkpoint hook raised OSError"), outcome.reason
+    assert sorted(warmed) == list(range(WORLD)) and job.switched == []
+
+
+@pytest.mark.parametrize("probe", ["says so", "overruns"])
+def test_a_warm_up_left_pending_makes_the_guard_round_unsafe(layout: Layout, jobs: list[Job], probe: str) -> None:
+    """Rank 3 has no probe (so no warm-up): the others' warm-up collective fails with its op still
+    pending, the probe saying so after its own timeout (``communicators_unusable()``), or still
+    waiting at the member's. Training must not resume into that communicator: the outcome is
+    unsafe, so no strategy lets it (as a verification that left one)."""
+    barrier = threading.Barrier(WORLD)
+    wait_s = 0.5 if probe == "says so" else 30  # the member's verify timeout: 2 s
+    job = Job(layout, {rank: (lambda order: None) for rank in range(WORLD)},
+              verifies={rank: CollectiveProbe(barrier, [], rank, wait_s) for rank in range(WORLD - 1)})
+    jobs.append(job)
+    try:
+        assert job.leader.pause(30).ok
+        outcome = job.leader.run(ORDER, kind=p.KIND_SWITCH, budget_s=20, guard_budget_s=20)
+        assert not outcome.ok and outcome.unsafe and not outcome.attempted, outcome
+        assert "verify warm-up" in outcome.reason, outcome.reason
+        assert job.switched == []
+    finally:
+        barrier.abort()  # the stuck warm-ups' training threads go on (the fixture's stop releases them)

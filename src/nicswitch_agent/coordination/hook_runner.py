@@ -58,6 +58,7 @@ class Execution:
     guard: HookResult | None = None
     switch: HookResult | None = None
     duration_s: float = 0.0
+    warm_up: HookResult | None = None
 
 
 class HookRunner:
@@ -180,7 +181,13 @@ def execute_guard(
     warm_up_timeout_s: float = 0.0,
 ) -> Execution:
     """What must succeed on this rank before its switch may start: it can switch at all, then the
-    checkpoint guard, then the verify hook's warm-up; the first failure decides (switch not attempted)."""
+    checkpoint guard, then the verify hook's warm-up; the first failure decides (switch not attempted).
+
+    The warm-up runs after a refused guard too: it is a collective (a link probe's all_reduce), so
+    a rank that skipped it would leave every other rank's waiting for it until their timeout, with
+    an op pending in the communicator that training then resumes into (found by an outside check:
+    gloo aborted on a collective mismatch after ClusterD's retry). Not after a guard still running
+    past its timeout: that rank is stuck anyway, and the outcome says so."""
     if order.empty:
         return Execution(True, "empty list: nothing to switch")
     if dry_run:
@@ -191,16 +198,16 @@ def execute_guard(
         return Execution(False, f"refused: the {busy} is still running past its timeout")
     if switch_hook is None:
         return Execution(False, "no switch hook configured")
-    guard = None
+    guard = warmed = None
     if checkpoint_hook is not None:
         guard = runner.run("checkpoint", checkpoint_hook, order, guard_timeout_s, expect_bool=False)
-        if not guard.ok:
-            return Execution(False, f"{guard.detail}; switch not attempted", guard=guard)
-    if warm_up is not None:
+    if warm_up is not None and runner.busy() is None:
         warmed = runner.run("verify warm-up", warm_up, order, warm_up_timeout_s, expect_bool=True)
-        if not warmed.ok:
-            return Execution(False, f"{warmed.detail}; switch not attempted", guard=guard)
-    return Execution(True, "guarded" if guard is not None else "ready", guard=guard)
+    if guard is not None and not guard.ok:
+        return Execution(False, f"{guard.detail}; switch not attempted", guard=guard, warm_up=warmed)
+    if warmed is not None and not warmed.ok:
+        return Execution(False, f"{warmed.detail}; switch not attempted", guard=guard, warm_up=warmed)
+    return Execution(True, "guarded" if guard is not None else "ready", guard=guard, warm_up=warmed)
 
 
 def execute_order(

@@ -43,6 +43,7 @@ from typing import Any
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination import queues
 from nicswitch_agent.coordination.hook_runner import (
+    Execution,
     HookResult,
     HookRunner,
     HookStatus,
@@ -433,7 +434,8 @@ class Member:
                     warm_up_timeout_s=hooks.verify_timeout_s)
                 self._guard_done(execution.guard, message)
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
-                                      guard_ok=execution.guard is not None and execution.guard.ok)
+                                      guard_ok=execution.guard is not None and execution.guard.ok,
+                                      unsafe=self._warm_up_left_unusable(execution))
             if kind == p.KIND_SWITCH:
                 guarded = bool(message.get("g"))  # its guard round ran: the guard and warm-up are done
                 execution = execute_order(
@@ -448,6 +450,7 @@ class Member:
                 return p.MemberResult(self.rank, execution.ok, execution.reason,
                                       attempted=execution.switch is not None,
                                       guard_ok=execution.guard is not None and execution.guard.ok,
+                                      unsafe=self._warm_up_left_unusable(execution),
                                       detail=hook_record(hooks.switch_hook) if execution.switch is not None else None,
                                       verify_s=hooks.verify_timeout_s if verify else 0.0)
             if kind == p.KIND_ROLLBACK:
@@ -517,6 +520,11 @@ class Member:
                              "does not resume here", self.rank, name, kind)
                 return p.MemberResult(self.rank, False, f"interrupted by {name} on the training thread",
                                       attempted=kind != p.KIND_CHECKPOINT, interrupted=True)
+
+    def _warm_up_left_unusable(self, execution: Execution) -> bool:
+        """The verify warm-up (a collective) failed in a way that may leave an op pending in this
+        rank's communicators: as unsafe as such a verification (training must not resume)."""
+        return execution.warm_up is not None and _left_unusable(self.hooks.verify_hook, execution.warm_up)
 
     def _one_hook(self, runner: HookRunner, name: str, hook: Callable[[SwitchOrder], Any] | None,
                   order: SwitchOrder, timeout: float, expect_bool: bool) -> p.MemberResult:
