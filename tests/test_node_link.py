@@ -402,3 +402,18 @@ def test_a_go_key_reaches_only_the_copy_of_the_rank_it_is_for(hub: NodeHub) -> N
         assert rank.get(f"{PREFIX}/go/x/{slot}") == f"for {slot}".encode()
         assert not rank.check([f"{PREFIX}/go/x/{3 - slot}"]), "another rank's go key reached this copy"
     assert hub.check([f"{PREFIX}/go/x/1", f"{PREFIX}/go/x/2"])  # for local rank 0's member, and a rank that redials
+    sent: list[tuple[str | None, bytes]] = []
+    send = hub._send
+    hub._send = lambda peer, data: (sent.append((peer.queue, data)), send(peer, data))[1]  # type: ignore[method-assign]
+    kv.delete(["go/x/1", "go/x/2"])  # as the cleanup does: each delete to the one copy that has the key
+    assert sorted((reader, data.count(b"/go/x/")) for reader, data in sent) == [(queue(1), 1), (queue(2), 1)], sent
+    for slot, rank in enumerate(ranks, 1):
+        hub.queue_push(queue(slot), "after the delete")
+        assert rank.queue_pop_within(queue(slot), 5.0) == b"after the delete"
+        assert not rank.check([f"{PREFIX}/go/x/{slot}"])
+    kv.set_for_readers(["go/y/1", "go/y/2"], ["for 1", "for 2"], ["q/1", "q/2"])
+    again = link(hub, 1)  # rank 1 dials again: its own key comes back to it, rank 2's does not
+    hub.set(f"{PREFIX}/order/z", "the order")  # the hub takes dialled ranks in as it sets a key
+    hub.queue_push(queue(1), "after it dialled")
+    assert again.queue_pop_within(queue(1), 5.0) == b"after it dialled"
+    assert again.check([f"{PREFIX}/go/y/1"]) and not again.check([f"{PREFIX}/go/y/2"])

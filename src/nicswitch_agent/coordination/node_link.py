@@ -368,6 +368,7 @@ class NodeHub(_Copy):
         self._peers: dict[str, _Peer] = {}  # by the queue each reads
         self._local_queue = local_queue
         self._gone: set[str] = set()  # the queues of ranks whose link closed (and did not come back)
+        self._only_for: dict[str, str] = {}  # a key set for one rank (a go key): the queue that rank reads
         self._gone_count = 0
         self._accept_lock = threading.Lock()
         self.address = f"{SCHEME}@{self._name}"
@@ -445,8 +446,11 @@ class NodeHub(_Copy):
                     self._gone.discard(hello)
                     peer.queue = hello
                     self._queues.pop(hello, None)  # a reader starting now starts empty (queues.start)
-                    if self._data:  # what is set now is in every copy
-                        self._send(peer, b"".join(_frame(_SET, key, value) for key, value in self._data.items()))
+                    # What is set now is in every copy, another rank's own keys (its go keys) aside.
+                    mine = [(key, value) for key, value in self._data.items()
+                            if self._only_for.get(key, hello) == hello]
+                    if mine:
+                        self._send(peer, b"".join(_frame(_SET, key, value) for key, value in mine))
                     self._receive(peer, after)
                     self._changed()  # the thread reading the sockets reads this one too from now on
 
@@ -499,6 +503,7 @@ class NodeHub(_Copy):
             data = b""
             for key, value in zip(keys, values, strict=True):
                 self._data[key] = _as_bytes(value)
+                self._only_for.pop(key, None)
                 data += _frame(_SET, key, self._data[key])
             self._to_every_rank(data)
             self._changed()
@@ -511,6 +516,7 @@ class NodeHub(_Copy):
         with self._cond:
             for key, value, reader in zip(keys, values, readers, strict=True):
                 self._data[key] = _as_bytes(value)
+                self._only_for[key] = reader
                 peer = self._peers.get(reader)
                 if peer is not None:
                     self._send(peer, _frame(_SET, key, self._data[key]))
@@ -520,11 +526,20 @@ class NodeHub(_Copy):
         return self.delete_keys([key]) > 0
 
     def delete_keys(self, keys: Iterable[str]) -> int:
-        """Delete every key, in every copy: one message per rank for them all."""
+        """Delete every key, in every copy that has it: one message per rank for them all (a key
+        set for one rank only, in that rank's copy)."""
         with self._cond:
             gone = [key for key in keys if self._data.pop(key, None) is not None]
-            if gone:
-                self._to_every_rank(b"".join(_frame(_DELETE, key) for key in gone))
+            shared = b"".join(_frame(_DELETE, key) for key in gone if key not in self._only_for)
+            own: dict[str, bytes] = {}
+            for key in gone:
+                reader = self._only_for.pop(key, None)
+                if reader is not None:
+                    own[reader] = own.get(reader, b"") + _frame(_DELETE, key)
+            for reader, peer in list(self._peers.items()):
+                data = shared + own.get(reader, b"")
+                if data:
+                    self._send(peer, data)
             return len(gone)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
