@@ -197,7 +197,9 @@ def test_pause_not_reached_in_time_reports_499_and_never_parks_training(harness:
     stall = threading.Event()
     stops: list[str] = []
     hook = SwitchRecorder()
-    agent = harness.agent(sim, switch_hook=hook, pause_timeout_s=0.3, on_stop=stops.append)
+    failed_pauses: list[Any] = []
+    agent = harness.agent(sim, switch_hook=hook, pause_timeout_s=0.3, on_stop=stops.append,
+                          on_event=lambda e: failed_pauses.append(e) if e.kind == "pause_failed" else None)
     trainer = harness.trainer(agent, stall=stall)
     op = harness.operator(sim)
     assert sim.wait_until(streams_ready, 10)
@@ -216,6 +218,9 @@ def test_pause_not_reached_in_time_reports_499_and_never_parks_training(harness:
     assert not agent.status()["parked"]
     assert hook.calls == []
     assert stops and "killMaster" in stops[0]
+    # The timeline's word for it (a failed pause has no rank list, so no switch of its own)
+    assert [(e.seq, "did not park" in e.detail["reason"], e.detail["duration_s"] > 0) for e in failed_pauses] \
+        == [(None, True, True)], failed_pauses
 
 
 def test_streams_reopen_in_order_after_a_simulator_restart(harness: Any) -> None:

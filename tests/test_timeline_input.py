@@ -604,3 +604,20 @@ def test_a_switch_its_guard_round_decided_names_the_refusal_and_the_last_answer(
     assert switch.critical[-1].startswith("rank 3 failed first (+") and "its failure decided" in switch.critical[-1]
     assert [lane.failed for lane in switch.lanes] == [0, 0, 0, 1]
     assert not any(b.phase == "switch" for lane in switch.lanes for b in lane.bars)  # no switch ran
+
+
+def test_a_failed_pause_is_drawn_after_the_switch_it_follows(events: Path) -> None:
+    """A pause that failed before any rank list (``pause_failed``, no list number) is a red mark
+    after the switch before it: the page no longer shows only ClusterD's killMaster there."""
+    path = events / "rank-0.jsonl"
+    records = load(path)
+    before = timeline_of(events).switches[1]
+    done = next(r for r in records if r["kind"] == "switch_done" and r["seq"] == 2)
+    at = before.start_wall + before.duration + 5.0
+    failed = {**done, "kind": "pause_failed", "seq": None, "wall": at, "mono": done["mono"] + (at - done["wall"]),
+              "detail": {"reason": "rank(s) 3 did not park at step 41", "duration_s": 2.0}}
+    save(path, [*records, failed])
+    switch = timeline_of(events).switches[1]
+    assert [(round(m.at - switch.duration, 3), m.label, m.ok) for m in switch.after] == [
+        (5.0, "pause failed before a rank list (499: training went on, ClusterD kills the job): rank(s) 3 did not "
+              "park at step 41", False)]

@@ -245,6 +245,7 @@ class AgentModeController:
         else:
             logger.error("pause failed after %.1f s (pause_timeout_s=%g s): %s; reporting 499 and letting training "
                          "go on", outcome.duration_s, self.hooks.pause_timeout_s, outcome.reason)
+            self._emit_safely(ev.PAUSE_FAILED, None, {"reason": outcome.reason, "duration_s": outcome.duration_s})
         client.report_stop_complete(CODE_CLIENT_ERROR, outcome.reason[:256])
 
     def _strategies_we_can_honour(self) -> list[str]:
@@ -337,19 +338,23 @@ class AgentModeController:
         else:
             logger.warning("unknown strategy, ignored: %s", describe_signal(signal))
 
-    def _recovery_event(self, *, offered: list[str] | None = None, chosen: str | None = None) -> None:
-        """ClusterD's recovery for the timeline: what the agent offered, what ClusterD chose. A
-        listener that raises is logged: it must not keep the report from ClusterD."""
+    def _emit_safely(self, kind: str, seq: int | None, detail: dict[str, Any]) -> None:
+        """An event for the timeline; a listener that raises is logged: it must not keep a report
+        from ClusterD."""
         if self._emit is None:
             return
+        try:
+            self._emit(kind, seq, detail)
+        except Exception:
+            logger.exception("recording the %s event failed; ignored", kind)
+
+    def _recovery_event(self, *, offered: list[str] | None = None, chosen: str | None = None) -> None:
+        """ClusterD's recovery for the timeline: what the agent offered, what ClusterD chose."""
         with self._lock:
             failed = self._failed_order
-        signal = GLOBAL_FAULT if chosen is None else CHANGE_STRATEGY
-        try:
-            self._emit(ev.RECOVERY, failed.seq if failed is not None else None,
-                       {"signal": signal, "offered": None if offered is None else list(offered), "chosen": chosen})
-        except Exception:
-            logger.exception("recording ClusterD's %s failed; ignored", signal)
+        self._emit_safely(ev.RECOVERY, failed.seq if failed is not None else None,
+                          {"signal": GLOBAL_FAULT if chosen is None else CHANGE_STRATEGY,
+                           "offered": None if offered is None else list(offered), "chosen": chosen})
 
     def _handle_stream_end(self, reason: str) -> None:
         """ClusterD reset the job (or went away): nobody will send continue, nor choose a strategy,

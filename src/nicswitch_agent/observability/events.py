@@ -29,6 +29,7 @@ SWITCH_OUTCOME = "switch_outcome"  # every rank: the leader's decision on an ord
 REPLY_SENT = "reply_sent"
 REPLY_FAILED = "reply_failed"
 RECOVERY = "recovery"  # leader, pause mode agent: ClusterD's recovery after a failed switch: {signal, offered, chosen}
+PAUSE_FAILED = "pause_failed"  # leader, pause mode agent: ClusterD's pause did not complete: {reason, duration_s}
 AGENT_STARTED = "agent_started"
 AGENT_STOPPED = "agent_stopped"
 AGENT_FAILED = "agent_failed"
@@ -171,6 +172,12 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
                     "the parked step exists or can be taken, always `exit`; else null"),
         ("chosen", "`changeStrategy`: ClusterD's pick, `retry`, `recover`, `dump` or `exit` (any other is logged "
                    "and ignored); else null"))),
+    EventKind(PAUSE_FAILED, "leader, pause mode `agent`", "the pause ClusterD asked for (before its rank list) "
+              "did not complete: not every rank parked within `pause_timeout_s`, or a rank's process was "
+              "restarted during it; the agent reported 499, training went on, and ClusterD kills the job "
+              "(`killMaster`). Not emitted when the agent's own stop cut the pause short", (
+        ("reason", "why, as the leader's log says it (the ranks that did not park, or what they said)"),
+        ("duration_s", "from the pause request to the failure"))),
     EventKind(RESUMED, "every rank, pause mode `agent`", "the training thread left its parking spot", (
         ("step", "the step it was parked at"),
         ("parked_s", "how long it was parked"),

@@ -34,11 +34,12 @@ PHASES = ("pause", "parked", "guard", "switch", "verify")
 VERIFY_PREFIX = "verify"  # events ``verify_*`` with a ``duration_s`` are the verify phase
 _LEADER_KINDS = frozenset({ev.LIST_RECEIVED, ev.LIST_REJECTED, ev.SWITCH_DONE, ev.REPLY_SENT, ev.REPLY_FAILED,
                            ev.RECOVERY, ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED,
-                           ev.SUBSCRIBED})
+                           ev.SUBSCRIBED, ev.PAUSE_FAILED})
 _LEADER_ONLY = frozenset({ev.LIST_RECEIVED, ev.LIST_REJECTED, ev.SWITCH_DONE, ev.REPLY_SENT, ev.REPLY_FAILED,
                           ev.RECOVERY, ev.SUBSCRIBED})
 # Without a list number (a recovery: when no switch of its pause failed): drawn where they fall
-_UNSEQUENCED_LEADER = frozenset({ev.RECOVERY, ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED})
+_UNSEQUENCED_LEADER = frozenset({ev.RECOVERY, ev.TRAINING_STOP, ev.STREAM_LOST, ev.STREAM_RESTORED, ev.AGENT_FAILED,
+                                 ev.PAUSE_FAILED})
 _FAR_S = 60.0  # a rank without leader timestamps this far from the leader's times: say its clock may differ
 
 
@@ -617,7 +618,7 @@ def _slowness(lane: Lane) -> tuple[int, float]:
 
 
 def _attach_unsequenced(switches: list[Switch], leader_events: list[tuple[float, Record]]) -> None:
-    """Stream losses, a stop, a failed agent: on the leader lane of the switch they happened in;
+    """Stream losses, a stop, a failed agent, a failed pause: on the leader lane of the switch they happened in;
     up to a minute after one ended, in its ``after`` list (the page names them after it). Neither
     stretches the switch: a stream restored long after would read as a slow switch."""
     ordered = sorted(switches, key=lambda s: s.start_wall)
@@ -634,7 +635,9 @@ def _attach_unsequenced(switches: list[Switch], leader_events: list[tuple[float,
             text = {ev.TRAINING_STOP: f"ClusterD's recovery: training must stop ({d.get('reason')})",
                     ev.STREAM_LOST: f"stream to ClusterD lost: {d.get('why')}",
                     ev.STREAM_RESTORED: f"stream to ClusterD restored: {d.get('why')}",
-                    ev.AGENT_FAILED: f"agent failed: {d.get('error')}"}[r.kind]
+                    ev.AGENT_FAILED: f"agent failed: {d.get('error')}",
+                    ev.PAUSE_FAILED: f"pause failed before a rank list (499: training went on, ClusterD kills "
+                                     f"the job): {d.get('reason')}"}[r.kind]
             ok = r.kind == ev.STREAM_RESTORED
         mark = Mark(t - owner.start_wall, text, ok=ok)
         (owner.leader if mark.at <= owner.duration else owner.after).append(mark)
