@@ -195,6 +195,7 @@ def test_rejected_and_failed_paths_are_counted() -> None:
         AgentEvent(kind="reply_failed", job_id=JOB, seq=1, mono=10.5, detail={"duration_s": 0.5}),
         AgentEvent(kind="switch_done", job_id=JOB, seq=2, detail={"ok": False, "duration_s": 2.0}),
         AgentEvent(kind="stream_lost", job_id=JOB),
+        AgentEvent(kind="pause_failed", job_id=JOB, detail={"reason": "rank(s) 3 did not park", "duration_s": 2.0}),
         AgentEvent(kind="list_ignored", job_id=JOB),
         AgentEvent(kind="switch_done", job_id=JOB, seq=3, detail={"ok": True, "duration_s": "junk"}),
     ):
@@ -208,6 +209,7 @@ def test_rejected_and_failed_paths_are_counted() -> None:
     assert registry.get_sample_value("nicswitch_switch_duration_seconds_count", {"job": JOB}) == 1  # junk skipped
     assert registry.get_sample_value("nicswitch_reply_latency_seconds_sum", {"job": JOB}) == pytest.approx(0.5)
     assert registry.get_sample_value("nicswitch_stream_losses_total", {"job": JOB}) == 1
+    assert registry.get_sample_value("nicswitch_pause_failures_total", {"job": JOB}) == 1
     assert registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 0
 
 

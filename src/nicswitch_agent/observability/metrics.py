@@ -404,6 +404,8 @@ class PrometheusMetrics:
         self.replies = counter("replies", "ReplySwitchNicResult, by result (delivered, failed)", ("result",))
         self.rank_results = counter("rank_results", "This rank's guard, switch and rollback runs", ("kind", "result"))
         self.stream_losses = counter("stream_losses", "SubscribeNotifySwitch stream lost")
+        self.pause_failures = counter("pause_failures", "Pauses ClusterD asked for that did not complete (reported "
+                                                        "499: training went on, ClusterD kills the job)")
         self.stream_up = prom.Gauge("stream_up", "1 while the SubscribeNotifySwitch stream is healthy", job,
                                     namespace=namespace, registry=self.registry)
         self.coordination_up = prom.Gauge("coordination_up", "1 while this rank can take part in switches, 0 once "
@@ -451,6 +453,8 @@ class PrometheusMetrics:
         elif kind == ev.MEMBER_RESULT:
             self.rank_results.labels(job, str(detail.get("kind") or "order"),
                                      "ok" if detail.get("ok") else "failed").inc()
+        elif kind == ev.PAUSE_FAILED:
+            self.pause_failures.labels(job).inc()
         elif kind == ev.STREAM_LOST:
             self.stream_losses.labels(job).inc()
             self.stream_up.labels(job).set(0)
