@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from support import free_port, poll
@@ -37,29 +39,38 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # as in a terminal, even under a runner that ignores it
 
 
-@pytest.mark.timeout(120)
-# nicswitch_agent.config: imported by the package's __init__ before main() ran, until the public names
-# became lazy; grpc: imported while main() builds the parser.
-@pytest.mark.parametrize("module", ["nicswitch_agent.config", "grpc"])
-def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path: Path, module: str) -> None:
-    (tmp_path / "sitecustomize.py").write_text(STALL)
+def run_stalled(tmp_path: Path, stall: str, argv: list[str], env: dict[str, str], at_stall: Callable[[Any], object],
+                never: str) -> tuple[int, str, str]:
+    """``nicswitch-agent argv`` with ``stall`` as its sitecustomize; once it says it stalled,
+    ``at_stall(proc)`` (the test's SIGINT). Its exit code, stdout and stderr; killed if still running."""
+    (tmp_path / "sitecustomize.py").write_text(stall)
     stalled = tmp_path / "stalled"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "STALL_IMPORT": module, "STALL_FILE": str(stalled)}
-    argv = [sys.executable, "-m", "nicswitch_agent", "switch", "--server", f"127.0.0.1:{free_port()}",
-            "--job", "j", "--node", "node-0", "--dev", "0", "--op", "standby"]
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=default_sigint)
+           "STALL_FILE": str(stalled), **env}
+    proc = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", *argv], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint)
     try:
-        assert poll(lambda: stalled.exists() or proc.poll() is not None, 60), f"{module} was never imported"
+        assert poll(lambda: stalled.exists() or proc.poll() is not None, 60), never
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        at_stall(proc)
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-    assert proc.returncode == 130, (proc.returncode, out, err)
+    return proc.returncode, out, err
+
+
+@pytest.mark.timeout(120)
+# nicswitch_agent.config: imported by the package's __init__ before main() ran, until the public names
+# became lazy; grpc: imported while main() builds the parser.
+@pytest.mark.parametrize("module", ["nicswitch_agent.config", "grpc"])
+def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path: Path, module: str) -> None:
+    argv = ["switch", "--server", f"127.0.0.1:{free_port()}", "--job", "j", "--node", "node-0", "--dev", "0",
+            "--op", "standby"]
+    code, out, err = run_stalled(tmp_path, STALL, argv, {"STALL_IMPORT": module},
+                                 lambda proc: proc.send_signal(signal.SIGINT), f"{module} was never imported")
+    assert code == 130, (code, out, err)
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
@@ -68,14 +79,24 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
 # that it lands there every time. In the main thread, as before ops/ctrl_c.py, the call is left
 # with no thread to complete it and the client's close() waits for it forever: the command hangs.
 STALL_CALL = textwrap.dedent("""
-    import os, signal, threading, time
+    import os, signal, sys, threading, time
     import grpc._channel as channel
 
     start_serving_calls = channel._run_channel_spin_thread
 
+    def main_thread_waits():  # in the wait of ops/ctrl_c.py, not still starting the worker
+        frame, inner = sys._current_frames().get(threading.main_thread().ident), None
+        while frame is not None:
+            if frame.f_code.co_name == "call_beside_ctrl_c":
+                return inner is not None and inner.f_code.co_name == "wait"
+            frame, inner = frame.f_back, frame
+        return False
+
     def stalled(state):
         open(os.environ["STALL_FILE"], "w").close()
         if os.environ.get("SIGINT_HERE"):  # to the thread that creates the call, not the process
+            while threading.current_thread() is not threading.main_thread() and not main_thread_waits():
+                time.sleep(0.01)  # a SIGINT before the main thread waits is seen by it at once anyway
             signal.pthread_kill(threading.get_ident(), signal.SIGINT)
         while not os.path.exists(os.environ["GO_FILE"]):
             time.sleep(0.01)
@@ -97,29 +118,22 @@ def test_ctrl_c_inside_grpcs_call_creation_ends_the_command(tmp_path: Path, comm
     from nicswitch_agent.sim import SimJob, Simulator
 
     assert callable(getattr(grpc._channel, "_run_channel_spin_thread", None)), "grpcio moved the line this test stalls"
-    (tmp_path / "sitecustomize.py").write_text(STALL_CALL)
-    stalled, go = tmp_path / "stalled", tmp_path / "go"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
-           "STALL_FILE": str(stalled), "GO_FILE": str(go), "SIGINT_HERE": "1" if to_thread else ""}
+    go = tmp_path / "go"
+
+    def interrupt(proc: Any) -> None:
+        if not to_thread:
+            proc.send_signal(signal.SIGINT)
+        go.touch()
+
     # The stand-in registers the job and takes the pause, and no agent takes the list: the switch waits
     with Simulator(jobs=[SimJob(job_id="j", nodes={"node-0": ["0"]})], standin=True) as sim:
-        argv = [sys.executable, "-m", "nicswitch_agent", command, "--server", sim.address, "--job", "j"]
+        argv = [command, "--server", sim.address, "--job", "j"]
         if command == "switch":
             argv += ["--node", "node-0", "--dev", "0", "--op", "standby"]
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                preexec_fn=default_sigint)
-        try:
-            assert poll(lambda: stalled.exists() or proc.poll() is not None, 60), "the stream was never opened"
-            assert proc.poll() is None, proc.communicate()
-            if not to_thread:
-                proc.send_signal(signal.SIGINT)
-            go.touch()
-            out, err = proc.communicate(timeout=60)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    assert proc.returncode == 130, (proc.returncode, out, err)
+        code, out, err = run_stalled(tmp_path, STALL_CALL, argv,
+                                     {"GO_FILE": str(go), "SIGINT_HERE": "1" if to_thread else ""}, interrupt,
+                                     "the stream was never opened")
+    assert code == 130, (code, out, err)
     if command == "switch":
         assert "waiting for the result" in out, out
         assert f"interrupted; the switch goes on inside ClusterD; follow it with: nicswitch-agent watch " \
