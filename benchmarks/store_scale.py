@@ -52,6 +52,11 @@ nodes: each group's Store is a TCPStore in the node process hosting the group's 
 over loopback TCP from the others, and its requests and its server thread's CPU are counted per
 switch (counter polls apart: their number follows the wait, so this machine's load).
 
+``--floor`` runs, in the same processes with the same training threads and measurements, the
+protocol's messages alone instead of the library's coordination (benchmarks/pause_floor.py): what
+no coordination of this protocol in Python goes under here (with ``--compare``: flat and node,
+after the library's rows).
+
 ``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
 docs/performance.md has the method, the numbers and the exact command.
 """
@@ -594,6 +599,9 @@ class NodeProcess:
         started = time.monotonic()
         kv = KV(CountingStore(_connect(self.port, self.timeout_s), self.registry), key_prefix(JOB, "0"))
         connected = time.monotonic()
+        if floor():
+            self._start_floor(kv.store)
+            return self._ready(started, connected)
         rank_map = RankMap(self.local_world, self.node)
 
         def hook(order: Any) -> bool:
@@ -681,6 +689,24 @@ class NodeProcess:
             for r, member in pool.map(start_rank, self.ranks):
                 self.rank_threads.append(r)
                 self.members.append(member)
+        return self._ready(started, connected)
+
+    def _start_floor(self, store: Any) -> None:
+        """The floor's members (and relays, with ``per_node``) instead of the library's."""
+        from benchmarks import pause_floor
+
+        if self.split or self.per_group:
+            raise SystemExit("--floor runs flat or with whole nodes per process (no groups, no split nodes)")
+        self.rank_threads = [RankThread(rank, self) for rank in self.ranks]
+        for r in self.rank_threads:
+            r.thread.start()
+        if self.per_node is None:
+            self.members = list(pause_floor.start_flat(self.rank_threads, store, self.world))
+        else:
+            members, relays = pause_floor.start_node(self.rank_threads, store, self.per_node, self.world)
+            self.members, self.relays = list(members), list(relays)
+
+    def _ready(self, started: float, connected: float) -> dict[str, Any]:
         # Every training thread has recorded its first step and waits (idle) before we say ready.
         deadline = time.monotonic() + self.timeout_s
         while any(r.last_step is None for r in self.rank_threads) and time.monotonic() < deadline:
@@ -850,9 +876,21 @@ def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: 
 
     registry = Registry()
     kv = KV(CountingStore(_connect(port, timeout_s), registry), key_prefix(JOB, "0"))
+    if floor():
+        _floor_leader(kv.store, world // per_node if per_node else world, registry)
+        return
     # As SwitchAgent._start_leader: counting ranks, nodes with node-local fan-out, or groups.
     layout = Layout(world, per_node, per_group) if per_node else Layout(world)
     coordinator = Coordinator(kv.clone(), layout.answerers, layout=layout)
+    target_out: list[float] = []  # when the pause's target step went out: its first round ends there
+    publish = coordinator._publish
+
+    def timed_publish(message: dict[str, object]) -> None:
+        if message.get("t") == "target":
+            target_out.append(time.monotonic())
+        publish(message)
+
+    coordinator._publish = timed_publish  # type: ignore[method-assign]
     _reply({"ready": True, "connections": registry.totals()["connections"]})
     n = min(listed, world) if listed > 0 else world
     for line in sys.stdin:
@@ -874,12 +912,37 @@ def leader_main(port: int, world: int, listed: int, timeout_s: float, per_node: 
             coordinator.release()
             t3 = time.monotonic()
             _reply({"ok": outcome.ok, "why": outcome.reason, "t_pause": t0, "t_parked": t1, "t_results": t2,
-                    "t_released": t3, "step": paused.step})
+                    "t_released": t3, "step": paused.step, "t_target": target_out[-1] if target_out else t1})
         elif cmd["cmd"] == "quiesce":
             # The previous switch's keys are deleted on a thread the pause started: wait for it.
             for thread in threading.enumerate():
                 if thread.name == "nicswitch-store-cleanup":
                     thread.join(timeout_s)
+            _reply({"store": registry.totals()})
+        elif cmd["cmd"] == "exit":
+            break
+    os._exit(0)
+
+
+def _floor_leader(store: Any, answerers: int, registry: Registry) -> None:
+    from benchmarks.pause_floor import FloorLeader
+
+    leader = FloorLeader(store.clone(), answerers)
+    _reply({"ready": True, "connections": registry.totals()["connections"]})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["cmd"] == "switch":
+            t0 = time.monotonic()
+            step = leader.pause()
+            t1 = time.monotonic()
+            t_target = leader.target_out
+            leader.run()
+            t2 = time.monotonic()
+            leader.release()
+            t3 = time.monotonic()
+            _reply({"ok": True, "why": "", "t_pause": t0, "t_parked": t1, "t_results": t2, "t_released": t3,
+                    "step": step, "t_target": t_target})
+        elif cmd["cmd"] == "quiesce":
             _reply({"store": registry.totals()})
         elif cmd["cmd"] == "exit":
             break
@@ -993,7 +1056,13 @@ class SizeRun:
     switches: list[dict[str, Any]] = field(default_factory=list)
 
 
+FLOOR_ENV = "STORE_SCALE_FLOOR"  # --floor: the protocol's messages alone (benchmarks/pause_floor.py), inherited
 GUARD_ENV = "STORE_SCALE_GUARD"  # --guard: every rank has a checkpoint guard (a no-op); the children inherit it
+
+
+def floor() -> bool:
+    """Whether this run's coordination is the floor (benchmarks/pause_floor.py), not the library's."""
+    return os.environ.get(FLOOR_ENV) == "1"
 
 
 def guarded() -> bool:
@@ -1105,6 +1174,8 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                     groups.setdefault(g, {"calls": {}, "cpu_s": 0.0})["cpu_s"] += (ns - before["group_cpu_ns"][g]) / 1e9
             result.switches.append({
                 "pause_s": answer["t_parked"] - answer["t_pause"],
+                # The pause's first round: every rank's last completed step in, the target step out.
+                "pause_round_s": answer.get("t_target", answer["t_parked"]) - answer["t_pause"],
                 "order_s": answer["t_results"] - answer["t_parked"],
                 "release_s": last_resumed - answer["t_results"],
                 "release_publish_s": answer["t_released"] - answer["t_results"],
@@ -1327,6 +1398,7 @@ def _rank_metrics(result: BenchResult, r: SizeRun, label: str, step_s: float) ->
                                  + _per_rank_calls(dict(node_calls), len(sw) * r.ranks)))
     summary: dict[str, Any] = {"ranks": r.ranks, "per_group": r.per_group,
                                "total_s": median([s["total_s"] for s in sw]),
+                               "pause_round_s": median([s.get("pause_round_s", math.nan) for s in sw]),
                                "rank_cpu_us": median(total), "coordination_cpu_us": median(coordination),
                                "roles_us": roles,
                                "node_requests": sum(node_calls.values()) / len(sw) / r.ranks,
@@ -1403,6 +1475,9 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
         result = BenchResult("store_scale_node" + _suffix(transport),
                              f"7b. the same with node-local fan-out ({per_node} ranks per node, a relay per node; "
                              f"{_over(transport)}): the job's Store sees nodes")
+    if floor():
+        result.name += "_floor"
+        result.title += "; the floor: the protocol's messages alone (benchmarks/pause_floor.py)"
     sizes = tuple(sizes or settings.pick(QUICK_SIZES, FULL_SIZES))
     nodes = processes or settings.pick(1, 4)
     limits_fd = raise_fd_limit()
@@ -1456,6 +1531,9 @@ def run(settings: Settings, *, sizes: Sequence[int] | None = None, processes: in
         result.add(rounds_metric(f"{label}: one switch, coordination (pause start -> all resumed)", total, "s",
                                  note=f"{r.nodes} node processes of {math.ceil(r.ranks / r.nodes):,} ranks"))
         result.add(rounds_metric(f"{label}: pause request -> all parked", col("pause_s"), "s"))
+        result.add(rounds_metric(f"{label}: ... of which its first round (request -> target step out)",
+                                 col("pause_round_s"), "s",
+                                 note="a rank at a step boundary meanwhile waits there for the target"))
         result.add(rounds_metric(f"{label}: order out -> all results", col("order_s"), "s"))
         result.add(rounds_metric(f"{label}: release -> all resumed", col("release_s"), "s"))
         server_cpu = col("server_cpu_s")
@@ -1596,6 +1674,9 @@ def _cli() -> None:
     parser.add_argument("--compare", action="store_true",
                         help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
+    parser.add_argument("--floor", action="store_true",
+                        help="the protocol's messages alone instead of the library's coordination (flat, or whole "
+                             "nodes with --ranks-per-node; with --compare: both, after the library's rows)")
     parser.add_argument("--guard", action="store_true",
                         help="every rank has a (no-op) checkpoint guard: a switch is a guard round, then the switch")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
@@ -1643,7 +1724,13 @@ def main_standalone(args: argparse.Namespace) -> None:
             for transport in ("store", "socket"):
                 results.append(run(Settings(quick=args.quick), per_node=per_node, per_group=groups,
                                    transport=transport, **common))
+        if args.floor:  # the floor's rows, flat and node, after the library's
+            os.environ[FLOOR_ENV] = "1"
+            results += [run(Settings(quick=args.quick), **common),
+                        run(Settings(quick=args.quick), per_node=per_node, **common)]
     else:
+        if args.floor:
+            os.environ[FLOOR_ENV] = "1"
         results = [run(Settings(quick=args.quick), per_node=args.ranks_per_node or None, per_group=per_group,
                        transport=args.node_transport, **common)]
     duration = time.monotonic() - started
@@ -1671,18 +1758,20 @@ def main_standalone(args: argparse.Namespace) -> None:
 
 def compare_table(results: Sequence[BenchResult]) -> str:
     """The ranks' side of each fan-out, one row per fan-out and size (Markdown)."""
-    rows = ["| fan-out | ranks | requested -> finished | rank CPU / rank | of which coordination | members | "
+    rows = ["| fan-out | ranks | requested -> finished | pause: request -> target out | rank CPU / rank | "
+            "of which coordination | members | "
             "node relays | group relays | Store servers (node, group) | steps late: mean / > half a step (mean without "
             "those after a wait for S) | steps late while the pause spreads / after | "
             "job Store CPU / rank | job Store sockets / rank |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for result in results:
         for s in result.details.get("summary", []):
             roles = s["roles_us"]
             late = (f"{s['late_mean_ms']:.1f} ms / {s['late_over_half']:.0f} of {s['late_steps']:.0f} "
                     f"({s['late_free_ms']:.1f} ms)" if "late_mean_ms" in s else "-")
             split = (f"{s['late_spread_ms']:.1f} / {s['late_rest_ms']:.1f} ms" if "late_spread_ms" in s else "-")
-            rows.append(f"| {result.name} | {s['ranks']:,} | {s['total_s']:.2f} s | {s['rank_cpu_us']:,.0f} us | "
+            rows.append(f"| {result.name} | {s['ranks']:,} | {s['total_s']:.2f} s | "
+                        f"{s.get('pause_round_s', math.nan) * 1e3:.0f} ms | {s['rank_cpu_us']:,.0f} us | "
                         f"{s['coordination_cpu_us']:,.0f} us | {roles['member']:,.0f} us | "
                         f"{roles['node relay']:,.0f} us | {roles['group relay']:,.0f} us | "
                         f"{roles['Store servers']:,.0f} us | {late} | {split} | "
