@@ -54,8 +54,8 @@ switch (counter polls apart: their number follows the wait, so this machine's lo
 
 ``--floor`` runs, in the same processes with the same training threads and measurements, the
 protocol's messages alone instead of the library's coordination (benchmarks/pause_floor.py): what
-no coordination of this protocol in Python goes under here (with ``--compare``: flat and node,
-after the library's rows).
+no coordination of this protocol in Python goes under here; ``--compare`` always adds its flat and
+node rows after the library's.
 
 ``python -m benchmarks.store_scale --sizes 64,1024,4096,8192`` runs it alone (``--help``);
 docs/performance.md has the method, the numbers and the exact command.
@@ -1672,11 +1672,12 @@ def _cli() -> None:
     parser.add_argument("--node-transport", choices=("auto", "socket", "store"), default="auto",
                         help="how a node's ranks reach their relay (node_transport; auto: the node link on Linux)")
     parser.add_argument("--compare", action="store_true",
-                        help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run")
+                        help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run, "
+                             "then the protocol's floor flat and node (--floor)")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
     parser.add_argument("--floor", action="store_true",
                         help="the protocol's messages alone instead of the library's coordination (flat, or whole "
-                             "nodes with --ranks-per-node; with --compare: both, after the library's rows)")
+                             "nodes with --ranks-per-node; --compare always adds both, after the library's rows)")
     parser.add_argument("--guard", action="store_true",
                         help="every rank has a (no-op) checkpoint guard: a switch is a guard round, then the switch")
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results" / "store_scale.json")
@@ -1724,10 +1725,12 @@ def main_standalone(args: argparse.Namespace) -> None:
             for transport in ("store", "socket"):
                 results.append(run(Settings(quick=args.quick), per_node=per_node, per_group=groups,
                                    transport=transport, **common))
-        if args.floor:  # the floor's rows, flat and node, after the library's
-            os.environ[FLOOR_ENV] = "1"
-            results += [run(Settings(quick=args.quick), **common),
-                        run(Settings(quick=args.quick), per_node=per_node, **common)]
+        # The floor's rows, flat and node, after the library's: what the same protocol costs with
+        # nothing but its messages, side by side.
+        os.environ[FLOOR_ENV] = "1"
+        results += [run(Settings(quick=args.quick), **common),
+                    run(Settings(quick=args.quick), per_node=per_node, **common)]
+        del os.environ[FLOOR_ENV]
     else:
         if args.floor:
             os.environ[FLOOR_ENV] = "1"
