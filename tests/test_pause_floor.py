@@ -80,3 +80,58 @@ def test_every_rank_parks_at_one_target_and_runs_the_switch_parked(per_node: int
         for r in ranks:
             r.quit = True
             r.go.set()
+
+
+def test_a_rank_answers_parked_only_once_its_training_thread_parked() -> None:
+    """One rank's training thread is held between two step boundaries while the target goes out:
+    its parked answer must wait until it parks (else the leader says "all parked" with a rank
+    still stepping, and the floor would be a floor of a pause that is not one)."""
+    from benchmarks import pause_floor
+    from benchmarks.store_scale import RankThread
+
+    world, held = 6, 4
+    store = tcp_store(30.0)
+    node = _Node()
+    ranks = [RankThread(rank, node) for rank in range(world)]  # type: ignore[arg-type]
+    gate = threading.Event()
+    lot = ranks[held].lot
+    armed = lot._on_armed
+
+    def armed_behind_the_gate(on: bool) -> None:  # the held rank's thread sees a pause only once the gate opens
+        if on:
+            threading.Thread(target=lambda: (gate.wait(30), armed(True)), daemon=True).start()  # type: ignore[misc]
+        else:
+            armed(False)  # type: ignore[misc]
+
+    lot._on_armed = armed_behind_the_gate
+    for r in ranks:
+        r.thread.start()
+    answered_parked: dict[int, bool] = {}
+    answer_up = pause_floor.answer_up
+
+    def recording(store: Any, n: int, index: int, expected: int, value: str) -> None:
+        if n == 2:  # the first switch's target phase: is the rank answering parked?
+            answered_parked[index] = ranks[index].lot.parked
+        answer_up(store, n, index, expected, value)
+
+    pause_floor.answer_up = recording  # type: ignore[assignment]
+    members = pause_floor.start_flat(ranks, store, world)
+    leader = pause_floor.FloorLeader(store.clone(), world)
+    try:
+        opener = threading.Thread(target=lambda: (node.wait("parked", world - 1), gate.set()), daemon=True)
+        opener.start()
+        target = leader.pause()
+        assert {r.lot.parked_step for r in ranks} == {target}
+        assert answered_parked == dict.fromkeys(range(world), True)
+        leader.run()
+        leader.release()
+        assert node.wait("resumed", world)
+    finally:
+        pause_floor.answer_up = answer_up  # type: ignore[assignment]
+        gate.set()
+        leader.stop()
+        for m in members:
+            m._thread.join(10)
+        for r in ranks:
+            r.quit = True
+            r.go.set()
