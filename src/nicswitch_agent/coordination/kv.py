@@ -219,6 +219,15 @@ class KV:
         """Append to queue ``key`` (no reply: like ``set``, it does not wait for the Store)."""
         self.store.queue_push(self._k(key), value)  # type: ignore[attr-defined]
 
+    def push_each(self, keys: Sequence[str], value: str) -> None:
+        """Append ``value`` to every queue of ``keys``: on the node link in one call
+        (``NodeHub.queue_push_each``), elsewhere one push each."""
+        if hasattr(type(self.store), "queue_push_each"):
+            self.store.queue_push_each([self._k(key) for key in keys], value)  # type: ignore[attr-defined]
+            return
+        for key in keys:
+            self.store.queue_push(self._k(key), value)  # type: ignore[attr-defined]
+
     def pop(self, key: str, timeout_s: float) -> str | None:
         """The oldest value of queue ``key``, taken out of it in the same request; None if
         ``timeout_s`` passes first (as :meth:`get_when_set`, the connection's timeout is set for it)."""

@@ -156,7 +156,10 @@ class _Copy:
         self._queues: dict[str, collections.deque[bytes]] = {}
         self._cond = threading.Condition()
         self._reading = False  # a thread is in poll() on the sockets (only one may be)
-        self._polled: tuple[tuple[int, ...], Any] = ((), None)  # (descriptors, their poll object): the reader's
+        self._waiters = 0  # threads in self._cond.wait(): a change with none notifies nobody (no Python call)
+        # The reader's poll set, kept while the peers and the listener stay the same objects (one
+        # reader at a time): (peers and listener, peer by descriptor, the listener's, poll object).
+        self._polled: tuple[tuple[object, ...], dict[int, _Peer], list[int], Any] = ((), {}, [], None)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -189,9 +192,14 @@ class _Copy:
 
     # -- local state ---------------------------------------------------------------------------
 
+    def _notify(self) -> None:
+        """Wake the threads waiting on the lock's condition, if any (under the lock)."""
+        if self._waiters:
+            self._cond.notify_all()
+
     def _changed(self) -> None:
         """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
-        self._cond.notify_all()
+        self._notify()
         if self._reading:
             with contextlib.suppress(BlockingIOError):  # the pipe is full of wakes already
                 os.write(self._wake_w, b"x")
@@ -224,7 +232,11 @@ class _Copy:
                 if self._reading or not read:
                     if remaining <= 0:
                         return None
-                    self._cond.wait(remaining)
+                    self._waiters += 1
+                    try:
+                        self._cond.wait(remaining)
+                    finally:
+                        self._waiters -= 1
                     continue
                 self._reading = True
                 peers = self._readable()
@@ -239,7 +251,7 @@ class _Copy:
                         self._receive(peer, frames)
                     if why is not None:
                         self._closed(peer, why)
-                self._cond.notify_all()
+                self._notify()
                 if remaining <= 0:  # one look at what had arrived, then the answer
                     got = take()
                     if got is None and self.lost:
@@ -253,16 +265,17 @@ class _Copy:
     def _read(self, peers: list[_Peer], timeout_s: float) -> list[tuple[_Peer, list[Frame], str | None]]:
         """One ``poll`` over the peers and the wake pipe (no lock held): what each peer sent,
         and why its socket ended (None while it is open)."""
-        by_fd = {peer.sock.fileno(): peer for peer in peers}
         listener = self._listening()
-        listening = [] if listener is None else [listener.fileno()]
-        fds = (*by_fd, *listening, self._wake_r)
+        sockets = (*peers, listener)
         try:
-            if fds != self._polled[0]:  # kept while the sockets stay the same (one reader at a time)
-                self._polled = (fds, _poller(fds))
-            ready = _poll(self._polled[1], timeout_s)
+            if sockets != self._polled[0]:
+                by_fd = {peer.sock.fileno(): peer for peer in peers}
+                listening = [] if listener is None else [listener.fileno()]
+                self._polled = (sockets, by_fd, listening, _poller((*by_fd, *listening, self._wake_r)))
+            _, by_fd, listening, poller = self._polled
+            ready = _poll(poller, timeout_s)
         except (OSError, ValueError):  # a socket closed under us (stop): the caller looks again
-            self._polled = ((), None)
+            self._polled = ((), {}, [], None)
             return []
         out: list[tuple[_Peer, list[Frame], str | None]] = []
         for fd in ready:
@@ -396,12 +409,14 @@ class NodeHub(_Copy):
             del self._peers[peer.queue]
             self._gone.add(peer.queue)
             self._gone_count += 1
-            self._cond.notify_all()
+            self._notify()
         peer.sock.close()
 
     def gone_queues(self) -> frozenset[str]:
         """The queues of the ranks whose link closed: their process is gone (a rank that dials
         again is back)."""
+        if not self._gone:  # the common case, asked at every answer: no lock for it
+            return frozenset()
         with self._cond:
             return frozenset(self._gone)
 
@@ -543,16 +558,25 @@ class NodeHub(_Copy):
             return len(gone)
 
     def queue_push(self, key: str, value: str | bytes) -> None:
-        peer = self._peers.get(key)
-        if peer is None:
-            self._accept()  # a rank that dialled since: its queue is this one
+        self.queue_push_each([key], value)
+
+    def queue_push_each(self, keys: list[str], value: str | bytes) -> None:
+        """Push ``value`` to every queue of ``keys`` (an event to the node's ranks), under one
+        lock: each rank's to its socket, the others' here."""
+        if any(key not in self._peers and key != self._local_queue for key in keys):
+            self._accept()  # a rank that dialled since: its queue may be one of these
+        data = _as_bytes(value)
+        kept = False
         with self._cond:
-            peer = self._peers.get(key)
-            if peer is not None:
-                self._send(peer, _frame(_PUSH, key, _as_bytes(value)))
-                return
-            self._apply(_PUSH, key, _as_bytes(value))
-            self._changed()
+            for key in keys:
+                peer = self._peers.get(key)
+                if peer is not None:
+                    self._send(peer, _frame(_PUSH, key, data))
+                else:
+                    self._apply(_PUSH, key, data)
+                    kept = True
+            if kept:
+                self._changed()
 
     def queue_len(self, key: str) -> int:
         """A rank's queue is in that rank's socket once sent: nothing of it is held here."""

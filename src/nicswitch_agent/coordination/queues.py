@@ -53,8 +53,7 @@ def publish(kv: KV, readers: int, n: int, text: str) -> None:
     """Event ``n`` to readers ``0..readers-1``; on keys then the head, all in one request (a queue
     needs no head: a reader starting late empties its queue instead of counting past the head)."""
     if kv.queues:
-        for reader in range(readers):
-            kv.push(queue_name(reader), text)
+        kv.push_each([queue_name(reader) for reader in range(readers)], text)
         return
     kv.set_many([*(p.queue_key(reader, n) for reader in range(readers)), p.QUEUE_HEAD],
                 [text] * readers + [str(n)])  # one request, the head last
@@ -171,8 +170,11 @@ def gone(kv: KV, slots: int) -> set[int]:
 
 def _only_gone_left(kv: KV, slots: int, answered: set[int] | dict[int, Any]) -> bool:
     """Every slot that has not answered is gone: waiting longer cannot complete the phase."""
+    gone_now = gone(kv, slots)  # asked at every answer: mostly none, and then nothing else to look at
+    if not gone_now:
+        return False
     left = set(range(slots)).difference(answered)
-    return bool(left) and left <= gone(kv, slots)
+    return bool(left) and left <= gone_now
 
 
 def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wake | None) -> dict[int, dict[str, Any]]:
