@@ -10,6 +10,7 @@ lost at once for its ranks, after what it sent them; a rank that dies or stops r
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -22,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import support
 
-from nicswitch_agent.coordination import KV, node_link, topology
+from nicswitch_agent.coordination import KV, node_link, node_wire, topology
 from nicswitch_agent.coordination.messages import LevelStopped
 from nicswitch_agent.coordination.node_link import LinkClosed, LinkLost, NodeHub, NodeLink
 from nicswitch_agent.errors import ConfigError
@@ -98,6 +99,38 @@ def test_a_ranks_stop_wakes_its_own_waits_and_the_hub_hears_nothing_of_it(hub: N
         kv.clone().set("go/7", "woken")
         assert popping.result(10) == "wake" and waiting.result(10) == "woken"
     assert hub.queue_len(queue(1)) == 0 and not hub.check([f"{PREFIX}/go/7"])
+
+
+def test_a_link_closed_while_a_thread_waits_in_its_recv_ends_that_wait(hub: NodeHub) -> None:
+    """A rank's link reads with one blocking recv (no poll, no wake pipe): closing the socket alone
+    would leave that recv blocked for the wait's whole bound; close() must end it (LinkLost now)."""
+    rank = link(hub, 1)
+    with ThreadPoolExecutor(1) as pool:
+        popping = pool.submit(rank.queue_pop_within, queue(1), 3600.0)
+        assert support.wait_until(lambda: rank._reading, 10)
+        rank.close()
+        with pytest.raises(LinkLost, match="closed"):
+            popping.result(20)
+
+
+def test_a_ranks_link_woken_by_its_stop_reads_no_more_and_the_hub_takes_the_rank_for_gone(hub: NodeHub) -> None:
+    """The stop's wake shuts the link's reading side: what the copy holds is still taken, later
+    waits see this copy only (they neither spin nor fail), and the hub's next send finds the
+    rank gone (as when its process ends), so the relay need not wait out a phase for it."""
+    rank = link(hub, 1)
+    kv = KV(rank, PREFIX, queues=True)
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(kv.get_when_set, "go/3", 3600.0)
+        assert support.wait_until(lambda: rank._reading, 10)
+        kv.push("q/1", "wake")  # the stop's wake of its own queue, while another wait reads
+        assert kv.pop("q/1", 5.0) == "wake"
+        kv.set("go/3", "woken")
+        assert waiting.result(10) == "woken"
+    rank._read = lambda *_: pytest.fail("a link woken by its stop read its socket again")  # type: ignore[method-assign]
+    assert kv.pop("q/1", 0.2) is None and not rank.lost
+    hub.queue_push(queue(1), "an event after the stop")
+    assert queue(1) in hub.gone_queues()
+    assert kv.pop("q/1", 0.2) is None
 
 
 def test_whichever_thread_reads_the_sockets_the_one_waiting_for_an_answer_gets_it(hub: NodeHub) -> None:
@@ -227,7 +260,7 @@ def test_a_rank_that_dies_is_dropped_and_its_successor_takes_its_queue(hub: Node
 
 def test_a_rank_that_stops_reading_is_dropped_once_a_send_to_it_cannot_finish(
         hub: NodeHub, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(node_link, "SEND_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(node_wire, "SEND_TIMEOUT_S", 0.2)
     stuck, reading = link(hub, 1), link(hub, 2)
     assert hub.ranks_connected == 2
     block = "x" * (1 << 20)
@@ -301,15 +334,23 @@ def test_the_link_works_in_a_process_holding_more_than_1024_descriptors(hub: Nod
         pytest.skip(f"the descriptor limit is {hard}")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200) if hard == resource.RLIM_INFINITY
                                                 else min(hard, max(soft, 1200)), hard))
-    held = [os.pipe() for _ in range(560)]  # 1,120 descriptors
+    # Every free descriptor up to past 1,024 held, with nothing of an earlier test left to close
+    # one below meanwhile (its garbage collected first, no collection while they are taken).
+    gc.collect()
+    gc.disable()
+    held: list[tuple[int, int]] = []
     try:
+        while not held or held[-1][0] < 1100:
+            held.append(os.pipe())
         rank = link(hub, 1)
+        gc.enable()
         assert rank._peer.sock.fileno() > 1024
         hub.queue_push(queue(1), "past select()'s limit")
         assert rank.queue_pop_within(queue(1), 5.0) == b"past select()'s limit"
         rank.queue_push(f"{PREFIX}/a/1/c", "and back")
         assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0) == b"and back"
     finally:
+        gc.enable()
         for r, w in held:
             os.close(r)
             os.close(w)

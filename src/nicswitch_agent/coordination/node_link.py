@@ -17,8 +17,10 @@ answers them:
 - a rank's push to a queue that is not its own (an answer) goes to the hub; its own ``set`` and a
   push to its own queue stay in its copy (only its stop writes them: to wake its own wait).
 
-Whoever waits reads the sockets itself (one thread at a time: a ``poll`` on the sockets and on a
-pipe that a local change writes to), so a wait costs a kernel wake-up and no thread hand-off. A
+Whoever waits reads the sockets itself (one thread at a time), so a wait costs a kernel wake-up
+and no thread hand-off: on the hub a ``poll`` on the ranks' sockets and on a pipe that a local
+change writes to; on a rank's link one blocking ``recv`` bounded by the kernel (a rank's only
+local change is its stop's wake, which shuts the socket's reading side: the rank reads no more). A
 message written to a Unix socket is in the reader's queue once ``send`` returns: the hub holds
 nothing for a rank that it could lose by exiting. A rank that starts late gets what the hub sends
 from then on (its queue starts empty, as :func:`queues.start` expects). The hub's process ending
@@ -41,10 +43,8 @@ import collections
 import contextlib
 import datetime
 import logging
-import math
 import os
 import secrets
-import select
 import socket
 import struct
 import sys
@@ -54,18 +54,14 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from nicswitch_agent.coordination import node_wire as wire
 from nicswitch_agent.coordination.kv import GONE, StoreTimeout
 from nicswitch_agent.coordination.messages import LevelStopped
 
 logger = logging.getLogger("nicswitch_agent.coordination")
 T = TypeVar("T")
-Frame = tuple[int, str, bytes]  # (operation, key, value)
 SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
-_HEADER = struct.Struct("!IB")  # payload length, operation
-_SET, _DELETE, _PUSH, _HELLO, _BYE = b"S"[0], b"D"[0], b"P"[0], b"H"[0], b"B"[0]
-_RECV_BYTES = 1 << 18
 HELLO_TIMEOUT_S = 2.0  # a rank sends its hello right after it dialled
-SEND_TIMEOUT_S = 10.0  # a rank that does not read for this long is taken for gone (its socket is full)
 GET_TIMEOUT_S = 300.0  # a get of a key that never comes (as InProcessStore's)
 
 
@@ -76,76 +72,6 @@ def supported() -> bool:
 
 def is_address(address: str) -> bool:
     return address.startswith(SCHEME)
-
-
-def _frame(op: int, key: str, value: bytes = b"") -> bytes:
-    payload = key.encode() + b"\0" + value
-    return _HEADER.pack(len(payload), op) + payload
-
-
-def _poller(fds: tuple[int, ...]) -> select.poll:
-    """A poll() object for reading ``fds``. poll(), not select(): a training process may hold more
-    than select()'s 1,024 descriptors."""
-    poller = select.poll()
-    for fd in fds:
-        if fd < 0:
-            raise ValueError("a closed socket")
-        poller.register(fd, select.POLLIN)
-    return poller
-
-
-def _poll(poller: select.poll, timeout_s: float) -> list[int]:
-    """The descriptors that can be read (or have ended) within ``timeout_s``."""
-    return [fd for fd, _ in poller.poll(max(0, math.ceil(timeout_s * 1000)))]
-
-
-def _bound_sends(sock: socket.socket) -> None:
-    """Blocking reads (made only once poll() said there is something: no poll of Python's own
-    before each), sends bounded by the kernel (SO_SNDTIMEO): a send that cannot finish within
-    SEND_TIMEOUT_S raises, and its rank is taken for gone."""
-    sock.settimeout(None)
-    seconds = int(SEND_TIMEOUT_S)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                    struct.pack("ll", seconds, int((SEND_TIMEOUT_S - seconds) * 1e6)))
-
-
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-def _as_bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else bytes(value)
-
-
-class _Peer:
-    """One socket and what arrived on it that is not a whole message yet."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = b""
-        self.send_lock = threading.Lock()
-        self.queue: str | None = None  # (the hub's side) the queue this peer reads, from its hello
-
-    def send(self, data: bytes) -> None:
-        with self.send_lock:
-            self.sock.sendall(data)
-
-    def frames(self, data: bytes) -> list[Frame]:
-        """The whole messages in what arrived so far (the rest waits for more)."""
-        buffer = self.buffer + data
-        out, at = [], 0
-        while len(buffer) - at >= _HEADER.size:
-            size, op = _HEADER.unpack_from(buffer, at)
-            end = at + _HEADER.size + size
-            if end > len(buffer):
-                break
-            key, _, value = buffer[at + _HEADER.size:end].partition(b"\0")
-            out.append((op, key.decode(), value))
-            at = end
-        self.buffer = buffer[at:]
-        return out
 
 
 class _Copy:
@@ -159,24 +85,24 @@ class _Copy:
         self._waiters = 0  # threads in self._cond.wait(): a change with none notifies nobody (no Python call)
         # The reader's poll set, kept while the peers and the listener stay the same objects (one
         # reader at a time): (peers and listener, peer by descriptor, the listener's, poll object).
-        self._polled: tuple[tuple[object, ...], dict[int, _Peer], list[int], Any] = ((), {}, [], None)
+        self._polled: tuple[tuple[object, ...], dict[int, wire.Peer], list[int], Any] = ((), {}, [], None)
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
+        weakref.finalize(self, wire.close_fds, self._wake_r, self._wake_w)
         self.lost = ""  # why this side cannot go on (set once): every wait raises it
         self.closed_on_purpose = False  # the other side said it closes (its agent stopped): nothing failed
 
     # -- what the subclasses say ---------------------------------------------------------------
 
-    def _readable(self) -> list[_Peer]:
+    def _readable(self) -> list[wire.Peer]:
         raise NotImplementedError
 
-    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+    def _receive(self, peer: wire.Peer, frames: list[wire.Frame]) -> None:
         """Apply what ``peer`` sent (under the lock)."""
         raise NotImplementedError
 
-    def _closed(self, peer: _Peer, why: str) -> None:
+    def _closed(self, peer: wire.Peer, why: str) -> None:
         """``peer``'s socket ended (under the lock)."""
         raise NotImplementedError
 
@@ -186,6 +112,10 @@ class _Copy:
 
     def _accept(self) -> None:
         raise NotImplementedError
+
+    def _can_read(self) -> bool:
+        """Whether a wait may read the sockets at all (a rank's link woken by its stop may not)."""
+        return True
 
     def _lost_error(self) -> LinkLost:
         return LinkClosed(self.lost) if self.closed_on_purpose else LinkLost(self.lost)
@@ -205,11 +135,11 @@ class _Copy:
                 os.write(self._wake_w, b"x")
 
     def _apply(self, op: int, key: str, value: bytes) -> None:
-        if op == _SET:
+        if op == wire.SET:
             self._data[key] = value
-        elif op == _DELETE:
+        elif op == wire.DELETE:
             self._data.pop(key, None)
-        elif op == _PUSH:
+        elif op == wire.PUSH:
             self._queues.setdefault(key, collections.deque()).append(value)
 
     # -- waiting -------------------------------------------------------------------------------
@@ -229,7 +159,7 @@ class _Copy:
                 if self.lost:
                     raise self._lost_error()
                 remaining = deadline - time.monotonic()
-                if self._reading or not read:
+                if self._reading or not read or not self._can_read():
                     if remaining <= 0:
                         return None
                     self._waiters += 1
@@ -262,7 +192,7 @@ class _Copy:
         """Take in what has arrived (no wait), so a look at the copy sees it."""
         self._wait_for(lambda: None, 0.0)
 
-    def _read(self, peers: list[_Peer], timeout_s: float) -> list[tuple[_Peer, list[Frame], str | None]]:
+    def _read(self, peers: list[wire.Peer], timeout_s: float) -> list[tuple[wire.Peer, list[wire.Frame], str | None]]:
         """One ``poll`` over the peers and the wake pipe (no lock held): what each peer sent,
         and why its socket ended (None while it is open)."""
         listener = self._listening()
@@ -271,13 +201,13 @@ class _Copy:
             if sockets != self._polled[0]:
                 by_fd = {peer.sock.fileno(): peer for peer in peers}
                 listening = [] if listener is None else [listener.fileno()]
-                self._polled = (sockets, by_fd, listening, _poller((*by_fd, *listening, self._wake_r)))
+                self._polled = (sockets, by_fd, listening, wire.poller((*by_fd, *listening, self._wake_r)))
             _, by_fd, listening, poller = self._polled
-            ready = _poll(poller, timeout_s)
+            ready = wire.poll(poller, timeout_s)
         except (OSError, ValueError):  # a socket closed under us (stop): the caller looks again
             self._polled = ((), {}, [], None)
             return []
-        out: list[tuple[_Peer, list[Frame], str | None]] = []
+        out: list[tuple[wire.Peer, list[wire.Frame], str | None]] = []
         for fd in ready:
             if fd in listening:
                 self._accept()  # takes the lock: this thread holds none here
@@ -289,7 +219,7 @@ class _Copy:
                 continue
             peer = by_fd[fd]
             try:
-                data = peer.sock.recv(_RECV_BYTES)
+                data = peer.sock.recv(wire.RECV_BYTES)
             except (BlockingIOError, InterruptedError):
                 continue
             except OSError as exc:
@@ -378,7 +308,7 @@ class NodeHub(_Copy):
         self._listener.bind("\0" + self._name)
         self._listener.listen(backlog)
         self._listener.setblocking(False)
-        self._peers: dict[str, _Peer] = {}  # by the queue each reads
+        self._peers: dict[str, wire.Peer] = {}  # by the queue each reads
         self._local_queue = local_queue
         self._gone: set[str] = set()  # the queues of ranks whose link closed (and did not come back)
         self._only_for: dict[str, str] = {}  # a key set for one rank (a go key): the queue that rank reads
@@ -387,7 +317,7 @@ class NodeHub(_Copy):
         self.address = f"{SCHEME}@{self._name}"
         self._shut = False
 
-    def _readable(self) -> list[_Peer]:
+    def _readable(self) -> list[wire.Peer]:
         return list(self._peers.values())
 
     def _listening(self) -> socket.socket | None:
@@ -399,12 +329,12 @@ class NodeHub(_Copy):
     def _remote_queue(self, key: str) -> bool:
         return key != self._local_queue
 
-    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+    def _receive(self, peer: wire.Peer, frames: list[wire.Frame]) -> None:
         for op, key, value in frames:
-            if op == _PUSH:  # an answer; anything else from a rank is not the hub's
+            if op == wire.PUSH:  # an answer; anything else from a rank is not the hub's
                 self._apply(op, key, value)
 
-    def _closed(self, peer: _Peer, why: str) -> None:
+    def _closed(self, peer: wire.Peer, why: str) -> None:
         if peer.queue is not None and self._peers.get(peer.queue) is peer:
             del self._peers[peer.queue]
             self._gone.add(peer.queue)
@@ -447,8 +377,8 @@ class NodeHub(_Copy):
                 if not self._same_user(sock):
                     sock.close()
                     continue
-                peer = _Peer(sock)
-                _bound_sends(sock)
+                peer = wire.Peer(sock)
+                wire.bound_sends(sock)
                 hello, after = self._hello(peer)
                 if hello is None:
                     sock.close()
@@ -465,7 +395,7 @@ class NodeHub(_Copy):
                     mine = [(key, value) for key, value in self._data.items()
                             if self._only_for.get(key, hello) == hello]
                     if mine:
-                        self._send(peer, b"".join(_frame(_SET, key, value) for key, value in mine))
+                        self._send(peer, b"".join(wire.frame(wire.SET, key, value) for key, value in mine))
                     self._receive(peer, after)
                     self._changed()  # the thread reading the sockets reads this one too from now on
 
@@ -481,13 +411,14 @@ class NodeHub(_Copy):
         return False
 
     @staticmethod
-    def _hello(peer: _Peer) -> tuple[str | None, list[Frame]]:
+    def _hello(peer: wire.Peer) -> tuple[str | None, list[wire.Frame]]:
         """The queue a rank that just dialled reads (its hello, the first message it sends), and
         what it sent after it; None if it sent none within HELLO_TIMEOUT_S."""
         deadline = time.monotonic() + HELLO_TIMEOUT_S
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                data = peer.sock.recv(_RECV_BYTES) if _poll(_poller((peer.sock.fileno(),)), remaining) else b""
+                readable = wire.poll(wire.poller((peer.sock.fileno(),)), remaining)
+                data = peer.sock.recv(wire.RECV_BYTES) if readable else b""
             except OSError:
                 break
             if not data:
@@ -495,7 +426,7 @@ class NodeHub(_Copy):
             frames = peer.frames(data)
             if frames:
                 op, key, _ = frames[0]
-                return (key if op == _HELLO else None), frames[1:]
+                return (key if op == wire.HELLO else None), frames[1:]
         return None, []
 
     def _to_every_rank(self, data: bytes) -> None:
@@ -503,7 +434,7 @@ class NodeHub(_Copy):
         for peer in list(self._peers.values()):
             self._send(peer, data)
 
-    def _send(self, peer: _Peer, data: bytes) -> None:
+    def _send(self, peer: wire.Peer, data: bytes) -> None:
         try:
             peer.send(data)
         except OSError as exc:
@@ -517,9 +448,9 @@ class NodeHub(_Copy):
         with self._cond:
             data = b""
             for key, value in zip(keys, values, strict=True):
-                self._data[key] = _as_bytes(value)
+                self._data[key] = wire.as_bytes(value)
                 self._only_for.pop(key, None)
-                data += _frame(_SET, key, self._data[key])
+                data += wire.frame(wire.SET, key, self._data[key])
             self._to_every_rank(data)
             self._changed()
 
@@ -530,11 +461,11 @@ class NodeHub(_Copy):
         self._accept()
         with self._cond:
             for key, value, reader in zip(keys, values, readers, strict=True):
-                self._data[key] = _as_bytes(value)
+                self._data[key] = wire.as_bytes(value)
                 self._only_for[key] = reader
                 peer = self._peers.get(reader)
                 if peer is not None:
-                    self._send(peer, _frame(_SET, key, self._data[key]))
+                    self._send(peer, wire.frame(wire.SET, key, self._data[key]))
             self._changed()
 
     def delete_key(self, key: str) -> bool:
@@ -545,12 +476,12 @@ class NodeHub(_Copy):
         set for one rank only, in that rank's copy)."""
         with self._cond:
             gone = [key for key in keys if self._data.pop(key, None) is not None]
-            shared = b"".join(_frame(_DELETE, key) for key in gone if key not in self._only_for)
+            shared = b"".join(wire.frame(wire.DELETE, key) for key in gone if key not in self._only_for)
             own: dict[str, bytes] = {}
             for key in gone:
                 reader = self._only_for.pop(key, None)
                 if reader is not None:
-                    own[reader] = own.get(reader, b"") + _frame(_DELETE, key)
+                    own[reader] = own.get(reader, b"") + wire.frame(wire.DELETE, key)
             for reader, peer in list(self._peers.items()):
                 data = shared + own.get(reader, b"")
                 if data:
@@ -565,15 +496,15 @@ class NodeHub(_Copy):
         lock: each rank's to its socket, the others' here."""
         if any(key not in self._peers and key != self._local_queue for key in keys):
             self._accept()  # a rank that dialled since: its queue may be one of these
-        data = _as_bytes(value)
+        data = wire.as_bytes(value)
         kept = False
         with self._cond:
             for key in keys:
                 peer = self._peers.get(key)
                 if peer is not None:
-                    self._send(peer, _frame(_PUSH, key, data))
+                    self._send(peer, wire.frame(wire.PUSH, key, data))
                 else:
-                    self._apply(_PUSH, key, data)
+                    self._apply(wire.PUSH, key, data)
                     kept = True
             if kept:
                 self._changed()
@@ -597,7 +528,7 @@ class NodeHub(_Copy):
             for peer in list(self._peers.values()):
                 if reason:
                     with contextlib.suppress(OSError):
-                        peer.sock.send(_frame(_BYE, reason), socket.MSG_DONTWAIT)
+                        peer.sock.send(wire.frame(wire.BYE, reason), socket.MSG_DONTWAIT)
                 peer.sock.close()
             self._peers.clear()
             self._changed()
@@ -623,33 +554,71 @@ class NodeLink(_Copy):
         sock.settimeout(timeout_s)
         try:
             sock.connect(path)
-            sock.sendall(_frame(_HELLO, queue))
+            sock.sendall(wire.frame(wire.HELLO, queue))
         except OSError as exc:
             sock.close()
             raise LinkLost(f"could not reach the node's relay at {address}: {type(exc).__name__}: {exc}") from exc
-        _bound_sends(sock)
-        self._peer = _Peer(sock)
+        wire.bound_sends(sock)
+        self._peer = wire.Peer(sock)
+        self._woken = False  # a local change shut the reading side to wake the reader (see _changed)
 
-    def _readable(self) -> list[_Peer]:
+    def _readable(self) -> list[wire.Peer]:
         return [] if self.lost else [self._peer]
 
-    def _receive(self, peer: _Peer, frames: list[Frame]) -> None:
+    def _read(self, peers: list[wire.Peer], timeout_s: float) -> list[tuple[wire.Peer, list[wire.Frame], str | None]]:
+        """The link's one socket read with one blocking ``recv`` that the kernel bounds
+        (SO_RCVTIMEO), where a ``poll`` on the socket and the wake pipe, then a ``recv``, were two
+        system calls and two releases of the GIL for every event (docs/performance.md). A local
+        change wakes it by shutting the socket's reading side (:meth:`_changed`)."""
+        if not peers:
+            return []
+        peer = peers[0]
+        try:
+            if timeout_s <= 0.0:
+                data = peer.sock.recv(wire.RECV_BYTES, socket.MSG_DONTWAIT)
+            else:
+                wire.bound_receive(peer.sock, timeout_s)
+                data = peer.sock.recv(wire.RECV_BYTES)
+        except (BlockingIOError, InterruptedError):  # nothing within the bound
+            return []
+        except OSError as exc:
+            return [(peer, [], f"{type(exc).__name__}: {exc}")]
+        if not data and self._woken:  # our own shutdown: not a loss, the waits now see this copy only
+            return []
+        return [(peer, peer.frames(data), None if data else "closed by the other side")]
+
+    def _can_read(self) -> bool:
+        return not self._woken
+
+    def _changed(self) -> None:
+        """A local change: on a rank's link only its stop makes one (its own queue's wake, its go
+        key's), so a reader blocked in ``recv`` is woken by shutting the socket's reading side.
+        From then on the link reads nothing more from the hub (the rank stops): its waits see
+        what is in its copy and what is set here; it still sends (an answer its stop gives)."""
+        self._notify()
+        if self._reading and not self._woken:
+            self._woken = True
+            with contextlib.suppress(OSError):
+                self._peer.sock.shutdown(socket.SHUT_RD)
+
+    def _receive(self, peer: wire.Peer, frames: list[wire.Frame]) -> None:
         for op, key, value in frames:
-            if op == _BYE:  # the hub closes on purpose: what came before it is still taken first
+            if op == wire.BYE:  # the hub closes on purpose: what came before it is still taken first
                 if not self.lost:
                     self.lost, self.closed_on_purpose = f"the node's relay (local rank 0) stopped: {key}", True
                 continue
             self._apply(op, key, value)
 
-    def _closed(self, peer: _Peer, why: str) -> None:
+    def _closed(self, peer: wire.Peer, why: str) -> None:
         if not self.lost:
             self.lost = f"the node's relay (local rank 0) is gone: its link {why}"
         peer.sock.close()
 
     def set(self, key: str, value: str | bytes) -> None:
-        """In this copy only (a rank's stop wakes its own wait for a go key)."""
+        """In this copy only: only a rank's stop sets a key here (to wake its own wait for a go
+        key), and that ends the link's reading (:meth:`_changed`)."""
         with self._cond:
-            self._data[key] = _as_bytes(value)
+            self._data[key] = wire.as_bytes(value)
             self._changed()
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
@@ -664,13 +633,13 @@ class NodeLink(_Copy):
         """To the hub (an answer); to this copy if ``key`` is this rank's own queue (its stop's wake)."""
         if key == self._queue:
             with self._cond:
-                self._apply(_PUSH, key, _as_bytes(value))
+                self._apply(wire.PUSH, key, wire.as_bytes(value))
                 self._changed()
             return
         if self.lost:
             raise self._lost_error()
         try:
-            self._peer.send(_frame(_PUSH, key, _as_bytes(value)))
+            self._peer.send(wire.frame(wire.PUSH, key, wire.as_bytes(value)))
         except OSError as exc:
             with self._cond:
                 self._closed(self._peer, f"{type(exc).__name__}: {exc}")
@@ -681,6 +650,8 @@ class NodeLink(_Copy):
         with self._cond:
             if not self.lost:
                 self.lost = "the node link closed"
+            with contextlib.suppress(OSError):  # a recv blocked on it returns (a close alone would not end it)
+                self._peer.sock.shutdown(socket.SHUT_RDWR)
             self._peer.sock.close()
             self._changed()
 
