@@ -22,9 +22,11 @@ import support
 from nicswitch_agent import SwitchAgent, SwitchOrder
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
+from nicswitch_agent.clusterd.process_manage import ProcessManageClient
 from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.coordination.parking import TrainingStopped
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
+from nicswitch_agent.sim.state_handlers import StateHandlers
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -356,6 +358,44 @@ def test_a_leader_stopped_mid_switch_stops_every_ranks_training(sim: Simulator, 
             assert rank.done.wait(20), f"rank {rank.rank} was neither stopped nor ended"
             assert isinstance(rank.error, TrainingStopped), (rank.rank, rank.error)
             assert "the job's leader stopped (SIGTERM received) during a switch" in str(rank.error)
+    finally:
+        hang.set()
+
+
+def test_a_leader_stopped_mid_switch_ends_its_stream_only_once_clusterd_took_its_false_reply(
+        sim: Simulator, make_job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ending the process-manage stream resets the job; had ClusterD not yet taken the stop's false
+    reply, the operator's stream ends with no message (the test above saw that 5 times in 14 under
+    load). The leader waits for ClusterD's next signal (stop_train, sent once it told the operator)
+    first. Here ClusterD's state thread holds the reply until the leader waits or its stream ended."""
+    waiting = threading.Event()
+    real_wait = ProcessManageClient.wait_signal_after
+
+    def wait_signal_after(self: ProcessManageClient, seen: int, timeout: float) -> bool:
+        waiting.set()
+        return real_wait(self, seen, timeout)
+
+    real_handler = StateHandlers._h_wait_switch_nic_finish
+
+    def held(self: StateHandlers, gen: Any) -> str | None:
+        assert support.wait_until(lambda: gen.result is not None or gen.closed, 30)
+        assert support.wait_until(lambda: waiting.is_set() or gen.closed, 30)
+        return real_handler(self, gen)
+
+    monkeypatch.setattr(ProcessManageClient, "wait_signal_after", wait_signal_after)
+    monkeypatch.setattr(StateHandlers, "_h_wait_switch_nic_finish", held)
+    hang = threading.Event()
+    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        messages: list[str] = []
+        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
+        operator.start()
+        assert job.hooks[2].entered.wait(20)
+        job.ranks[0].agent.stop("SIGTERM received")
+        hang.set()
+        operator.join(60)
+        assert messages == ["switch nic failed, switch nic failed"]
     finally:
         hang.set()
 

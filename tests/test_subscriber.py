@@ -13,7 +13,7 @@ from scripted import End, Fail, ScriptedClusterD, Send, rank_list
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.clusterd.channel import ChannelSettings, RecoverStub, open_channel
 from nicswitch_agent.clusterd.notify import NotifySubscriber, SubscriberSettings
-from nicswitch_agent.clusterd.process_manage import StreamGate
+from nicswitch_agent.clusterd.stream_gate import StreamGate
 from nicswitch_agent.sim import codes as P
 
 pytestmark = pytest.mark.timeout(30)

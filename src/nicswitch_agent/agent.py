@@ -435,12 +435,12 @@ class SwitchAgent:
         session = self._session
         if session is not None:
             session.stop_notify()  # no new lists
-        self._executor.settle(reason)  # false for every list still owed a reply, before anything else
+        replied = self._executor.settle(reason)  # false for every list still owed a reply, before anything else
         self._coordination_stop.set()  # then cut the leader's waits short
         if self._coordinator is not None:
             self._coordinator.wake()  # ... including the one it blocks in now
         if session is not None:
-            session.end_process_manage()  # only now: ClusterD resets the job when that stream ends
+            session.end_process_manage(after_reply=replied > 0)  # only now: ClusterD resets the job then
         # Parked training stops (alone it would step beside paused ranks), but as every rank where the leader is.
         stop_training: str | None = (f"the agent on rank {self.rank} stopped ({reason}) while training was "
                                      "parked for a switch: training cannot resume on this rank alone")

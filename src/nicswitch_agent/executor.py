@@ -260,9 +260,10 @@ class Executor:
             "total_s": None if elapsed is None else round(elapsed, 6), "at": time.time(),
         }
 
-    def settle(self, reason: str) -> None:
+    def settle(self, reason: str) -> int:
         """On stop: answer false for the list being executed and for every queued one, and wait
-        (bounded) for a reply another thread is sending right now."""
+        (bounded) for a reply another thread is sending right now. Returns how many lists were
+        owed a reply (each now answered, by this call or the thread that was sending)."""
         with self._lock:
             current = self._current
         owed_list = [current] if current is not None else []
@@ -279,6 +280,7 @@ class Executor:
             if not owed.settled.wait(self._stop_timeout_s):
                 logger.warning("switch #%d: the reply under way did not finish within %.1f s",
                                owed.seq, self._stop_timeout_s)
+        return len(owed_list)
 
 
 __all__ = ["Counters", "Executor", "OwedReply"]

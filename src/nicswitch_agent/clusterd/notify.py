@@ -56,7 +56,7 @@ from nicswitch_agent.clusterd.rpc_policy import (
 from nicswitch_agent.clusterd.stream_thread import StreamThread
 
 if TYPE_CHECKING:
-    from nicswitch_agent.clusterd.process_manage import StreamGate
+    from nicswitch_agent.clusterd.stream_gate import StreamGate
 
 logger = logging.getLogger("nicswitch_agent.subscriber")
 

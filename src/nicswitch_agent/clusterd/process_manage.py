@@ -35,7 +35,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -58,11 +58,11 @@ from nicswitch_agent.clusterd.rpc_policy import (
     must_register_again,
     nothing_sent,
 )
+from nicswitch_agent.clusterd.stream_gate import StreamGate
 from nicswitch_agent.clusterd.stream_thread import StreamThread
 
 logger = logging.getLogger("nicswitch_agent.process_manage")
 
-_Call = TypeVar("_Call", bound=grpc.RpcContext)
 
 # Signal types and actions, as ClusterD spells them (docs/clusterd.md#process-manage-signals).
 KEEP_ALIVE = "keep-alive"
@@ -99,89 +99,6 @@ REGISTER_ROUNDS = 3
 # A stream that ends cleanly with no signal within this long: a server that ends every stream at
 # once; the next subscribe backs off (rpc_policy.EndsAtOnce with a burst of one).
 QUICK_END_S = 0.5
-
-
-class StreamGate:
-    """Lets the notify stream open only while (and after) the process-manage stream is open.
-
-    Each opening of the process-manage stream is a new ``generation``: it resets ClusterD's job
-    controller and so ends the notify stream opened before it. After its own stream ended, the
-    notify subscriber waits for a newer generation, so it reopens *after* the reset.
-
-    The notify stream is started through :meth:`start`, under the gate's lock, and :meth:`close`
-    cancels it. A notify subscribe sent while our process-manage stream looked open can still reach
-    ClusterD after a reset it had already made (the end of a switch resets the job): without the
-    cancel, that stream would be open in the new job state when we subscribe again, which is the
-    wrong order (docs/clusterd.md#subscribe-order). With it, the notify stream's cancel goes out
-    on the channel before the next subscribe.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()  # guards _open, generation, _dependent and _cancelled*
-        self._open = False
-        self.generation = 0
-        self._dependent: grpc.RpcContext | None = None  # the notify call started under this gate
-        self._cancelled: grpc.RpcContext | None = None  # the call close() cancelled, until finish()
-        self._cancel_error: str | None = None  # the error close() was given when it cancelled that call
-
-    def open(self) -> None:
-        with self._cond:
-            self._open, self.generation = True, self.generation + 1
-            self._cond.notify_all()
-
-    def close(self, error: str | None = None) -> None:
-        """Close, and cancel the stream started under the gate; both are done when this returns.
-        ``error``: why the process-manage stream failed (None: it ended cleanly, a reset, or stop):
-        the cancelled stream was lost with it (:meth:`lost_with`)."""
-        with self._cond:
-            self._open = False
-            call, self._dependent = self._dependent, None
-            if call is not None:
-                self._cancelled, self._cancel_error = call, error
-            self._cond.notify_all()
-        if call is not None:
-            call.cancel()  # outside the lock: no new call can start, the gate is closed
-
-    def start(self, open_call: Callable[[], _Call]) -> tuple[_Call, int] | None:
-        """Start a stream that :meth:`close` will cancel, and return it with this generation; None
-        (nothing started) when the gate is closed."""
-        with self._cond:
-            if not self._open:
-                return None
-            call = open_call()
-            self._dependent = call
-            return call, self.generation
-
-    def cancelled(self, call: grpc.RpcContext) -> bool:
-        """Whether :meth:`close` cancelled ``call`` (its end is the gate's, not its own error)."""
-        with self._cond:
-            return self._cancelled is call
-
-    def lost_with(self, call: grpc.RpcContext) -> str | None:
-        """The process-manage stream's error when :meth:`close` cancelled ``call``: the connection
-        went, and ``call`` with it (None: not cancelled, or closed by a clean end)."""
-        with self._cond:
-            return self._cancel_error if self._cancelled is call else None
-
-    def finish(self, call: grpc.RpcContext) -> None:
-        """``call`` has ended: forget it."""
-        with self._cond:
-            if self._dependent is call:
-                self._dependent = None
-            if self._cancelled is call:
-                self._cancelled = None
-
-    def is_set(self) -> bool:
-        return self._open
-
-    def wait(self, newer_than: int, timeout: float) -> bool:
-        """True once open with a generation above ``newer_than``; False after ``timeout``."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._open and self.generation > newer_than, timeout)
-
-    def wait_open(self, timeout: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self._open, timeout)
 
 
 class RegistrationRefused(Exception):
@@ -309,6 +226,7 @@ class ProcessManageClient(StreamThread):
         self.conflict = ""
         self.conflict_resets = 0  # quiet clean ends seen, in all
         self._real_signals = 0  # signals other than keep-alives; only this thread writes it
+        self._signalled = threading.Condition()  # notified at each of them (wait_signal_after)
         self.gate = StreamGate()  # open while our stream is open: the notify stream may open
         self.registered = False
         self.opens = 0
@@ -367,6 +285,17 @@ class ProcessManageClient(StreamThread):
     def is_current(self, stream: int) -> bool:
         """True while ``stream`` is the open process-manage stream (ClusterD has not reset since)."""
         return stream == self.stream_id and self._stream_live
+
+    @property
+    def real_signals(self) -> int:
+        """How many signals other than keep-alives came so far, on every stream."""
+        return self._real_signals
+
+    def wait_signal_after(self, seen: int, timeout: float) -> bool:
+        """Whether a signal other than a keep-alive came after the first ``seen``, waiting up to
+        ``timeout`` for one (``seen``: :attr:`real_signals` read earlier)."""
+        with self._signalled:
+            return self._signalled.wait_for(lambda: self._real_signals > seen, timeout)
 
     def close_reports(self, timeout: float) -> None:
         """Send no more reports; wait (bounded) for one on the wire, before the stream is closed."""
@@ -686,7 +615,9 @@ class ProcessManageClient(StreamThread):
         if signal.signalType == KEEP_ALIVE:
             self.last_keepalive_mono = time.monotonic()
             return
-        self._real_signals += 1
+        with self._signalled:
+            self._real_signals += 1
+            self._signalled.notify_all()
         try:
             self._on_signal(signal)
         except Exception:

@@ -66,6 +66,7 @@ class LeaderSession:
         self._callbacks = callbacks
         self.controller: AgentModeController | None = None
         self.process_manage: ProcessManageClient | None = None
+        self._signals_at_stop = 0  # real signals seen when the stop began (end_process_manage)
         self.subscriber: NotifySubscriber | None = None
         self.channel: grpc.Channel = open_channel(ChannelSettings(
             target=cfg.server,
@@ -196,13 +197,22 @@ class LeaderSession:
 
     def stop_notify(self) -> None:
         """No new lists (the first step of every stop)."""
+        if self.process_manage is not None:
+            self._signals_at_stop = self.process_manage.real_signals
         if self.subscriber is not None:
             self.subscriber.stop()
 
-    def end_process_manage(self) -> None:
+    def end_process_manage(self, *, after_reply: bool = False) -> None:
         """End the process-manage stream and the signal worker; only once every owed reply is
-        settled (ClusterD resets the job when the stream ends)."""
+        settled (ClusterD resets the job when the stream ends). ``after_reply``: the stop sent a
+        reply (or saw one go out): ClusterD tells the operator how the switch ended only when its
+        state machine takes the reply, and then sends its next signal (``stop_train`` after a
+        false one); a reset before that ends the operator's stream with no message
+        (docs/clusterd.md#resets-and-stream-ends). So wait for that signal first, bounded."""
         timeout = self._cfg.stop_timeout_s
+        manage = self.process_manage
+        if manage is not None and after_reply and manage.stream_open:  # (not open: nothing will come)
+            manage.wait_signal_after(self._signals_at_stop, timeout)
         if self.process_manage is not None:
             # No report after this point (ClusterD would keep it for its next question), and
             # one on the wire arrives before the stream ends.
