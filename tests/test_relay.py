@@ -296,13 +296,34 @@ def test_a_rank_gone_during_the_pause_fails_the_pause_at_once_naming_the_rank(li
     job = KV(nodes[1].relay.job.store, PREFIX)
     assert support.wait_until(lambda: job.check([p.why_key(epoch, 1)]), 20)  # not the hour
     assert job.get(p.why_key(epoch, 1)) == ("no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to "
-                                             "the relay closed (the process ended)")
+                                             "the relay closed (the process ended, or its agent stopped)")
     outcome = pausing.result(20)
     assert not outcome.ok
     # Node 0's answer may still be on its way when node 1 ends the wait: then it is named as such
-    assert outcome.reason in ("node 1: no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to the relay "
-                              f"closed (the process ended){tail}" for tail in ("", "; node 0 (ranks 0-1) had not "
-                                                                                  "answered yet")), outcome.reason
+    said = "node 1: no answer to the pause from rank(s) 3; rank(s) 3 gone: their link to the relay closed (the " \
+        "process ended, or its agent stopped)"
+    assert outcome.reason in (said, said + "; node 0 (ranks 0-1) had not answered yet"), outcome.reason
+
+
+def test_a_rank_whose_agent_stopped_while_its_process_lives_is_gone_for_the_next_pause(linked: Any) -> None:
+    """A rank's stop wakes its member's blocking recv by shutting its link's reading side
+    (node_link.py): the hub's next send to it fails, so the next pause fails at once naming the
+    rank instead of waiting its whole timeout (an hour here) for a member that stopped."""
+    leader, nodes, pool = linked
+    rank3 = nodes[1].views[1].store
+    reading = pool.submit(rank3.queue_pop_within, f"{PREFIX}/{queues.queue_name(1)}", 30.0)  # (bounded: a pool thread)
+    assert support.wait_until(lambda: rank3._reading, 20)
+    rank3.queue_push(f"{PREFIX}/{queues.queue_name(1)}", "wake")  # Member.stop(): its own queue's wake
+    assert reading.result(20) == b"wake"
+    pausing: Future[Any] = pool.submit(leader.pause, 3600.0)
+    for node in nodes:
+        for slot, rank in enumerate(node.ranks):
+            if rank != 3:  # the others answer; rank 3's event found its link shut
+                node.completed(slot, int(node.next_event(slot)["e"]), 10)
+    outcome = pausing.result(20)
+    assert not outcome.ok
+    assert "rank(s) 3 gone: their link to the relay closed (the process ended, or its agent stopped)" in \
+        outcome.reason, outcome.reason
 
 
 def test_a_rank_gone_before_it_parked_fails_the_pause_at_once_naming_the_rank(linked: Any) -> None:

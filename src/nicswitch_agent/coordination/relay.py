@@ -355,7 +355,7 @@ class NodeRelay:
         """For a phase's failure: which of the silent slots are gone (the node link knows)."""
         gone = sorted(queues.gone(self.local, self.size).difference(answered))
         return f"; {self._slots_are} {_listed([self._names[slot] for slot in gone])} gone: their link to the " \
-               "relay closed (the process ended)" if gone else ""
+               "relay closed (the process ended, or its agent stopped)" if gone else ""
 
     def _left_unread(self, epoch: int, phase: str) -> None:
         """A phase decided before every slot's answer was read: on queues, empty it at the release."""
