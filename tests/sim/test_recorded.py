@@ -48,9 +48,16 @@ def _health_unavailable(client: Client) -> None:
 
 
 def _switch_with_subscribers(setup: Setup, count: int) -> list[StreamReader]:
-    """Agent first, then ``count`` notify subscribers (each on its own channel), in order."""
+    """Agent first, then ``count`` notify subscribers (each on its own channel), in order: each
+    waiting for a list before the next subscribes (a stream waits some time after its open, and
+    under load worker1's handler could wait before worker0's: it would then get the list)."""
     setup.register_agent()
-    return [setup.subscribe_worker(setup.client(f"worker{index}")) for index in range(count)]
+    readers = []
+    for index in range(count):
+        readers.append(setup.subscribe_worker(setup.client(f"worker{index}")))
+        assert setup.sim.wait_until(lambda s, n=index + 1: s.job_view(JOB).list_waiters == n, WAIT), \
+            f"worker{index} never waited for a list"
+    return readers
 
 
 def test_the_longest_waiting_subscriber_gets_every_list(make_setup: Callable[..., Setup]) -> None:

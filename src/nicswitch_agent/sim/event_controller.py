@@ -78,6 +78,7 @@ class JobController(StreamSide, StateHandlers):
                 violations=self._violations + ([UNCONFIRMED_LIST] if self._gen.unconfirmed_send else []),
                 resets=list(self._resets),
                 queued=self._queued(),
+                list_waiters=len(self._gen.list_waiters),
             )
 
     def _queued(self) -> dict[str, int]:

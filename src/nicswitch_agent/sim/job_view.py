@@ -36,6 +36,9 @@ class JobView:
         queued: what waits in the current generation's channels: ``events``, the one-slot
             ``signal``, ``rank_list``, ``result``, ``stop_report``, ``strategy_report``,
             ``status_report`` (0 or 1) and ``om`` (0..10).
+        list_waiters: notify subscribers of the current generation waiting for a rank list, in
+            the order they will get one (a stream counts once its handler waits, which comes
+            after its open: a test that orders subscribers must wait for this, not the open).
     """
 
     job_id: str
@@ -57,6 +60,7 @@ class JobView:
     violations: list[str]
     resets: list[str]
     queued: dict[str, int]
+    list_waiters: int = 0
 
     @property
     def action_path_text(self) -> str:

@@ -133,6 +133,7 @@ class StreamSide(Machine):
                     return None
                 if token not in gen.list_waiters:
                     gen.list_waiters.append(token)
+                    self._changed()  # JobView.list_waiters: a test may wait for it
                 if gen.rank_list is not None and gen.list_waiters[0] is token:
                     gen.list_waiters.popleft()
                     rank_list, gen.rank_list = gen.rank_list, None
