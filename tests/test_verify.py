@@ -408,7 +408,9 @@ def test_pause_auto_does_not_fall_back_to_external_with_a_hook_that_runs_collect
             assert support.wait_until(lambda: fighting.status().get("conflict") is not None, 20), fighting.status()
             status = fighting.status()
             assert status["pause"] == "agent" and "backing off" in status["conflict"]["action"], status
-            assert any("not falling back to pause mode external: Collective run(s) collectives" in r.getMessage()
-                       for r in caplog.records if r.levelname == "ERROR")
+            # Logged by the agent when the process-manage client tells it, just after status shows the conflict
+            assert support.wait_until(lambda: any(
+                "not falling back to pause mode external: Collective run(s) collectives" in r.getMessage()
+                for r in list(caplog.records) if r.levelname == "ERROR"), 20)
         finally:
             fighting.stop()
