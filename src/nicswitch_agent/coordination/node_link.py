@@ -81,15 +81,8 @@ class _Copy:
         self._data: dict[str, bytes] = {}
         self._queues: dict[str, collections.deque[bytes]] = {}
         self._cond = threading.Condition()
-        self._reading = False  # a thread is in poll() on the sockets (only one may be)
+        self._reading = False  # a thread is reading the sockets (only one may be)
         self._waiters = 0  # threads in self._cond.wait(): a change with none notifies nobody (no Python call)
-        # The reader's poll set, kept while the peers and the listener stay the same objects (one
-        # reader at a time): (peers and listener, peer by descriptor, the listener's, poll object).
-        self._polled: tuple[tuple[object, ...], dict[int, wire.Peer], list[int], Any] = ((), {}, [], None)
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        weakref.finalize(self, wire.close_fds, self._wake_r, self._wake_w)
         self.lost = ""  # why this side cannot go on (set once): every wait raises it
         self.closed_on_purpose = False  # the other side said it closes (its agent stopped): nothing failed
 
@@ -104,13 +97,6 @@ class _Copy:
 
     def _closed(self, peer: wire.Peer, why: str) -> None:
         """``peer``'s socket ended (under the lock)."""
-        raise NotImplementedError
-
-    def _listening(self) -> socket.socket | None:
-        """A listening socket the reading thread accepts on (the hub's), under no lock."""
-        return None
-
-    def _accept(self) -> None:
         raise NotImplementedError
 
     def _can_read(self) -> bool:
@@ -129,10 +115,7 @@ class _Copy:
 
     def _changed(self) -> None:
         """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
-        self._notify()
-        if self._reading:
-            with contextlib.suppress(BlockingIOError):  # the pipe is full of wakes already
-                os.write(self._wake_w, b"x")
+        raise NotImplementedError
 
     def _apply(self, op: int, key: str, value: bytes) -> None:
         if op == wire.SET:
@@ -193,40 +176,9 @@ class _Copy:
         self._wait_for(lambda: None, 0.0)
 
     def _read(self, peers: list[wire.Peer], timeout_s: float) -> list[tuple[wire.Peer, list[wire.Frame], str | None]]:
-        """One ``poll`` over the peers and the wake pipe (no lock held): what each peer sent,
-        and why its socket ended (None while it is open)."""
-        listener = self._listening()
-        sockets = (*peers, listener)
-        try:
-            if sockets != self._polled[0]:
-                by_fd = {peer.sock.fileno(): peer for peer in peers}
-                listening = [] if listener is None else [listener.fileno()]
-                self._polled = (sockets, by_fd, listening, wire.poller((*by_fd, *listening, self._wake_r)))
-            _, by_fd, listening, poller = self._polled
-            ready = wire.poll(poller, timeout_s)
-        except (OSError, ValueError):  # a socket closed under us (stop): the caller looks again
-            self._polled = ((), {}, [], None)
-            return []
-        out: list[tuple[wire.Peer, list[wire.Frame], str | None]] = []
-        for fd in ready:
-            if fd in listening:
-                self._accept()  # takes the lock: this thread holds none here
-                continue
-            if fd == self._wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
-                continue
-            peer = by_fd[fd]
-            try:
-                data = peer.sock.recv(wire.RECV_BYTES)
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError as exc:
-                out.append((peer, [], f"{type(exc).__name__}: {exc}"))
-                continue
-            out.append((peer, peer.frames(data), None if data else "closed by the other side"))
-        return out
+        """Wait up to ``timeout_s`` for the peers (no lock held): what each sent, and why its
+        socket ended (None while it is open)."""
+        raise NotImplementedError
 
     # -- the Store calls the coordination makes (kv.KV) ----------------------------------------
 
@@ -316,12 +268,63 @@ class NodeHub(_Copy):
         self._accept_lock = threading.Lock()
         self.address = f"{SCHEME}@{self._name}"
         self._shut = False
+        # The reading thread's poll set, kept while the peers and the listener stay the same objects (one
+        # reader at a time): (peers and listener, peer by descriptor, the listener's, poll object).
+        self._polled: tuple[tuple[object, ...], dict[int, wire.Peer], list[int], Any] = ((), {}, [], None)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        weakref.finalize(self, wire.close_fds, self._wake_r, self._wake_w)
 
     def _readable(self) -> list[wire.Peer]:
         return list(self._peers.values())
 
     def _listening(self) -> socket.socket | None:
+        """The listening socket the reading thread accepts on, under no lock (None once shut)."""
         return None if self._shut else self._listener
+
+    def _changed(self) -> None:
+        """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
+        self._notify()
+        if self._reading:
+            with contextlib.suppress(BlockingIOError):  # the pipe is full of wakes already
+                os.write(self._wake_w, b"x")
+
+    def _read(self, peers: list[wire.Peer], timeout_s: float) -> list[tuple[wire.Peer, list[wire.Frame], str | None]]:
+        """One ``poll`` over the peers and the wake pipe (no lock held): what each peer sent,
+        and why its socket ended (None while it is open)."""
+        listener = self._listening()
+        sockets = (*peers, listener)
+        try:
+            if sockets != self._polled[0]:
+                by_fd = {peer.sock.fileno(): peer for peer in peers}
+                listening = [] if listener is None else [listener.fileno()]
+                self._polled = (sockets, by_fd, listening, wire.poller((*by_fd, *listening, self._wake_r)))
+            _, by_fd, listening, poller = self._polled
+            ready = wire.poll(poller, timeout_s)
+        except (OSError, ValueError):  # a socket closed under us (stop): the caller looks again
+            self._polled = ((), {}, [], None)
+            return []
+        out: list[tuple[wire.Peer, list[wire.Frame], str | None]] = []
+        for fd in ready:
+            if fd in listening:
+                self._accept()  # takes the lock: this thread holds none here
+                continue
+            if fd == self._wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._wake_r, 4096):
+                        pass
+                continue
+            peer = by_fd[fd]
+            try:
+                data = peer.sock.recv(wire.RECV_BYTES)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError as exc:
+                out.append((peer, [], f"{type(exc).__name__}: {exc}"))
+                continue
+            out.append((peer, peer.frames(data), None if data else "closed by the other side"))
+        return out
 
     def _remote(self, key: str) -> bool:
         return False  # keys are set here only
