@@ -339,20 +339,28 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         hang.set()
 
 
+def _stop_the_leader_in_rank_2s_switch_hook(
+        sim: Simulator, make_job: Any, hang: threading.Event) -> tuple[Any, list[str]]:
+    """A switch whose hook hangs on rank 2; the leader stopped (SIGTERM) while it does, then the
+    hook let go. Returns the job and what the operator heard."""
+    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
+    assert sim.wait_until(streams_ready, 10)
+    messages: list[str] = []
+    operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
+    operator.start()
+    assert job.hooks[2].entered.wait(20)
+    job.ranks[0].agent.stop("SIGTERM received")
+    hang.set()
+    operator.join(60)
+    return job, messages
+
+
 def test_a_leader_stopped_mid_switch_stops_every_ranks_training(sim: Simulator, make_job: Any) -> None:
     """The switch hook runs on rank 2 when the leader goes away: the links may have moved, and no
     rank resumes training on them (the operator hears false)."""
     hang = threading.Event()
-    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
     try:
-        assert sim.wait_until(streams_ready, 10)
-        messages: list[str] = []
-        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
-        operator.start()
-        assert job.hooks[2].entered.wait(20)
-        job.ranks[0].agent.stop("SIGTERM received")
-        hang.set()
-        operator.join(60)
+        job, messages = _stop_the_leader_in_rank_2s_switch_hook(sim, make_job, hang)
         assert messages == ["switch nic failed, switch nic failed"]
         for rank in job.ranks:
             assert rank.done.wait(20), f"rank {rank.rank} was neither stopped nor ended"
@@ -385,16 +393,8 @@ def test_a_leader_stopped_mid_switch_ends_its_stream_only_once_clusterd_took_its
     monkeypatch.setattr(ProcessManageClient, "wait_signal_after", wait_signal_after)
     monkeypatch.setattr(StateHandlers, "_h_wait_switch_nic_finish", held)
     hang = threading.Event()
-    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
     try:
-        assert sim.wait_until(streams_ready, 10)
-        messages: list[str] = []
-        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
-        operator.start()
-        assert job.hooks[2].entered.wait(20)
-        job.ranks[0].agent.stop("SIGTERM received")
-        hang.set()
-        operator.join(60)
+        _job, messages = _stop_the_leader_in_rank_2s_switch_hook(sim, make_job, hang)
         assert messages == ["switch nic failed, switch nic failed"]
     finally:
         hang.set()
