@@ -46,6 +46,42 @@ def test_the_earlier_json_list_form_is_still_read() -> None:
     assert (decoded.ranks, decoded.ops) == ((3, 2), (True, False))
 
 
+JSON_VALUE = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(),
+                          lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+                          max_leaves=12)
+
+
+@given(st.dictionaries(st.text(), JSON_VALUE, max_size=6))
+def test_a_message_encodes_as_json_dumps_does_and_decodes_as_json_loads_does(fields: dict[str, object]) -> None:
+    """messages.py calls json's C encoder and scanner directly (no encoder built, no Python frames
+    per message): the text and the value must be json's own, else levels of different versions
+    disagree."""
+    message = {"t": "pause", **fields}
+    text = p.encode(message)
+    assert text == json.dumps(message, separators=(",", ":"))
+    assert json.dumps(p.decode(text)) == json.dumps(json.loads(text))  # NaN != NaN: compared as text
+
+
+@pytest.mark.parametrize("text", ['{"t":"a"}', ' {"t":"a"}\n', '{"t":"a"}x', '{"t":"a"} {}', "", "[1]", '{"x":1}',
+                                  '"t"', "nan", '{"t":1,"t":2}', '{"t":"\\u00e9"}', '{"t":"a"'])
+def test_a_message_is_refused_exactly_where_json_loads_refuses_it_or_it_is_not_a_message(text: str) -> None:
+    try:
+        value = json.loads(text)
+        expected = value if isinstance(value, dict) and "t" in value else None
+    except ValueError:
+        expected = None
+    if expected is None:
+        with pytest.raises(ValueError):
+            p.decode(text)
+    else:
+        assert p.decode(text) == expected
+
+
+def test_without_json_s_c_encoder_a_message_still_encodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p, "_C_ENCODE", None)
+    assert p.encode({"t": "pause", "e": 1}) == '{"t":"pause","e":1}'
+
+
 def test_mismatched_lengths_are_refused() -> None:
     good = json.loads(p.encode_order(SwitchOrder(seq=1, job_id="j", ranks=(1, 2), ops=(True, False))))
     good["ops"] = "1"

@@ -101,6 +101,51 @@ def test_a_ranks_stop_wakes_its_own_waits_and_the_hub_hears_nothing_of_it(hub: N
     assert hub.queue_len(queue(1)) == 0 and not hub.check([f"{PREFIX}/go/7"])
 
 
+def test_a_ranks_stop_wakes_its_members_wait_for_the_next_event_alone(hub: NodeHub) -> None:
+    """The member's read of its own queue (one recv, no general wait around it) still says that
+    it reads: the stop's wake must shut the socket under it, or the wait lasts its whole bound."""
+    rank = link(hub, 1)
+    kv = KV(rank, PREFIX, queues=True)
+    with ThreadPoolExecutor(1) as pool:
+        popping = pool.submit(kv.pop, "q/1", 3600.0)
+        assert support.wait_until(lambda: rank._reading, 10)
+        kv.clone().push("q/1", "wake")  # as Member.stop()
+        assert popping.result(20) == "wake"
+
+
+def test_a_wait_for_the_next_event_takes_its_own_bound_after_a_longer_one(hub: NodeHub) -> None:
+    """The link sets its socket's receive bound only when the wait's bound changes (the member
+    waits an hour when idle, max_parked_s when parked): a shorter wait after a longer must end
+    at its own bound, not the hour's."""
+    rank = link(hub, 1)
+    hub.queue_push(queue(1), "the pause")
+    assert rank.queue_pop_within(queue(1), 3600.0) == b"the pause"
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(rank.queue_pop_within, queue(1), 0.2).result(30) is None
+        hub.queue_push(queue(1), "the target")
+        assert pool.submit(rank.queue_pop_within, queue(1), 3600.0).result(30) == b"the target"
+
+
+def test_a_members_look_for_a_next_event_reads_no_socket(hub: NodeHub) -> None:
+    """queues.waiting (is the leader past this order?) answers from the rank's copy: a read of the
+    socket would be a system call and a release of the GIL on every order, on every rank."""
+    from nicswitch_agent.coordination import queues
+
+    rank = link(hub, 1)
+    kv = KV(rank, PREFIX, queues=True)
+    hub.queue_push(queue(1), "the order")
+    hub.queue_push(queue(1), "the release")
+    assert kv.pop("q/1", 5.0) == "the order"  # one recv took both: the release is in the copy
+    reads: list[object] = []
+    real_read = rank._read
+    rank._read = lambda *args: reads.append(args) or real_read(*args)  # type: ignore[method-assign]
+    assert queues.waiting(kv, 1, 2) and reads == []
+    assert kv.pop("q/1", 5.0) == "the release" and not queues.waiting(kv, 1, 3) and reads == []
+    hub.queue_push(queue(1), "unread: still in the socket")
+    assert not queues.waiting(kv, 1, 3) and reads == []  # arrived a moment later, as far as this look knows
+    assert kv.queued("q/1") == 1  # a Store's count still reads what has arrived
+
+
 def test_a_link_closed_while_a_thread_waits_in_its_recv_ends_that_wait(hub: NodeHub) -> None:
     """A rank's link reads with one blocking recv (no poll, no wake pipe): closing the socket alone
     would leave that recv blocked for the wait's whole bound; close() must end it (LinkLost now)."""

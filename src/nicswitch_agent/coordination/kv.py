@@ -249,6 +249,13 @@ class KV:
         """How many values queue ``key`` holds."""
         return int(self.store.queue_len(self._k(key)))  # type: ignore[attr-defined]
 
+    def queued_here(self, key: str) -> int:
+        """As :meth:`queued`, but on a rank's node link what its copy holds, without reading its
+        socket (what is still in the socket counts as arrived a moment later): no system call."""
+        if hasattr(type(self.store), "queued_here"):
+            return int(self.store.queued_here(self._k(key)))  # type: ignore[attr-defined]
+        return self.queued(key)
+
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
         """Block until every key exists (True) or ``timeout_s`` passes (False). For waits that
         normally succeed; use :meth:`poll_all` where a timeout is a normal outcome."""

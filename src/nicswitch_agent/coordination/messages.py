@@ -95,6 +95,8 @@ from __future__ import annotations
 import array
 import base64
 import json
+import json.encoder
+import json.scanner
 import os
 import sys
 from collections.abc import Iterator
@@ -242,12 +244,30 @@ def result_key(epoch: int, name: str, index: int) -> str:
     return f"e/{epoch}/res/{name}/{index}"
 
 
+# Every event and answer is encoded once and decoded at every level below it: json's C encoder
+# and scanner called directly, not json.dumps/json.loads, which build an encoder (non-default
+# separators) or walk three Python frames for every message (docs/performance.md). Where the C
+# accelerators are missing (not CPython), json's own functions.
+_ENCODER = json.JSONEncoder(separators=(",", ":"))
+_MAKE_C_ENCODER: Any = getattr(json.encoder, "c_make_encoder", None)  # not in typeshed: private to json
+_C_ENCODE: Any = None if _MAKE_C_ENCODER is None else _MAKE_C_ENCODER(
+    None, _ENCODER.default, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
+_SCAN: Any = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]  # typeshed has it wrong
+
+
 def encode(message: dict[str, Any]) -> str:
-    return json.dumps(message, separators=(",", ":"))
+    if _C_ENCODE is None:
+        return _ENCODER.encode(message)
+    return "".join(_C_ENCODE(message, 0))
 
 
 def decode(text: str) -> dict[str, Any]:
-    value = json.loads(text)
+    try:
+        value, end = _SCAN(text, 0)
+    except (StopIteration, RecursionError):  # StopIteration: no JSON value at 0 (the scanner's way to say it)
+        end = -1
+    if end != len(text):  # whitespace around it, more after it, or no JSON: as json.loads says it
+        value = json.loads(text)
     if not isinstance(value, dict) or "t" not in value:
         raise ValueError(f"not a coordination message: {text[:200]!r}")
     return value

@@ -80,7 +80,10 @@ class _Copy:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._queues: dict[str, collections.deque[bytes]] = {}
-        self._cond = threading.Condition()
+        # The condition's lock, for the paths that only need the lock (``with`` on a lock runs no
+        # Python frame; on a Condition it runs two).
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._reading = False  # a thread is reading the sockets (only one may be)
         self._waiters = 0  # threads in self._cond.wait(): a change with none notifies nobody (no Python call)
         self.lost = ""  # why this side cannot go on (set once): every wait raises it
@@ -358,6 +361,10 @@ class NodeHub(_Copy):
         closes meanwhile, so the relay can stop waiting for a rank that will never answer."""
         if not self._remote_queue(key):
             return super().queue_pop_within(key, timeout_s)
+        with self._lock:  # an answer that came with an earlier one's read: no wait to set up
+            queue = self._queues.get(key)
+            if queue:
+                return queue.popleft()
         seen, gone = self._gone_count, GONE.encode()
 
         def take() -> bytes | None:
@@ -563,6 +570,7 @@ class NodeLink(_Copy):
             raise LinkLost(f"could not reach the node's relay at {address}: {type(exc).__name__}: {exc}") from exc
         wire.bound_sends(sock)
         self._peer = wire.Peer(sock)
+        self._bound = -1.0  # the socket's receive bound (SO_RCVTIMEO) now, in seconds
         self._woken = False  # a local change shut the reading side to wake the reader (see _changed)
 
     def _readable(self) -> list[wire.Peer]:
@@ -580,7 +588,9 @@ class NodeLink(_Copy):
             if timeout_s <= 0.0:
                 data = peer.sock.recv(wire.RECV_BYTES, socket.MSG_DONTWAIT)
             else:
-                wire.bound_receive(peer.sock, timeout_s)
+                if timeout_s != self._bound:  # the member waits with one of two bounds: set once each time it changes
+                    wire.bound_receive(peer.sock, timeout_s)
+                    self._bound = timeout_s
                 data = peer.sock.recv(wire.RECV_BYTES)
         except (BlockingIOError, InterruptedError):  # nothing within the bound
             return []
@@ -592,6 +602,45 @@ class NodeLink(_Copy):
 
     def _can_read(self) -> bool:
         return not self._woken
+
+    def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
+        """As a Store's. The rank's own queue, which its member's thread reads for every event,
+        takes a short path: one lock, one ``recv``, one lock (the general wait takes the rest: a
+        wait that ends with no event, a rank woken by its stop, another thread reading)."""
+        if key != self._queue:
+            return super().queue_pop_within(key, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue:
+                return queue.popleft()
+            short = not (self._reading or self.lost or self._woken or timeout_s <= 0.0)
+            if short:
+                self._reading = True
+        if short:
+            try:
+                arrived = self._read([self._peer], timeout_s)
+            except BaseException:
+                with self._lock:
+                    self._reading = False
+                raise
+            with self._lock:  # the read's end and what it brought in one hold, as in the general wait
+                self._reading = False
+                for peer, frames, why in arrived:
+                    if frames:
+                        self._receive(peer, frames)
+                    if why is not None:
+                        self._closed(peer, why)
+                self._notify()
+                queue = self._queues.get(key)
+                if queue:
+                    return queue.popleft()
+        return super().queue_pop_within(key, deadline - time.monotonic())
+
+    def queued_here(self, key: str) -> int:
+        """How many values queue ``key`` holds in this copy, without reading the socket."""
+        with self._lock:
+            return len(self._queues.get(key, ()))
 
     def _changed(self) -> None:
         """A local change: on a rank's link only its stop makes one (its own queue's wake, its go

@@ -83,9 +83,12 @@ def done(kv: KV, reader: int, n: int) -> None:
 
 
 def waiting(kv: KV, reader: int, n: int) -> bool:
-    """Is event ``n`` (the one after the reader's current) already there: has the writer moved on?"""
+    """Is event ``n`` (the one after the reader's current) already there: has the writer moved on?
+    (As far as the reader knows now: an event arriving a moment later is a writer that moves on a
+    moment later, which no look can exclude. On the node link the rank's copy says it, without a
+    read of its socket for every order.)"""
     if kv.queues:
-        return kv.queued(queue_name(reader)) > 0
+        return kv.queued_here(queue_name(reader)) > 0
     return kv.check([p.queue_key(reader, n)])
 
 
