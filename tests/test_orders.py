@@ -318,3 +318,14 @@ def test_standby_and_primary_partition_the_ranks(data: tuple[list[int], list[boo
         assert text.endswith(f" (+{len(ranks) - limit} more)")
     else:
         assert "more)" not in text
+
+
+@given(st.lists(st.integers(min_value=0, max_value=4096), max_size=64), st.integers(min_value=1, max_value=16),
+       st.integers(min_value=0, max_value=300))
+def test_a_nodes_local_ranks_are_the_listed_ranks_on_that_node_in_the_orders_order(
+        ranks: list[int], per_node: int, node: int) -> None:
+    from nicswitch_agent.orders import RankMap
+
+    order = SwitchOrder(seq=1, job_id="j", ranks=tuple(ranks), ops=tuple(r % 2 == 0 for r in ranks))
+    expected = tuple(r for r in ranks if r // per_node == node)
+    assert RankMap(per_node, node).local_ranks(order) == expected

@@ -181,4 +181,5 @@ class RankMap:
 
     def local_ranks(self, order: SwitchOrder) -> tuple[int, ...]:
         """The ranks of ``order`` on this node, in the order's order."""
-        return tuple(r for r in order.ranks if r // self.local_world_size == self.node_rank)
+        first = self.node_rank * self.local_world_size  # a list comprehension: no generator step per rank
+        return tuple([r for r in order.ranks if first <= r < first + self.local_world_size])

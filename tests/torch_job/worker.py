@@ -216,6 +216,17 @@ def main() -> int:
         write_result()
         return code
 
+    def agents_started(rank: int, world: int) -> None:
+        """Every rank's agent is up (or failed to start) before the first collective: a leader
+        slow to start on a loaded machine must not make the first all_reduce outlast a short
+        NSW_PG_TIMEOUT_S (seen: the leader's start took 5.2 s, rank 1's all_reduce timed out)."""
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"nsw/agent-started/{rank}", "1")
+        try:
+            store.wait([f"nsw/agent-started/{r}" for r in range(world)], datetime.timedelta(seconds=120))
+        except RuntimeError:
+            log.warning("not every rank's agent started within 120 s; training starts anyway")
+
     def write_result() -> None:  # atomically: the test polls for the file and reads it at once
         tmp = out / f".rank{rank}.result.json.tmp"
         tmp.write_text(json.dumps(result, default=str))
@@ -264,7 +275,9 @@ def main() -> int:
         agent.start()
     except Exception as exc:
         traceback.print_exc()
+        agents_started(rank, world)
         return finish(EXIT_START, status="start_failed", reason=f"{type(exc).__name__}: {exc}")
+    agents_started(rank, world)
     result["status"] = "running"
     degraded = False
     try:

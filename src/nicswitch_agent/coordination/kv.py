@@ -157,7 +157,7 @@ class KV:
         return KV(self.store.clone(), self.prefix, queues=self.queues)
 
     def _k(self, key: str) -> str:
-        return self.prefix + key
+        return self.prefix + key  # (the hot paths below write ``self.prefix + key`` out: no call per key)
 
     def set(self, key: str, value: str) -> None:
         self.store.set(self._k(key), value)
@@ -217,13 +217,14 @@ class KV:
 
     def push(self, key: str, value: str) -> None:
         """Append to queue ``key`` (no reply: like ``set``, it does not wait for the Store)."""
-        self.store.queue_push(self._k(key), value)  # type: ignore[attr-defined]
+        self.store.queue_push(self.prefix + key, value)  # type: ignore[attr-defined]
 
     def push_each(self, keys: Sequence[str], value: str) -> None:
         """Append ``value`` to every queue of ``keys``: on the node link in one call
         (``NodeHub.queue_push_each``), elsewhere one push each."""
         if hasattr(type(self.store), "queue_push_each"):
-            self.store.queue_push_each([self._k(key) for key in keys], value)  # type: ignore[attr-defined]
+            prefix = self.prefix
+            self.store.queue_push_each([prefix + key for key in keys], value)  # type: ignore[attr-defined]
             return
         for key in keys:
             self.store.queue_push(self._k(key), value)  # type: ignore[attr-defined]
@@ -235,7 +236,7 @@ class KV:
         # set; their waits take it. (The type's, not the object's: fd_budget.StoreClient answers
         # any attribute.)
         if hasattr(type(self.store), "queue_pop_within"):
-            value = self.store.queue_pop_within(self._k(key), timeout_s)  # type: ignore[attr-defined]
+            value = self.store.queue_pop_within(self.prefix + key, timeout_s)  # type: ignore[attr-defined]
             return None if value is None else value.decode()
         self.store.set_timeout(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
         try:
@@ -253,7 +254,7 @@ class KV:
         """As :meth:`queued`, but on a rank's node link what its copy holds, without reading its
         socket (what is still in the socket counts as arrived a moment later): no system call."""
         if hasattr(type(self.store), "queued_here"):
-            return int(self.store.queued_here(self._k(key)))  # type: ignore[attr-defined]
+            return int(self.store.queued_here(self.prefix + key))  # type: ignore[attr-defined]
         return self.queued(key)
 
     def wait(self, keys: Sequence[str], timeout_s: float) -> bool:

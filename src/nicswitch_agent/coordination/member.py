@@ -275,7 +275,9 @@ class Member:
             completed = self._last_step()  # ... then the last completed step
             # (None: step() was never called, which a pause that times out says)
             queues.answer_pause(self.kv, epoch, self.slot, completed, _expected(message))
-            self._emit("pause_requested", {"epoch": epoch, "completed_step": completed, "sent_at": message.get("at")})
+            if self._on_event is not None:  # (the event's dict is made only for a listener)
+                self._emit("pause_requested", {"epoch": epoch, "completed_step": completed,
+                                               "sent_at": message.get("at")})
         elif kind == p.TARGET:
             target_epoch = self._local_epoch.get(epoch)
             if target_epoch is None:
@@ -293,9 +295,10 @@ class Member:
                 self._in_flight = (epoch, name, _expected(message))
             result = self._run_order(epoch, message, order)
             duration = time.monotonic() - started
-            self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
-                                         "reason": result.reason, "duration_s": duration,
-                                         "parked": self.lot.parked, **_origin(message)})
+            if self._on_event is not None:
+                self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
+                                             "reason": result.reason, "duration_s": duration,
+                                             "parked": self.lot.parked, **_origin(message)})
             if message.get("kind") == p.KIND_VERIFY and self.hooks.verify_hook is not None and not self.hooks.dry_run:
                 self._record_verify(name, result, duration)
             with self._result_lock:
@@ -306,6 +309,8 @@ class Member:
                 if result.ok and p.followed_by_go(message):
                     self._follow_go(epoch, name, message)
         elif kind == p.OUTCOME:
+            if self._on_event is None:
+                return
             key, op = self._target
             link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
             self._emit("switch_outcome", {"rank": self.rank, "kind": message.get("kind"),

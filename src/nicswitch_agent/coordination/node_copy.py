@@ -26,8 +26,8 @@ class Copy:
     def __init__(self) -> None:
         self._data: dict[str, bytes] = {}
         self._queues: dict[str, collections.deque[bytes]] = {}
-        # The condition's lock, for the paths that only need the lock (``with`` on a lock runs no
-        # Python frame; on a Condition it runs two).
+        # Every hold takes the lock itself, the condition is for waits only: ``with`` on a lock runs
+        # no Python frame, on a Condition two (a few per event, on every rank and relay).
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._reading = False  # a thread is reading the sockets (only one may be)
@@ -83,7 +83,7 @@ class Copy:
         arrives to another thread). Raises :class:`LinkLost` once this side is lost (after what
         arrived before)."""
         deadline = time.monotonic() + max(0.0, timeout_s)
-        with self._cond:
+        with self._lock:
             while True:
                 got = take()
                 if got is not None:
@@ -102,11 +102,11 @@ class Copy:
                     continue
                 self._reading = True
                 peers = self._readable()
-                self._cond.release()
+                self._lock.release()
                 try:
                     arrived = self._read(peers, max(0.0, remaining))
                 finally:
-                    self._cond.acquire()
+                    self._lock.acquire()
                     self._reading = False
                 for peer, frames, why in arrived:
                     if frames:
@@ -152,7 +152,7 @@ class Copy:
 
     def check(self, keys: list[str]) -> bool:
         self._refresh()
-        with self._cond:
+        with self._lock:
             return all(k in self._data for k in keys)
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
@@ -175,7 +175,7 @@ class Copy:
 
     def queue_len(self, key: str) -> int:
         self._refresh()
-        with self._cond:
+        with self._lock:
             return len(self._queues.get(key, ()))
 
     def clone(self) -> Copy:

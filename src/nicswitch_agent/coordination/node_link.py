@@ -176,7 +176,7 @@ class NodeHub(Copy):
         again is back)."""
         if not self._gone:  # the common case, asked at every answer: no lock for it
             return frozenset()
-        with self._cond:
+        with self._lock:
             return frozenset(self._gone)
 
     def queue_pop_within(self, key: str, timeout_s: float) -> bytes | None:
@@ -216,7 +216,7 @@ class NodeHub(Copy):
                 if hello is None:
                     sock.close()
                     continue
-                with self._cond:
+                with self._lock:
                     old = self._peers.get(hello)
                     if old is not None:
                         old.sock.close()
@@ -278,7 +278,7 @@ class NodeHub(Copy):
 
     def multi_set(self, keys: list[str], values: list[str | bytes]) -> None:
         self._accept()
-        with self._cond:
+        with self._lock:
             data = b""
             for key, value in zip(keys, values, strict=True):
                 self._data[key] = wire.as_bytes(value)
@@ -292,7 +292,7 @@ class NodeHub(Copy):
         ``readers[i]`` (and this one: for local rank 0's member, and a rank that dials again). A
         go key is one rank's: sent to every copy, a node of n ranks would parse n x n of them."""
         self._accept()
-        with self._cond:
+        with self._lock:
             for key, value, reader in zip(keys, values, readers, strict=True):
                 self._data[key] = wire.as_bytes(value)
                 self._only_for[key] = reader
@@ -307,7 +307,7 @@ class NodeHub(Copy):
     def delete_keys(self, keys: Iterable[str]) -> int:
         """Delete every key, in every copy that has it: one message per rank for them all (a key
         set for one rank only, in that rank's copy)."""
-        with self._cond:
+        with self._lock:
             gone = [key for key in keys if self._data.pop(key, None) is not None]
             shared = b"".join(wire.frame(wire.DELETE, key) for key in gone if key not in self._only_for)
             own: dict[str, bytes] = {}
@@ -327,18 +327,23 @@ class NodeHub(Copy):
     def queue_push_each(self, keys: list[str], value: str | bytes) -> None:
         """Push ``value`` to every queue of ``keys`` (an event to the node's ranks), under one
         lock: each rank's to its socket, the others' here."""
-        if any(key not in self._peers and key != self._local_queue for key in keys):
+        peers = self._peers
+        if set(keys).difference(peers, (self._local_queue,)):
             self._accept()  # a rank that dialled since: its queue may be one of these
         data = wire.as_bytes(value)
         kept = False
-        with self._cond:
+        with self._lock:
             for key in keys:
-                peer = self._peers.get(key)
-                if peer is not None:
-                    self._send(peer, wire.frame(wire.PUSH, key, data))
-                else:
+                peer = peers.get(key)
+                if peer is None:
                     self._apply(wire.PUSH, key, data)
                     kept = True
+                    continue
+                try:  # Peer.send written out: three Python calls fewer per rank and event
+                    with peer.send_lock:
+                        peer.sock.sendall(wire.frame(wire.PUSH, key, data))
+                except OSError as exc:
+                    self._closed(peer, f"{type(exc).__name__}: {exc}")
             if kept:
                 self._changed()
 
@@ -352,7 +357,7 @@ class NodeHub(Copy):
         stop it is, not an error. Told without blocking: a rank that does not read is not waited for."""
         if reason and not self._shut:
             self._accept()  # ranks that dialled but were never taken in (an idle hub accepts lazily) are told too
-        with self._cond:
+        with self._lock:
             if self._shut:
                 return
             self._shut = True
@@ -492,7 +497,7 @@ class NodeLink(Copy):
     def set(self, key: str, value: str | bytes) -> None:
         """In this copy only: only a rank's stop sets a key here (to wake its own wait for a go
         key), and that ends the link's reading (:meth:`_changed`)."""
-        with self._cond:
+        with self._lock:
             self._data[key] = wire.as_bytes(value)
             self._changed()
 
@@ -501,13 +506,13 @@ class NodeLink(Copy):
             self.set(key, value)
 
     def delete_key(self, key: str) -> bool:
-        with self._cond:
+        with self._lock:
             return self._data.pop(key, None) is not None
 
     def queue_push(self, key: str, value: str | bytes) -> None:
         """To the hub (an answer); to this copy if ``key`` is this rank's own queue (its stop's wake)."""
         if key == self._queue:
-            with self._cond:
+            with self._lock:
                 self._apply(wire.PUSH, key, wire.as_bytes(value))
                 self._changed()
             return
@@ -516,13 +521,13 @@ class NodeLink(Copy):
         try:
             self._peer.send(wire.frame(wire.PUSH, key, wire.as_bytes(value)))
         except OSError as exc:
-            with self._cond:
+            with self._lock:
                 self._closed(self._peer, f"{type(exc).__name__}: {exc}")
                 self._changed()
             raise self._lost_error() from exc
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             if not self.lost:
                 self.lost = "the node link closed"
             with contextlib.suppress(OSError):  # a recv blocked on it returns (a close alone would not end it)

@@ -29,10 +29,11 @@ reader that finds another event already waiting knows the writer has moved on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from nicswitch_agent.coordination import messages as p
@@ -49,11 +50,17 @@ def queue_name(reader: int) -> str:
     return f"q/{reader}"
 
 
+@functools.lru_cache(maxsize=64)
+def _queue_names(readers: int) -> tuple[str, ...]:
+    """The queues of readers ``0..readers-1``, made once per size (every event goes to them all)."""
+    return tuple(queue_name(reader) for reader in range(readers))
+
+
 def publish(kv: KV, readers: int, n: int, text: str) -> None:
     """Event ``n`` to readers ``0..readers-1``; on keys then the head, all in one request (a queue
     needs no head: a reader starting late empties its queue instead of counting past the head)."""
     if kv.queues:
-        kv.push_each([queue_name(reader) for reader in range(readers)], text)
+        kv.push_each(_queue_names(readers), text)
         return
     kv.set_many([*(p.queue_key(reader, n) for reader in range(readers)), p.QUEUE_HEAD],
                 [text] * readers + [str(n)])  # one request, the head last
@@ -171,9 +178,20 @@ def gone(kv: KV, slots: int) -> set[int]:
     return {slot for slot in range(slots) if kv.prefix + queue_name(slot) in names} if names else set()
 
 
-def _only_gone_left(kv: KV, slots: int, answered: set[int] | dict[int, Any]) -> bool:
+def _gone_watch(kv: KV) -> Callable[[], frozenset[str]] | None:
+    """What says which ranks' links closed (the node link's ``gone_queues``), asked at every
+    answer: mostly none, and then nothing else is looked at. None on a Store (nobody knows)."""
+    if not hasattr(type(kv.store), "gone_queues"):
+        return None
+    return kv.store.gone_queues  # type: ignore[attr-defined,no-any-return]
+
+
+def _only_gone_left(kv: KV, slots: int, answered: set[int] | dict[int, Any],
+                    watch: Callable[[], frozenset[str]] | None) -> bool:
     """Every slot that has not answered is gone: waiting longer cannot complete the phase."""
-    gone_now = gone(kv, slots)  # asked at every answer: mostly none, and then nothing else to look at
+    if watch is None or not watch():
+        return False
+    gone_now = gone(kv, slots)
     if not gone_now:
         return False
     left = set(range(slots)).difference(answered)
@@ -185,9 +203,10 @@ def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wa
     what came before ``deadline`` (monotonic), ``wake``, a slot's word that it cannot answer
     (:func:`fail_early`), or the end of every slot left (gone)."""
     got: dict[int, dict[str, Any]] = {}
+    watch = _gone_watch(kv)
     for text in _popped(kv, answers(epoch, phase), deadline, wake):
         if text == GONE:
-            if _only_gone_left(kv, slots, got):
+            if _only_gone_left(kv, slots, got, watch):
                 break
             continue
         try:
@@ -200,7 +219,7 @@ def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wa
             got.pop(slot, None)
             break
         got[slot] = answer
-        if len(got) >= slots or _only_gone_left(kv, slots, got):
+        if len(got) >= slots or _only_gone_left(kv, slots, got, watch):
             break
     return got
 
@@ -216,9 +235,10 @@ def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: flo
         return
     seen, answered = 0, set[int]()
     slot_of = {rank: slot for slot, rank in enumerate(ranks)}
+    watch = _gone_watch(kv) if ranks else None
     for text in _popped(kv, answers(epoch, f"res/{name}"), deadline, wake):
         if text == GONE:
-            if ranks and _only_gone_left(kv, expected, answered):
+            if _only_gone_left(kv, expected, answered, watch):
                 return
             continue
         try:
@@ -229,7 +249,7 @@ def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: flo
         seen += 1
         answered.add(slot_of.get(result.rank, -1))
         yield result
-        if seen >= expected or (ranks and _only_gone_left(kv, expected, answered)):
+        if seen >= expected or _only_gone_left(kv, expected, answered, watch):
             return
 
 

@@ -78,6 +78,7 @@ class NodeRelay:
             raise ValueError(f"{len(names)} names for {len(ranks)} slots")
         self.job, self.local, self._wake_kv = job_kv, local_kv, wake_kv
         self.node, self.ranks = node, list(ranks)
+        self.size = len(self.ranks)  # its slots (an attribute: read a few times per event)
         # How messages name the slots ("rank(s) 17, 18", or for a group relay "node(s) 3 (ranks 48-63)")
         # and this relay ("node 5", "group 2").
         self._names = names or [str(rank) for rank in ranks]
@@ -97,10 +98,6 @@ class NodeRelay:
         self.events_relayed = 0
         self.lost = ""
         self._job_stopping = False  # it relayed a release that stops training
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
 
     def start(self) -> None:
         if self._thread is not None:
