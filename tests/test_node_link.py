@@ -198,20 +198,33 @@ def test_whichever_thread_reads_the_sockets_the_one_waiting_for_an_answer_gets_i
 
 def test_local_rank_0s_member_waiting_idle_leaves_the_sockets_to_the_relay() -> None:
     """Its queue is pushed to from its own process only: were its idle wait the one reading the
-    sockets, every answer would reach the relay through a thread hand-off."""
+    sockets, every answer would reach the relay through a thread hand-off. Nor does an answer the
+    relay reads wake it (it would find nothing, every answer of every switch)."""
     hub = NodeHub(local_queue=queue(0))
+    looks: list[str] = []
+    take = hub._take
+
+    def counted_take(key: str) -> bytes | None:
+        looks.append(key)
+        return take(key)
+
+    hub._take = counted_take  # type: ignore[method-assign]
     try:
         rank = link(hub, 1)
+        assert support.wait_until(lambda: hub.ranks_connected == 1, 10)  # taken in before the waits begin
         with ThreadPoolExecutor(2) as pool:
             idle = pool.submit(hub.queue_pop_within, queue(0), 3600.0)
             waiting = pool.submit(hub.get, f"{PREFIX}/go/0")  # keys too are set in this process only
-            assert support.wait_until(lambda: len(hub._cond._waiters) == 2, 10)  # type: ignore[attr-defined]
+            assert support.wait_until(lambda: len(hub._local_cond._waiters) == 2, 10)  # type: ignore[attr-defined]
             assert not hub._reading
-            rank.queue_push(f"{PREFIX}/a/1/c", "an answer")
-            assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0) == b"an answer"  # this thread read it
+            for n in range(20):
+                rank.queue_push(f"{PREFIX}/a/1/c", f"answer {n}")
+                assert hub.queue_pop_within(f"{PREFIX}/a/1/c", 5.0) == f"answer {n}".encode()  # this thread read it
+            looked = looks.count(queue(0))  # (asserted once the waits are over: a failure must not hang the pool)
             hub.queue_push(queue(0), "release")
             hub.set(f"{PREFIX}/go/0", "go")
             assert idle.result(10) == b"release" and waiting.result(10) == b"go"
+        assert looked == 1  # the idle member looked once, when it began to wait: no answer woke it
     finally:
         hub.close()
 

@@ -29,9 +29,13 @@ class Copy:
         # Every hold takes the lock itself, the condition is for waits only: ``with`` on a lock runs
         # no Python frame, on a Condition two (a few per event, on every rank and relay).
         self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._cond = threading.Condition(self._lock)  # waits for what the sockets bring (or for their reader)
+        # Waits for local changes only (``read=False``: local rank 0's member waiting for its next
+        # event): what a read brings (the ranks' answers) never wakes them, only a local change.
+        self._local_cond = threading.Condition(self._lock)
         self._reading = False  # a thread is reading the sockets (only one may be)
         self._waiters = 0  # threads in self._cond.wait(): a change with none notifies nobody (no Python call)
+        self._local_waiters = 0  # threads in self._local_cond.wait()
         self.lost = ""  # why this side cannot go on (set once): every wait raises it
         self.closed_on_purpose = False  # the other side said it closes (its agent stopped): nothing failed
 
@@ -58,9 +62,15 @@ class Copy:
     # -- local state ---------------------------------------------------------------------------
 
     def _notify(self) -> None:
-        """Wake the threads waiting on the lock's condition, if any (under the lock)."""
+        """Wake the threads waiting for what the sockets bring, if any (under the lock)."""
         if self._waiters:
             self._cond.notify_all()
+
+    def _notify_all(self) -> None:
+        """A local change: wake every waiting thread, the local waits' too (under the lock)."""
+        self._notify()
+        if self._local_waiters:
+            self._local_cond.notify_all()
 
     def _changed(self) -> None:
         """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
@@ -91,7 +101,16 @@ class Copy:
                 if self.lost:
                     raise self._lost_error()
                 remaining = deadline - time.monotonic()
-                if self._reading or not read or not self._can_read():
+                if not read:
+                    if remaining <= 0:
+                        return None
+                    self._local_waiters += 1
+                    try:
+                        self._local_cond.wait(remaining)
+                    finally:
+                        self._local_waiters -= 1
+                    continue
+                if self._reading or not self._can_read():
                     if remaining <= 0:
                         return None
                     self._waiters += 1

@@ -111,7 +111,7 @@ class NodeHub(Copy):
 
     def _changed(self) -> None:
         """A local change: wake the waiters, and the one reading the sockets (under the lock)."""
-        self._notify()
+        self._notify_all()
         if self._reading:
             with contextlib.suppress(BlockingIOError):  # the pipe is full of wakes already
                 os.write(self._wake_w, b"x")
@@ -475,7 +475,7 @@ class NodeLink(Copy):
         key's), so a reader blocked in ``recv`` is woken by shutting the socket's reading side.
         From then on the link reads nothing more from the hub (the rank stops): its waits see
         what is in its copy and what is set here; it still sends (an answer its stop gives)."""
-        self._notify()
+        self._notify_all()
         if self._reading and not self._woken:
             self._woken = True
             with contextlib.suppress(OSError):
