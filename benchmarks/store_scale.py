@@ -335,6 +335,11 @@ class CountingStore:
     def set_timeout(self, timeout: datetime.timedelta) -> None:  # the client's own setting: no request
         self._store.set_timeout(timeout)
 
+    @property
+    def timeout(self) -> datetime.timedelta:  # read back, as torch's Stores let KV do
+        value: datetime.timedelta = self._store.timeout
+        return value
+
     def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
         self.calls["wait"] += 1
         self.sent["wait"] += sum(map(len, keys))

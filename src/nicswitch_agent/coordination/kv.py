@@ -151,6 +151,9 @@ class KV:
         # (topology.py). Not probed: the job's Store may be one whose clients differ (the legacy
         # TCPStore backend and FileStore raise NotImplementedError), and both sides must agree.
         self.queues = queues
+        # The connection's timeout can be read back (torch's Stores): it is then set only when a
+        # wait needs another one (:meth:`_bound_waits`).
+        self._timeout_readable = isinstance(getattr(type(store), "timeout", None), property)
 
     def clone(self) -> KV:
         """A KV over a new connection (same prefix): one per thread."""
@@ -238,7 +241,7 @@ class KV:
         if hasattr(type(self.store), "queue_pop_within"):
             value = self.store.queue_pop_within(self.prefix + key, timeout_s)  # type: ignore[attr-defined]
             return None if value is None else value.decode()
-        self.store.set_timeout(datetime.timedelta(seconds=timeout_s))  # type: ignore[attr-defined]
+        self._bound_waits(timeout_s)
         try:
             return bytes(self.store.queue_pop(self._k(key))).decode()  # type: ignore[attr-defined]
         except RuntimeError as exc:
@@ -275,16 +278,24 @@ class KV:
         before it would be a round trip too many (on every event, on every relay or rank). The
         client's timeout is set for it (a local setting of this connection: callers own theirs).
         """
-        set_timeout = getattr(self.store, "set_timeout", None)
-        if set_timeout is None:  # InProcessStore (shared by every thread): wait, then get
+        if getattr(self.store, "set_timeout", None) is None:  # InProcessStore (shared by every thread): wait, then get
             return self.get(key) if self.wait([key], timeout_s) else None
-        set_timeout(datetime.timedelta(seconds=timeout_s))
+        self._bound_waits(timeout_s)
         try:
             return self.get(key)
         except RuntimeError as exc:
             if not timed_out(exc):
                 raise
             return self.get(key) if self.check([key]) else None  # set right at the boundary
+
+    def _bound_waits(self, timeout_s: float) -> None:
+        """The connection's timeout for the blocking call that follows, set only where it differs:
+        torch's ``set_timeout`` releases the GIL (in a rank process, a wait to get it back, on every
+        event a relay or a flat member reads), reading ``timeout`` does not."""
+        wanted = datetime.timedelta(seconds=timeout_s)
+        if self._timeout_readable and self.store.timeout == wanted:  # type: ignore[attr-defined]
+            return
+        self.store.set_timeout(wanted)  # type: ignore[attr-defined]
 
     def arrive(self, counter: str, expected: int | None) -> int:
         """Count one arrival at ``counter``; the arrival that completes it (``expected``) also sets
