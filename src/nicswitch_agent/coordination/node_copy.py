@@ -127,17 +127,22 @@ class Copy:
                 finally:
                     self._lock.acquire()
                     self._reading = False
-                for peer, frames, why in arrived:
-                    if frames:
-                        self._receive(peer, frames)
-                    if why is not None:
-                        self._closed(peer, why)
-                self._notify()
+                self._take_in(arrived)
                 if remaining <= 0:  # one look at what had arrived, then the answer
                     got = take()
                     if got is None and self.lost:
                         raise self._lost_error()
                     return got
+
+    def _take_in(self, arrived: list[tuple[wire.Peer, list[wire.Frame], str | None]]) -> None:
+        """What a read brought (under the lock, in the hold that ends the read): each peer's
+        messages applied, the sockets that ended closed, the threads waiting for them told."""
+        for peer, frames, why in arrived:
+            if frames:
+                self._receive(peer, frames)
+            if why is not None:
+                self._closed(peer, why)
+        self._notify()
 
     def _refresh(self) -> None:
         """Take in what has arrived (no wait), so a look at the copy sees it."""

@@ -454,12 +454,7 @@ class NodeLink(Copy):
                 raise
             with self._lock:  # the read's end and what it brought in one hold, as in the general wait
                 self._reading = False
-                for peer, frames, why in arrived:
-                    if frames:
-                        self._receive(peer, frames)
-                    if why is not None:
-                        self._closed(peer, why)
-                self._notify()
+                self._take_in(arrived)
                 queue = self._queues.get(key)
                 if queue:
                     return queue.popleft()
