@@ -184,7 +184,7 @@ def test_a_pause_right_after_a_release_waits_for_the_park_of_its_own_request() -
         assert lot.wait_parked(first, 10)
         parked_at = lot.parked_step
         assert parked_at is not None
-        with lot._cond:  # the training thread stays in the first parking until the wait lets go of the lock
+        with lot._lock:  # the training thread stays in the first parking until the wait lets go of the lock
             lot.release()
             second = lot.request(aligned=True)
             lot.set_target(second, parked_at + 1)
@@ -200,10 +200,24 @@ def test_work_is_refused_by_a_parking_released_for_an_earlier_request() -> None:
     with Trainer(lot):
         assert lot.wait_parked(lot.request(), 10)
         ran: list[bool] = []
-        with lot._cond:
+        with lot._lock:
             lot.release()
             lot.request(aligned=True)
             future = lot.run_parked(lambda: ran.append(True))
         with pytest.raises(RuntimeError, match="not parked"):
             future.result(5)
         assert ran == []
+
+
+def test_a_wait_for_the_parking_and_for_its_end_is_woken_by_it_not_by_its_timeout() -> None:
+    """A change notifies only when a thread waits (ParkingLot._waiters, no Python call when none
+    does): a waiter that were not counted would sleep out its whole timeout, an hour here (the
+    module's timeout fails it). Each wait starts under the lock, before the change can happen."""
+    lot = ParkingLot()
+    with Trainer(lot):
+        with lot._lock:
+            epoch = lot.request()
+            assert lot.wait_parked(epoch, 3600)  # its wait lets go of the lock: only then can the thread park
+        with lot._lock:
+            assert lot.release()
+            assert lot.wait_unparked(3600)

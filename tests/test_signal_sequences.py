@@ -190,8 +190,7 @@ def check_sequence(rig: Rig, steps: list[Any]) -> None:
     controller._handle_stream_end("reset")
     assert not rig.coordinator.paused
     lot = rig.training.lot
-    with lot._cond:
-        assert lot._cond.wait_for(lambda: not lot.parked, 10), "training left parked"
+    assert lot.wait_unparked(10), "training left parked"
     if rig.stops:  # every stop reached the training thread as TrainingStopped
         assert rig.training.stop_seen.wait(10), f"stopped ({rig.stops}) but step() never raised"
 
@@ -224,8 +223,7 @@ def test_a_reset_after_a_failed_switch_lets_training_go_on_only_on_rolled_back_l
         rig.controller._handle_stream_end("reset")
         assert not rig.coordinator.paused
         lot = rig.training.lot
-        with lot._cond:
-            assert lot._cond.wait_for(lambda: not lot.parked, 10), "training left parked"
+        assert lot.wait_unparked(10), "training left parked"
         if not guard_ok:
             assert rig.switched == [] and rig.stops == []
         elif rollback_ok:

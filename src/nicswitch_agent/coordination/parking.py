@@ -58,7 +58,12 @@ class ParkingLot:
         # Whose training thread parks here, for the log ("rank 3: training parked ..."); the Member
         # that drives this lot sets it. None: the lines name no rank.
         self.rank: int | None = None
-        self._cond = threading.Condition()  # guards everything below
+        # Every hold takes the lock itself (``with`` on a lock runs no Python frame, on a Condition
+        # two: several holds per pause on the member's and the training thread); the condition is
+        # for the waits, and a change notifies only when a thread waits (``_waiters``).
+        self._lock = threading.RLock()  # guards everything below
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0  # threads in _wait(): a change with none notifies nobody
         self._aligned = False  # the current request parks at a target step, once it is known
         self._target: int | None = None
         self._label: int | None = None  # what the parked event calls the current request (request())
@@ -101,26 +106,26 @@ class ParkingLot:
         rank has said which step it completed last). ``label``: the number the ``parked`` event
         gives this request (the leader's pause, which a process restarted since counts apart).
         """
-        with self._cond:
+        with self._lock:
             self.request_epoch += 1
             self._arm(True)
             self._aligned, self._target, self._label = aligned, None, label
             self.interrupted = None
-            self._cond.notify_all()
+            self._notify()
             return self.request_epoch
 
     def set_target(self, epoch: int, step: int) -> None:
         """The step at which the training thread parks for ``epoch`` (aligned requests)."""
-        with self._cond:
+        with self._lock:
             if epoch == self.request_epoch:
                 self._target = step
-                self._cond.notify_all()
+                self._notify()
 
     def cancel(self, epoch: int) -> None:
         """Withdraw ``epoch``'s request if the training thread has not parked for it yet."""
-        with self._cond:
+        with self._lock:
             self._cancelled_epoch = max(self._cancelled_epoch, epoch)
-            self._cond.notify_all()
+            self._notify()
 
     def wait_parked(self, epoch: int, timeout: float) -> bool:
         """Wait until the training thread parked for ``epoch``; on timeout cancel the request.
@@ -129,26 +134,26 @@ class ParkingLot:
         after a False the thread can no longer park for this epoch: training is never left
         parked by a pause that was reported as failed.
         """
-        with self._cond:
+        with self._lock:
             # Parked for this request, not still in the parking of one released a moment ago: a
             # release followed at once by the next pause finds the thread there until it wakes.
-            ok = self._cond.wait_for(lambda: self._parked and self._parked_epoch == epoch == self.request_epoch,
-                                     timeout)
+            ok = self._wait_for(lambda: self._parked and self._parked_epoch == epoch == self.request_epoch,
+                                timeout, None)
             if not ok:
                 self._cancelled_epoch = max(self._cancelled_epoch, epoch)
-                self._cond.notify_all()
+                self._notify()
             return ok
 
     def run_parked(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run ``fn`` on the parked training thread; the future holds its result or exception."""
         future: Future[Any] = Future()
-        with self._cond:
+        with self._lock:
             if not self._parked or self._parked_epoch != self.request_epoch or \
                     self._released_epoch >= self.request_epoch:
                 future.set_exception(RuntimeError("training is not parked"))
                 return future
             self._work.append((fn, future))
-            self._cond.notify_all()
+            self._notify()
         return future
 
     def release(self, *, stop_reason: str | None = None) -> bool:
@@ -156,7 +161,7 @@ class ParkingLot:
 
         Also cancels a request the thread has not reached yet. Returns True if it was parked.
         """
-        with self._cond:
+        with self._lock:
             was_parked = self._parked
             if stop_reason is not None and not was_parked:
                 # Make the next step() come in here once, so it raises TrainingStopped.
@@ -166,7 +171,7 @@ class ParkingLot:
             self._cancelled_epoch = self.request_epoch
             if stop_reason is not None:
                 self._stop_reason = stop_reason
-            self._cond.notify_all()
+            self._notify()
             return was_parked
 
     def let_go(self, *, stop_reason_if_parked: str | None) -> bool:
@@ -174,16 +179,16 @@ class ParkingLot:
         leaves to raise TrainingStopped(``stop_reason_if_parked``) when one is given (the rest of
         the job is still paused, or its links may have moved) instead of resuming; a thread that is
         not parked trains on (a request it has not reached is cancelled). True if it was parked."""
-        with self._cond:  # parked or not, decided with the release (the Condition's lock is an RLock)
+        with self._lock:  # parked or not, decided with the release (the Condition's lock is an RLock)
             return self.release(stop_reason=stop_reason_if_parked if self._parked else None)
 
     def wait_unparked(self, timeout: float) -> bool:
         """Wait (bounded) until the training thread has left its parking spot, its ``resumed``
         event emitted; True if it is not parked. Never waits when called by that thread."""
-        with self._cond:
+        with self._lock:
             if self._parked_thread is threading.current_thread():
                 return not self._parked
-            return self._cond.wait_for(lambda: not self._parked, timeout)
+            return self._wait_for(lambda: not self._parked, timeout, None)
 
     def stop_requested(self) -> str | None:
         return self._stop_reason
@@ -196,7 +201,7 @@ class ParkingLot:
         Aligned requests: below the target step, training goes on (the request stays pending);
         at the target it parks. Nothing lets a rank pass the target, and every rank reaches it.
         """
-        with self._cond:
+        with self._lock:
             epoch = self.request_epoch
             if self._aligned and self._target is None and not self._withdrawn(epoch):
                 if not self._wait_for(lambda: self._target is not None or self._withdrawn(epoch)
@@ -216,7 +221,7 @@ class ParkingLot:
                 logger.error("%sreached step %s past the pause target %s; parking here", self._who(), step, target)
             self._parked, self._parked_epoch, self._parked_step, self._parked_at = True, epoch, step, time.monotonic()
             self._parked_thread = threading.current_thread()
-            self._cond.notify_all()
+            self._notify()
             logger.info("%straining parked at step %s", self._who(), step)
             self._emit("parked", {"step": step, "epoch": epoch if self._label is None else self._label})
             interrupted: BaseException | None = None
@@ -224,7 +229,7 @@ class ParkingLot:
                 while True:
                     while self._work:
                         fn, future = self._work.popleft()
-                        self._cond.release()
+                        self._lock.release()
                         try:
                             if future.set_running_or_notify_cancel():
                                 try:
@@ -236,10 +241,10 @@ class ParkingLot:
                                     future.set_exception(exc)
                                     raise
                         finally:
-                            self._cond.acquire()
+                            self._lock.acquire()
                     if self._released_epoch >= epoch:
                         break
-                    self._cond.wait(WAIT_SLICE_S)
+                    self._wait(WAIT_SLICE_S)
             except BaseException as exc:
                 # KeyboardInterrupt/SystemExit while parked (in a hook or between): the user ends
                 # training here, and it must not resume. Recorded for the member, which answers
@@ -252,7 +257,7 @@ class ParkingLot:
                 self._parked, self._parked_at, self._parked_thread = False, None, None
                 self._handled(epoch)
                 self._fail_leftover_work()
-                self._cond.notify_all()
+                self._notify()
                 if interrupted is not None:
                     logger.warning("%straining left its parking spot after %.1f ms: %s raised on the training thread; "
                                    "it does not resume", self._who(), parked_for * 1000, type(interrupted).__name__)
@@ -294,14 +299,28 @@ class ParkingLot:
         if self.request_epoch == epoch:
             self._arm(False)
 
-    def _wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
-        """``Condition.wait_for`` in slices of WAIT_SLICE_S (the caller holds the lock)."""
+    def _notify(self) -> None:
+        """A change: wake the threads waiting for one, if any (the caller holds the lock)."""
+        if self._waiters:
+            self._cond.notify_all()
+
+    def _wait(self, timeout: float) -> None:
+        """Wait for a change, counted in ``_waiters`` (the caller holds the lock)."""
+        self._waiters += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiters -= 1
+
+    def _wait_for(self, predicate: Callable[[], bool], timeout: float, slice_s: float | None = WAIT_SLICE_S) -> bool:
+        """``Condition.wait_for``, in slices of ``slice_s`` (the training thread's waits: see
+        WAIT_SLICE_S) or in one wait (None: the agent's threads); the caller holds the lock."""
         deadline = time.monotonic() + timeout
         while not predicate():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._cond.wait(min(remaining, WAIT_SLICE_S))
+            self._wait(remaining if slice_s is None else min(remaining, slice_s))
         return True
 
     def _withdrawn(self, epoch: int) -> bool:
