@@ -208,11 +208,12 @@ class Member:
         except RuntimeError as exc:
             self._coordination_lost(f"{type(exc).__name__}: {exc}")
             return
+        read, done = queues.reader(kv, self.slot)
         while not self._stop.is_set():
             n = self._next
             try:
                 timeout = self._max_parked_s if self.lot.parked else IDLE_WAIT_S
-                text = queues.read(kv, self.slot, n, timeout)
+                text = read(n, timeout)
                 if text is None:
                     if self.lot.parked:
                         logger.error("parked for %.0f s without a word from the leader; letting training go on",
@@ -225,7 +226,8 @@ class Member:
             self._next += 1
             try:
                 self._take(text)
-                queues.done(kv, self.slot, n)  # once answered: a key's delete is off the phase's critical path
+                if done is not None:
+                    done(n)  # once answered: a key's delete is off the phase's critical path
             except RuntimeError as exc:
                 self._coordination_lost(f"{type(exc).__name__}: {exc}", stopped=isinstance(exc, p.LevelStopped))
                 return

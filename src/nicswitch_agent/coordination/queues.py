@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from nicswitch_agent.coordination import messages as p
 from nicswitch_agent.coordination.kv import GONE, KV, WOKEN, Wake, done_key, timed_out
@@ -81,6 +81,32 @@ def read(kv: KV, reader: int, n: int, timeout_s: float) -> str | None:
     if kv.queues:
         return kv.pop(queue_name(reader), timeout_s)
     return kv.get_when_set(p.queue_key(reader, n), timeout_s)
+
+
+class Reader(NamedTuple):
+    """One reader's :func:`read` and :func:`done`, looked up once (a member reads its queue for
+    every event: on the node link this is one Python call to its copy, not three)."""
+
+    read: Callable[[int, float], str | None]  # (event n, timeout) -> the event, or None
+    done: Callable[[int], None] | None  # on keys: delete event n once handled; None on a queue
+
+
+def reader(kv: KV, reader: int) -> Reader:
+    """:func:`read` and :func:`done` for ``reader`` on ``kv``."""
+    if not kv.queues:
+        return Reader(functools.partial(read, kv, reader), functools.partial(done, kv, reader))
+    full = kv.prefix + queue_name(reader)
+    pop_within = getattr(type(kv.store), "queue_pop_within", None)
+    if pop_within is None:  # a Store's queue: KV.pop sets the connection's timeout
+        name = queue_name(reader)
+        return Reader(lambda _n, timeout_s: kv.pop(name, timeout_s), None)
+    store = kv.store
+
+    def pop_next(_n: int, timeout_s: float) -> str | None:
+        value = pop_within(store, full, timeout_s)
+        return None if value is None else value.decode()
+
+    return Reader(pop_next, None)
 
 
 def done(kv: KV, reader: int, n: int) -> None:
@@ -204,21 +230,20 @@ def gather(kv: KV, epoch: int, phase: str, slots: int, deadline: float, wake: Wa
     (:func:`fail_early`), or the end of every slot left (gone)."""
     got: dict[int, dict[str, Any]] = {}
     watch = _gone_watch(kv)
-    for text in _popped(kv, answers(epoch, phase), deadline, wake):
-        if text == GONE:
-            if _only_gone_left(kv, slots, got, watch):
-                break
-            continue
-        try:
-            answer = p.decode(text)
-            slot = int(answer["s"])
-        except (ValueError, KeyError, TypeError):
-            logger.error("ignoring a malformed answer to %s of epoch %d: %r", phase, epoch, text[:200])
-            continue
-        if answer.get("fail"):  # the phase cannot complete: no use waiting for the others
-            got.pop(slot, None)
-            break
-        got[slot] = answer
+    for batch in _arrivals(kv, answers(epoch, phase), deadline, wake):
+        for text in batch:
+            if text == GONE:  # looked at once the batch is in (below)
+                continue
+            try:
+                answer = p.decode(text)
+                slot = int(answer["s"])
+            except (ValueError, KeyError, TypeError):
+                logger.error("ignoring a malformed answer to %s of epoch %d: %r", phase, epoch, text[:200])
+                continue
+            if answer.get("fail"):  # the phase cannot complete: no use waiting for the others
+                got.pop(slot, None)
+                return got
+            got[slot] = answer
         if len(got) >= slots or _only_gone_left(kv, slots, got, watch):
             break
     return got
@@ -236,25 +261,29 @@ def arriving_results(kv: KV, epoch: int, name: str, expected: int, deadline: flo
     seen, answered = 0, set[int]()
     slot_of = {rank: slot for slot, rank in enumerate(ranks)}
     watch = _gone_watch(kv) if ranks else None
-    for text in _popped(kv, answers(epoch, f"res/{name}"), deadline, wake):
-        if text == GONE:
-            if _only_gone_left(kv, expected, answered, watch):
+    for batch in _arrivals(kv, answers(epoch, f"res/{name}"), deadline, wake):
+        for text in batch:
+            if text == GONE:  # looked at once the batch is in (below)
+                continue
+            try:
+                result = p.MemberResult.decode(text)
+            except (ValueError, KeyError, TypeError):
+                logger.error("ignoring a malformed result of order %s: %r", name, text[:200])
+                continue
+            seen += 1
+            answered.add(slot_of.get(result.rank, -1))
+            yield result
+            if seen >= expected:
                 return
-            continue
-        try:
-            result = p.MemberResult.decode(text)
-        except (ValueError, KeyError, TypeError):
-            logger.error("ignoring a malformed result of order %s: %r", name, text[:200])
-            continue
-        seen += 1
-        answered.add(slot_of.get(result.rank, -1))
-        yield result
-        if seen >= expected or _only_gone_left(kv, expected, answered, watch):
+        if _only_gone_left(kv, expected, answered, watch):
             return
 
 
-def _popped(kv: KV, queue: str, deadline: float, wake: Wake | None) -> Iterator[str]:
-    """Pop ``queue`` until ``deadline`` or ``wake`` (which pushes ``woken`` behind what is queued)."""
+def _arrivals(kv: KV, queue: str, deadline: float, wake: Wake | None) -> Iterator[list[str]]:
+    """What arrives on ``queue`` until ``deadline`` or ``wake`` (which pushes ``woken`` behind
+    what is queued), a batch at a time: all that one look found (on the node's hub, the answers
+    one read of the ranks' sockets brought), so that what a phase does per answer is not also a
+    wait per answer."""
     if wake is not None:
         wake.key, wake.queue = queue, True
     try:
@@ -263,14 +292,17 @@ def _popped(kv: KV, queue: str, deadline: float, wake: Wake | None) -> Iterator[
             if remaining <= 0:
                 return
             try:
-                text = kv.pop(queue, remaining)
+                batch = kv.pop_all(queue, remaining)
             except RuntimeError as exc:
                 if not timed_out(exc):
                     raise
                 return
-            if text is None or text == WOKEN:
+            if not batch:
                 return
-            yield text
+            if WOKEN in batch:  # what came before the wake, then no more
+                yield batch[:batch.index(WOKEN)]
+                return
+            yield batch
     finally:
         if wake is not None:
             wake.key, wake.queue = None, False
