@@ -23,7 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import support
 
-from nicswitch_agent.coordination import KV, node_link, node_wire, topology
+from nicswitch_agent.coordination import KV, node_link, node_wire, queues, topology
+from nicswitch_agent.coordination import messages as p
+from nicswitch_agent.coordination.kv import GONE, WOKEN
 from nicswitch_agent.coordination.messages import LevelStopped
 from nicswitch_agent.coordination.node_link import LinkClosed, LinkLost, NodeHub, NodeLink
 from nicswitch_agent.errors import ConfigError
@@ -516,3 +518,55 @@ def test_a_go_key_reaches_only_the_copy_of_the_rank_it_is_for(hub: NodeHub) -> N
     hub.queue_push(queue(1), "after it dialled")
     assert again.queue_pop_within(queue(1), 5.0) == b"after it dialled"
     assert again.check([f"{PREFIX}/go/y/1"]) and not again.check([f"{PREFIX}/go/y/2"])
+
+
+def test_the_relay_takes_the_answers_that_arrived_together_in_one_call(hub: NodeHub) -> None:
+    """What one read of the ranks' sockets brought is taken at once (NodeHub.queue_pop_all_within):
+    in order, nothing left behind; nothing within the bound is []; a rank's link closing while
+    the relay waits ends the wait with GONE, as a single pop's does."""
+    answers = f"{PREFIX}/a/1/c"
+    ranks = [link(hub, slot) for slot in (1, 2, 3)]
+    for slot, rank in enumerate(ranks, 1):
+        rank.queue_push(answers, f"from {slot}")
+    got: list[bytes] = []
+    while len(got) < 3:
+        got += hub.queue_pop_all_within(answers, 5.0)
+    assert sorted(got) == [b"from 1", b"from 2", b"from 3"]
+    assert hub.queue_pop_all_within(answers, 0.05) == []
+    hub.queue_push(answers, "local 1")  # local rank 0's member answers in process
+    hub.queue_push(answers, "local 2")
+    assert hub.queue_pop_all_within(answers, 5.0) == [b"local 1", b"local 2"]
+    ranks[0].close()
+    assert hub.queue_pop_all_within(answers, 30.0) == [GONE.encode()]
+
+
+def test_a_gather_takes_what_came_before_a_wake_and_nothing_after_it(hub: NodeHub) -> None:
+    """A stop's wake pushed behind answers that arrive with it in one batch: the answers before
+    it count, the wait ends at it (queues._arrivals), what came after it is not taken as an answer."""
+    kv = KV(hub, PREFIX, queues=True)
+    for slot in (0, 1):
+        kv.push(queues.answers(7, "c"), p.encode({"t": queues.ANSWER, "s": slot, "v": 5}))
+    kv.push(queues.answers(7, "c"), WOKEN)
+    kv.push(queues.answers(7, "c"), p.encode({"t": queues.ANSWER, "s": 2, "v": 5}))
+    got = queues.gather(kv, 7, "c", 3, time.monotonic() + 3600, None)
+    assert sorted(got) == [0, 1]
+
+
+def test_one_read_of_the_wake_pipe_takes_every_wake_written(hub: NodeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reading thread's poll wakes for the pipe that local changes write to; one read empties
+    it (a second only finds it empty: one more system call and GIL release per local answer)."""
+    reads: list[int] = []
+    real_read = os.read
+
+    def counting_read(fd: int, n: int) -> bytes:
+        if fd == hub._wake_r:
+            reads.append(n)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(node_link.os, "read", counting_read)
+    for _ in range(3):  # three wakes waiting in the pipe
+        os.write(hub._wake_w, b"x")
+    assert hub.queue_pop_all_within(f"{PREFIX}/a/1/c", 0.0) == []
+    assert len(reads) == 1
+    assert hub.queue_pop_all_within(f"{PREFIX}/a/1/c", 0.0) == []  # nothing left to read: no wake
+    assert len(reads) == 1

@@ -249,6 +249,16 @@ class KV:
                 raise
             return None  # a value pushed right at the boundary stays in the queue for the next pop
 
+    def pop_all(self, key: str, timeout_s: float) -> list[str]:
+        """Everything queue ``key`` holds, once it holds something ([] if ``timeout_s`` passes
+        first): on the node's hub in one call (``NodeHub.queue_pop_all_within``), elsewhere the
+        one value of a :meth:`pop`."""
+        pop_all = getattr(type(self.store), "queue_pop_all_within", None)
+        if pop_all is None:
+            value = self.pop(key, timeout_s)
+            return [] if value is None else [value]
+        return [value.decode() for value in pop_all(self.store, self.prefix + key, timeout_s)]
+
     def queued(self, key: str) -> int:
         """How many values queue ``key`` holds."""
         return int(self.store.queue_len(self._k(key)))  # type: ignore[attr-defined]

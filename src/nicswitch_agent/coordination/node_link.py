@@ -39,6 +39,7 @@ node's TCPStore on 127.0.0.1.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -59,6 +60,7 @@ from nicswitch_agent.coordination.node_copy import Copy, LinkClosed, LinkLost
 logger = logging.getLogger("nicswitch_agent.coordination")
 SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
 HELLO_TIMEOUT_S = 2.0  # a rank sends its hello right after it dialled
+WAKE_PIPE_BYTES = 1 << 16  # a Linux pipe's default capacity: one read empties it
 
 
 def supported() -> bool:
@@ -136,10 +138,9 @@ class NodeHub(Copy):
             if fd in listening:
                 self._accept()  # takes the lock: this thread holds none here
                 continue
-            if fd == self._wake_r:
+            if fd == self._wake_r:  # one read takes every wake written so far (the pipe holds 64 KiB at most)
                 with contextlib.suppress(BlockingIOError):
-                    while os.read(self._wake_r, 4096):
-                        pass
+                    os.read(self._wake_r, WAKE_PIPE_BYTES)
                 continue
             peer = by_fd[fd]
             try:
@@ -195,6 +196,28 @@ class NodeHub(Copy):
             return value if value is not None or self._gone_count == seen else gone
 
         return self._wait_for(take, timeout_s)
+
+    def queue_pop_all_within(self, key: str, timeout_s: float) -> list[bytes]:
+        """Everything queue ``key`` holds, taken out at once, once it holds something ([] if
+        nothing came within ``timeout_s``): the ranks' answers that one read brought, in one call
+        of the relay's instead of one each. As :meth:`queue_pop_within`, a rank's link closing
+        meanwhile ends the wait, with ``[GONE]``."""
+        if not self._remote_queue(key):
+            value = super().queue_pop_within(key, timeout_s)
+            return [] if value is None else [value]
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue:
+                return _emptied(queue)
+        seen, gone = self._gone_count, [GONE.encode()]
+
+        def take() -> list[bytes] | None:
+            queue = self._queues.get(key)
+            if queue:
+                return _emptied(queue)
+            return None if self._gone_count == seen else gone
+
+        return self._wait_for(take, timeout_s) or []
 
     def _accept(self) -> None:
         """Take the ranks that dialled since the last look, each with its hello (sent right after
@@ -513,8 +536,10 @@ class NodeLink(Copy):
             return
         if self.lost:
             raise self._lost_error()
-        try:
-            self._peer.send(wire.frame(wire.PUSH, key, wire.as_bytes(value)))
+        peer = self._peer
+        try:  # Peer.send and wire.as_bytes written out: an answer is sent for every event
+            with peer.send_lock:
+                peer.sock.sendall(wire.frame(wire.PUSH, key, value.encode() if isinstance(value, str) else value))
         except OSError as exc:
             with self._lock:
                 self._closed(self._peer, f"{type(exc).__name__}: {exc}")
@@ -529,6 +554,13 @@ class NodeLink(Copy):
                 self._peer.sock.shutdown(socket.SHUT_RDWR)
             self._peer.sock.close()
             self._changed()
+
+
+def _emptied(queue: collections.deque[bytes]) -> list[bytes]:
+    """What ``queue`` held, in order; it holds nothing now."""
+    values = list(queue)
+    queue.clear()
+    return values
 
 
 __all__ = ["SCHEME", "LinkClosed", "LinkLost", "NodeHub", "NodeLink", "is_address", "supported"]
