@@ -208,7 +208,7 @@ class Member:
         except RuntimeError as exc:
             self._coordination_lost(f"{type(exc).__name__}: {exc}")
             return
-        read, done = queues.reader(kv, self.slot)
+        read, done = queues.reader_for(kv, self.slot)
         while not self._stop.is_set():
             n = self._next
             try:

@@ -138,7 +138,7 @@ class ParkingLot:
             # Parked for this request, not still in the parking of one released a moment ago: a
             # release followed at once by the next pause finds the thread there until it wakes.
             ok = self._wait_for(lambda: self._parked and self._parked_epoch == epoch == self.request_epoch,
-                                timeout, None)
+                                timeout, slice_s=None)
             if not ok:
                 self._cancelled_epoch = max(self._cancelled_epoch, epoch)
                 self._notify()
@@ -188,7 +188,7 @@ class ParkingLot:
         with self._lock:
             if self._parked_thread is threading.current_thread():
                 return not self._parked
-            return self._wait_for(lambda: not self._parked, timeout, None)
+            return self._wait_for(lambda: not self._parked, timeout, slice_s=None)
 
     def stop_requested(self) -> str | None:
         return self._stop_reason

@@ -91,7 +91,7 @@ class Reader(NamedTuple):
     done: Callable[[int], None] | None  # on keys: delete event n once handled; None on a queue
 
 
-def reader(kv: KV, reader: int) -> Reader:
+def reader_for(kv: KV, reader: int) -> Reader:
     """:func:`read` and :func:`done` for ``reader`` on ``kv``."""
     if not kv.queues:
         return Reader(functools.partial(read, kv, reader), functools.partial(done, kv, reader))
