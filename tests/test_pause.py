@@ -221,3 +221,81 @@ def test_a_wait_for_the_parking_and_for_its_end_is_woken_by_it_not_by_its_timeou
         with lot._lock:
             assert lot.release()
             assert lot.wait_unparked(3600)
+
+
+def test_the_training_thread_says_it_parked_itself_once_with_its_step() -> None:
+    """set_target's on_parked: the training thread calls it as it parks for that pause, once, so
+    that no agent thread has to wait for the parking to say so."""
+    lot = ParkingLot()
+    said: list[tuple[int | None, threading.Thread]] = []
+    with Trainer(lot) as trainer:
+        epoch = lot.request(aligned=True)
+        with lot._lock:  # the target and the callback are in place before the thread looks again
+            target = trainer.step + 3
+            lot.set_target(epoch, target, within_s=3600, on_parked=lambda step: said.append(
+                (step, threading.current_thread())))
+        assert lot.wait_parked(epoch, 10)
+        assert said == [(target, trainer.thread)] and lot.parked_step == target
+        lot.release()
+        assert lot.wait_unparked(10)
+        assert len(said) == 1
+
+
+class _Clock:
+    """A monotonic clock that moves a second at every look: a time limit of 0 has always passed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def test_a_thread_that_reaches_the_target_after_the_pauses_time_does_not_park(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """within_s: nobody waits for the parking any more (the agent's thread went back to its
+    queue), so the thread must not park late and stay parked behind a failed pause: the request
+    is withdrawn, training goes on, nobody is told it parked."""
+    from nicswitch_agent.coordination import parking
+
+    monkeypatch.setattr(parking, "time", _Clock())
+    lot = ParkingLot()
+    said: list[int | None] = []
+    epoch = lot.request(aligned=True)
+    lot.set_target(epoch, 7, within_s=0.0, on_parked=said.append)
+    lot.at_step_boundary(7)  # on this thread: had it parked, it would wait here for a release
+    assert not lot.parked and not lot.pending and said == []
+    assert lot.wait_parked(epoch, 0.0) is False
+
+
+def test_a_failing_word_of_the_parking_does_not_stop_training_from_parking() -> None:
+    """on_parked raising (the node's relay gone, say) is logged; the thread parks and leaves as usual."""
+    lot = ParkingLot()
+
+    def broken(step: int | None) -> None:
+        raise RuntimeError("the link is gone")
+
+    with Trainer(lot) as trainer:
+        epoch = lot.request(aligned=True)
+        with lot._lock:
+            lot.set_target(epoch, trainer.step + 2, within_s=3600, on_parked=broken)
+        assert lot.wait_parked(epoch, 10)
+        assert lot.run_parked(lambda: threading.current_thread()).result(5) is trainer.thread
+        lot.release()
+        assert lot.wait_unparked(10) and trainer.error is None
+
+
+def test_a_later_request_does_not_inherit_an_earlier_targets_word_or_time() -> None:
+    """A pause that never parked (released before the thread got there) leaves its on_parked and
+    its time limit behind: the next request starts without them (request() clears both)."""
+    lot = ParkingLot()
+    said: list[int | None] = []
+    with Trainer(lot) as trainer:
+        with lot._lock:  # the thread cannot reach the first target before it is released
+            first = lot.request(aligned=True)
+            lot.set_target(first, trainer.step + 1_000_000, within_s=3600, on_parked=said.append)
+            lot.release()
+        second = lot.request()  # unaligned: parks at the next boundary
+        assert lot.wait_parked(second, 10)
+        assert said == []
