@@ -8,7 +8,6 @@ published before it, and the hosted Stores (and only they) say they have queues.
 
 from __future__ import annotations
 
-import re
 import threading
 
 import pytest
@@ -235,74 +234,3 @@ def test_answers_a_failure_left_unread_are_dropped_when_the_switch_ends() -> Non
     finally:
         relay.stop()
     assert outcome and not outcome[0].ok  # type: ignore[attr-defined]
-
-
-class ThreadRecordingStore(InProcessStore):
-    """An in-process Store that records which thread pushed to or set each key."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.writes: list[tuple[str, str, str]] = []  # (request, key, thread name)
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.writes.append(("set", key, threading.current_thread().name))
-        super().set(key, value)
-
-    def queue_push(self, key: str, value: str | bytes) -> None:
-        self.writes.append(("queue_push", key, threading.current_thread().name))
-        super().queue_push(key, value)
-
-
-class TrainingRank:
-    """A member (pause mode agent) and a training thread ``train-<rank>`` stepping until parked."""
-
-    def __init__(self, kv: KV, rank: int) -> None:
-        self.last = 0
-        self.lot = ParkingLot()
-        self.member = Member(kv, rank, self.lot, MemberHooks(
-            switch_hook=lambda order: True, checkpoint_hook=None, guard_timeout_s=5, switch_timeout_s=5,
-            dry_run=False), lambda: self.last, slot=rank, stop_timeout_s=5.0)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._train, name=f"train-{rank}", daemon=True)
-        self.thread.start()
-        self.member.start()
-
-    def _train(self) -> None:
-        while not self.stop.is_set():
-            self.last += 1
-            if self.lot.pending:
-                self.lot.at_step_boundary(self.last)
-
-    def close(self) -> None:
-        self.member.stop()
-        self.stop.set()
-        self.lot.release()
-        self.thread.join(5)
-
-
-@pytest.mark.parametrize("on_queues", [True, False])
-def test_where_every_thread_may_push_the_training_thread_says_it_parked(on_queues: bool) -> None:
-    """On a node Store every thread shares (the in-process one here; the node link alike) the
-    training thread pushes its rank's "parked" as it parks, and the member's thread, back on its
-    queue at once, is not woken for it. On keys the member's thread waits for the parking and
-    says it, as before (a TCPStore connection takes one request at a time)."""
-    job, node = InProcessStore(), ThreadRecordingStore()
-    local = KV(node, PREFIX, queues=on_queues)
-    relay = NodeRelay(KV(job, PREFIX), KV(job, PREFIX), local.clone(), 0, [0, 1], stop_timeout_s=5.0,
-                      local_wake=local)
-    relay.start()
-    ranks = [TrainingRank(local.clone(), rank) for rank in (0, 1)]
-    try:
-        leader = Coordinator(KV(job, PREFIX), 1, ranks_per_node=2)
-        outcome = leader.pause(30)
-        assert outcome.ok, outcome.reason
-        assert all(rank.lot.parked_step == outcome.step for rank in ranks)
-        leader.release()
-        assert all(rank.lot.wait_unparked(10) for rank in ranks)
-    finally:
-        for rank in ranks:
-            rank.close()
-        relay.stop()
-    said_parked = sorted(thread for _request, key, thread in node.writes  # the answers: a push, or a key per slot
-                         if re.search(r"/parked(/\d+)?$", key))
-    assert said_parked == (["train-0", "train-1"] if on_queues else ["nicswitch-member"] * 2), node.writes

@@ -7,10 +7,7 @@ The member reads its event queue (see messages.py) and drives the rank's :class:
   step *before* it checks the flag, so every step that ended without seeing the flag is <= c_r;
   the leader's target ``S = max(c_r) + 1`` is therefore reachable by every rank and passed by
   none (docs/architecture.md has the full argument; reading c_r first deadlocked in 6 trials).
-- ``target``: hand S to the training thread; ``parked`` is published once it parks, by the
-  training thread itself as it parks where the Store lets any thread push (the node link, the
-  in-process Store: one wake-up of this thread fewer per pause), else by this thread, which
-  waits for it. Either way a thread that gets there after the phase's timeout does not park.
+- ``target``: hand S to the training thread, wait until it parks, publish ``parked``.
 - ``order``: run the guard/switch (or rollback, or checkpoint) — on the parked training thread
   when parked (pause mode agent), else on this thread with timeouts (pause mode external) — and
   publish the result. Every rank runs the same full list in the received order. A ``verify``
@@ -136,11 +133,6 @@ class Member:
         self._job_stopping = False  # a release told training to stop: the Stores' hosts may end any time now
         self.last_verify: dict[str, Any] | None = None  # this rank's last verification, for status()
         self._last_order: tuple[str, SwitchOrder] | None = None  # (name, order) of the last order run
-        # The training thread says it parked itself (ParkingLot.set_target's on_parked): where the
-        # answer is a push every thread may make on a Store every thread shares (the node link, the
-        # in-process Store), while this thread blocks on it. Not on a TCPStore connection: one
-        # request at a time on it, and this thread's read of its next event holds it.
-        self._training_says_parked = kv.queues and hasattr(type(kv.store), "queue_pop_within")
 
     def start(self) -> None:
         if self._thread is not None:
@@ -292,14 +284,8 @@ class Member:
             target_epoch = self._local_epoch.get(epoch)
             if target_epoch is None:
                 return
-            target, timeout = int(message["S"]), float(message.get("timeout", 60.0))
-            if self._training_says_parked:  # this thread goes back to its queue at once
-                kv, slot, expected = self.kv, self.slot, _expected(message)
-                self.lot.set_target(target_epoch, target, within_s=timeout,
-                                    on_parked=lambda step: queues.answer_parked(kv, epoch, slot, step, expected))
-                return
-            self.lot.set_target(target_epoch, target)
-            if self.lot.wait_parked(target_epoch, timeout):
+            self.lot.set_target(target_epoch, int(message["S"]))
+            if self.lot.wait_parked(target_epoch, float(message.get("timeout", 60.0))):
                 queues.answer_parked(self.kv, epoch, self.slot, self.lot.parked_step, _expected(message))
         elif kind == p.ORDER:
             started = time.monotonic()

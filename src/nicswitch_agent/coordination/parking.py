@@ -66,10 +66,6 @@ class ParkingLot:
         self._waiters = 0  # threads in _wait(): a change with none notifies nobody
         self._aligned = False  # the current request parks at a target step, once it is known
         self._target: int | None = None
-        # Given with the target (set_target): told by the training thread as it parks, and the
-        # time by which it must park (monotonic; later, the request is withdrawn).
-        self._on_parked: Callable[[int | None], None] | None = None
-        self._park_by: float | None = None
         self._label: int | None = None  # what the parked event calls the current request (request())
         self.request_epoch = 0  # written by the agent thread only
         self.handled_epoch = 0  # written by the training thread only
@@ -114,27 +110,15 @@ class ParkingLot:
             self.request_epoch += 1
             self._arm(True)
             self._aligned, self._target, self._label = aligned, None, label
-            self._on_parked, self._park_by = None, None
             self.interrupted = None
             self._notify()
             return self.request_epoch
 
-    def set_target(self, epoch: int, step: int, *, on_parked: Callable[[int | None], None] | None = None,
-                   within_s: float | None = None) -> None:
-        """The step at which the training thread parks for ``epoch`` (aligned requests).
-
-        ``on_parked(step)``: called once by the training thread as it parks for ``epoch``, so that
-        no other thread has to wait for the parking to say so (a wake-up fewer per rank and
-        pause); it must not block long, and what it raises is logged, never raised into training.
-        ``within_s``: the thread parks for ``epoch`` only if it gets there within this long; later
-        the request is withdrawn and training goes on, as after a :meth:`wait_parked` that timed
-        out (whoever waits for the parking has stopped waiting by then).
-        """
+    def set_target(self, epoch: int, step: int) -> None:
+        """The step at which the training thread parks for ``epoch`` (aligned requests)."""
         with self._lock:
             if epoch == self.request_epoch:
                 self._target = step
-                self._on_parked = on_parked
-                self._park_by = None if within_s is None else time.monotonic() + within_s
                 self._notify()
 
     def cancel(self, epoch: int) -> None:
@@ -233,12 +217,6 @@ class ParkingLot:
             target = self._target if self._aligned else None
             if target is not None and step is not None and step < target:
                 return  # train on to the target step
-            if self._park_by is not None and time.monotonic() > self._park_by:
-                logger.warning("%sreached the pause's target step %s after the pause's time ran out; training goes "
-                               "on", self._who(), target)
-                self._cancelled_epoch = max(self._cancelled_epoch, epoch)
-                self._handled(epoch)
-                return
             if target is not None and step is not None and step > target:
                 logger.error("%sreached step %s past the pause target %s; parking here", self._who(), step, target)
             self._parked, self._parked_epoch, self._parked_step, self._parked_at = True, epoch, step, time.monotonic()
@@ -248,7 +226,6 @@ class ParkingLot:
             self._emit("parked", {"step": step, "epoch": epoch if self._label is None else self._label})
             interrupted: BaseException | None = None
             try:
-                self._tell_parked(step)
                 while True:
                     while self._work:
                         fn, future = self._work.popleft()
@@ -294,16 +271,6 @@ class ParkingLot:
             self._emit("resumed", {"step": step, "parked_s": parked_for, "stop": self._stop_reason,
                                    "interrupted": None})
             self._raise_if_stopped()
-
-    def _tell_parked(self, step: int | None) -> None:
-        """The training thread parked: call the target's ``on_parked`` (once; the caller holds the lock)."""
-        on_parked, self._on_parked = self._on_parked, None
-        if on_parked is None:
-            return
-        try:
-            on_parked(step)
-        except Exception as exc:  # the agent's side (a link gone): it finds out itself; training is not its to stop
-            logger.warning("%scould not say that training parked: %s: %s", self._who(), type(exc).__name__, exc)
 
     def _fail_leftover_work(self) -> None:
         """Work handed over but never run (the thread left): its waiter must not wait for ever."""
