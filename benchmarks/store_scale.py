@@ -863,6 +863,8 @@ def node_main(port: int, node: int, nodes: int, world: int, timeout_s: float, as
             _reply(proc.wait_for(cmd["kind"], int(cmd["count"]), float(cmd["timeout"])))
         elif cmd["cmd"] == "late":
             _reply(proc.late(float(cmd["start"]), float(cmd["end"]), float(cmd["half"])))
+        elif cmd["cmd"] == "roles":
+            _reply({"roles": {str(tid): role for tid, role in proc.thread_roles().items()}})
         elif cmd["cmd"] == "exit":
             break
     sys.stdout.flush()
@@ -1061,10 +1063,12 @@ class SizeRun:
     sockets: dict[str, float] = field(default_factory=dict)
     idle: dict[str, float] = field(default_factory=dict)
     switches: list[dict[str, Any]] = field(default_factory=list)
+    perf: dict[str, Any] = field(default_factory=dict)  # --perf: the measured switches sampled (perf_roles.py)
 
 
 FLOOR_ENV = "STORE_SCALE_FLOOR"  # --floor: the protocol's messages alone (benchmarks/pause_floor.py), inherited
 GUARD_ENV = "STORE_SCALE_GUARD"  # --guard: every rank has a checkpoint guard (a no-op); the children inherit it
+PERF_ENV = "STORE_SCALE_PERF"  # --perf DIR: sample the node processes during the measured switches (perf_roles.py)
 
 
 def floor() -> bool:
@@ -1138,7 +1142,10 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         result.idle = {"seconds": s1["t"] - s0["t"], "cpu_s": (s1["cpu_ns"] - s0["cpu_ns"]) / 1e9,
                        "bytes": (s1["rchar"] - s0["rchar"]) + (s1["wchar"] - s0["wchar"]),
                        "rank_cpu_s": (ranks1 - ranks0) / 1e9, **{f"late_{k}": v for k, v in idle_late.items()}}
+        recording = None
         for i in range(switches + 1):  # the first is the warm-up: afterwards each window holds one cleanup
+            if i == 1 and os.environ.get(PERF_ENV):
+                recording = _start_perf(node_children, ranks, result)
             node_before = [c.ask({"cmd": "snap"}, timeout_s) for c in node_children]
             lead_before = leader.ask({"cmd": "quiesce"}, timeout_s)["store"]
             s0 = server_snapshot(spid)
@@ -1205,6 +1212,8 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                     dict(sum((Counter(b.get("cpu_by_role_ns", {})) for b in node_before), Counter()))).items()},
                 "late": late, "late_spread": late_spread,
             })
+        if recording is not None:
+            _perf_split(recording, node_children, result, timeout_s)
         # The server's own sockets (its listener, its in-process client and that client's accepted
         # end): what is left once every client process has gone.
         for child in children[1:]:
@@ -1225,6 +1234,37 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         for child in reversed(children):
             child.close()
     return result
+
+
+def _start_perf(node_children: list[Child], ranks: int, result: SizeRun) -> Any:
+    """``perf record`` of the node processes from now on (None, and why in ``result.perf``, if it cannot)."""
+    from benchmarks import perf_roles
+
+    why = perf_roles.available()
+    if why:
+        result.perf = {"why": why}
+        return None
+    out = Path(os.environ[PERF_ENV]) / f"{'floor-' if floor() else ''}{ranks}-{time.monotonic_ns()}.perf.data"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recording = perf_roles.Recording([c.pid for c in node_children], out)
+    try:
+        recording.start()
+    except (OSError, RuntimeError) as exc:  # the run goes on, unsampled, and says why
+        result.perf = {"why": f"{type(exc).__name__}: {exc}"}
+        return None
+    return recording
+
+
+def _perf_split(recording: Any, node_children: list[Child], result: SizeRun, timeout_s: float) -> None:
+    """Stop the recording; its samples by thread role (the node processes say which thread is which)."""
+    from benchmarks import perf_roles
+
+    recording.stop()
+    roles: dict[int, str] = {}
+    for child in node_children:
+        roles.update({int(tid): role for tid, role in child.ask({"cmd": "roles"}, timeout_s)["roles"].items()})
+    result.perf = {"file": str(recording.out), "switches": len(result.switches), "hz": perf_roles.HZ,
+                   "by_role": perf_roles.split(perf_roles.samples(recording.out), roles)}
 
 
 def last_resumed_at(resumed: list[dict[str, Any]]) -> float:
@@ -1396,6 +1436,21 @@ def _rank_metrics(result: BenchResult, r: SizeRun, label: str, step_s: float) ->
                                                                             if v >= 0.5)
                                   + f"; idle (steps only) {idle_rate / r.ranks * 1e6:.0f} us per rank per second"))
     result.add(rounds_metric(f"{label}: ... of which coordination (all but the training threads)", coordination, "us"))
+    if r.perf.get("by_role"):
+        from benchmarks import perf_roles
+
+        by_role = r.perf["by_role"]
+        members = by_role.get("member", {}).get("samples", 0)
+        result.add(single_metric(
+            f"{label}: member CPU per rank per switch, sampled by perf", members / r.perf["hz"]
+            / max(1, r.perf["switches"]) / r.ranks * 1e6, "us",
+            note="perf record of the node processes over the measured switches (larger than without perf: "
+                 "sampling makes context switches dearer); per rank per switch, and where it ran: "
+                 + perf_roles.describe(by_role, 1 / r.perf["hz"], max(1, r.perf["switches"]) * r.ranks)
+                 + f"; samples in {r.perf['file']}"))
+    elif r.perf.get("why"):
+        result.add(single_metric(f"{label}: member CPU per rank per switch, sampled by perf", math.nan, "us",
+                                 note=f"not sampled: {r.perf['why']}"))
     node_calls: Counter[str] = Counter()
     for s in sw:
         node_calls.update(s["node_stores"]["calls"])
@@ -1684,6 +1739,10 @@ def _cli() -> None:
                         help="flat, node (--ranks-per-node, default 8) and group fan-out (auto) side by side, one run, "
                              "then the protocol's floor flat and node (--floor)")
     parser.add_argument("--quick", action="store_true", help="the smoke test's tiny run")
+    parser.add_argument("--perf", metavar="DIR", default="",
+                        help="sample the node processes with Linux perf over the measured switches and report, per "
+                             "thread role, where its CPU ran (kernel, CPython, libc); the samples go to DIR "
+                             "(benchmarks/perf_roles.py)")
     parser.add_argument("--floor", action="store_true",
                         help="the protocol's messages alone instead of the library's coordination (flat, or whole "
                              "nodes with --ranks-per-node; --compare adds both after the library's, unless --guard)")
@@ -1716,6 +1775,8 @@ def main_standalone(args: argparse.Namespace) -> None:
     quiet_logging()
     if args.guard:
         os.environ[GUARD_ENV] = "1"  # the node and leader processes read it
+    if args.perf:
+        os.environ[PERF_ENV] = str(Path(args.perf).resolve())  # run_size reads it
     started_wall = datetime.datetime.now(datetime.timezone.utc)
     started = time.monotonic()
     host = machine()
