@@ -1096,6 +1096,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
                *(["--nodes-per-group", str(per_group)] if per_group else [])]
     node_transport = ["--node-transport", transport] if per_node else []
     children: list[Child] = []
+    recording = None  # --perf
     try:
         listener = listening_socket(dual_stack)
         port = listener.getsockname()[1]
@@ -1142,7 +1143,6 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
         result.idle = {"seconds": s1["t"] - s0["t"], "cpu_s": (s1["cpu_ns"] - s0["cpu_ns"]) / 1e9,
                        "bytes": (s1["rchar"] - s0["rchar"]) + (s1["wchar"] - s0["wchar"]),
                        "rank_cpu_s": (ranks1 - ranks0) / 1e9, **{f"late_{k}": v for k, v in idle_late.items()}}
-        recording = None
         for i in range(switches + 1):  # the first is the warm-up: afterwards each window holds one cleanup
             if i == 1 and os.environ.get(PERF_ENV):
                 recording = _start_perf(node_children, ranks, result)
@@ -1214,6 +1214,7 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
             })
         if recording is not None:
             _perf_split(recording, node_children, result, timeout_s)
+            recording = None
         # The server's own sockets (its listener, its in-process client and that client's accepted
         # end): what is left once every client process has gone.
         for child in children[1:]:
@@ -1231,6 +1232,8 @@ def run_size(ranks: int, nodes: int, switches: int, listed: int, *, dual_stack: 
     except Exception as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     finally:
+        if recording is not None:  # a failed run: perf stops with it
+            recording.stop()
         for child in reversed(children):
             child.close()
     return result
