@@ -23,6 +23,7 @@ import select
 import shutil
 import signal
 import subprocess
+import tempfile
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,11 +38,12 @@ def available() -> str:
     perf = shutil.which("perf")
     if perf is None:
         return "perf is not installed"
-    try:
-        probe = subprocess.run([perf, "stat", "-e", "task-clock", "--", "true"], capture_output=True, text=True,
-                               timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return f"perf did not run: {exc}"
+    with tempfile.TemporaryDirectory() as scratch:  # a recording of its own, as store_scale's will be
+        try:
+            probe = subprocess.run([perf, "record", "-q", "-F", str(HZ), "-o", str(Path(scratch) / "probe.data"),
+                                    "--", "true"], capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return f"perf did not run: {exc}"
     return "" if probe.returncode == 0 else f"perf cannot sample here: {probe.stderr.strip()[-300:]}"
 
 
