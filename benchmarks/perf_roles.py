@@ -29,7 +29,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-HZ = 999  # samples per second per CPU (a prime-ish rate: not in step with the kernel's own timers)
+HZ = 999  # samples per second per CPU (not a round rate: not in step with the kernel's own 100-1000 Hz ticks)
 PLACES = {"[kernel.kallsyms]": "kernel", "libpython": "CPython", "libc.so": "libc"}  # by what a dso's name holds
 
 
