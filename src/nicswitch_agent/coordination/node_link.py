@@ -50,14 +50,15 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from nicswitch_agent.coordination import node_wire as wire
 from nicswitch_agent.coordination.kv import GONE
 from nicswitch_agent.coordination.node_copy import Copy, LinkClosed, LinkLost
 
 logger = logging.getLogger("nicswitch_agent.coordination")
+T = TypeVar("T")
 SCHEME = "unix:"  # the address a hub publishes: "unix:@<name>" (abstract namespace)
 HELLO_TIMEOUT_S = 2.0  # a rank sends its hello right after it dialled
 WAKE_PIPE_BYTES = 1 << 16  # a Linux pipe's default capacity: one read empties it
@@ -185,17 +186,7 @@ class NodeHub(Copy):
         closes meanwhile, so the relay can stop waiting for a rank that will never answer."""
         if not self._remote_queue(key):
             return super().queue_pop_within(key, timeout_s)
-        with self._lock:  # an answer that came with an earlier one's read: no wait to set up
-            queue = self._queues.get(key)
-            if queue:
-                return queue.popleft()
-        seen, gone = self._gone_count, GONE.encode()
-
-        def take() -> bytes | None:
-            value = self._take(key)
-            return value if value is not None or self._gone_count == seen else gone
-
-        return self._wait_for(take, timeout_s)
+        return self._pop_answers(key, timeout_s, collections.deque.popleft, GONE.encode())
 
     def queue_pop_all_within(self, key: str, timeout_s: float) -> list[bytes]:
         """Everything queue ``key`` holds, taken out at once, once it holds something ([] if
@@ -205,19 +196,26 @@ class NodeHub(Copy):
         if not self._remote_queue(key):
             value = super().queue_pop_within(key, timeout_s)
             return [] if value is None else [value]
+        return self._pop_answers(key, timeout_s, _emptied, [GONE.encode()]) or []
+
+    def _pop_answers(self, key: str, timeout_s: float, take_from: Callable[[collections.deque[bytes]], T],
+                     gone: T) -> T | None:
+        """``take_from`` queue ``key`` (under the lock) once it holds something, or ``gone`` once a
+        rank's link closed meanwhile; None after ``timeout_s``. What came with an earlier read is
+        taken without setting up a wait."""
         with self._lock:
             queue = self._queues.get(key)
             if queue:
-                return _emptied(queue)
-        seen, gone = self._gone_count, [GONE.encode()]
+                return take_from(queue)
+        seen = self._gone_count
 
-        def take() -> list[bytes] | None:
+        def take() -> T | None:
             queue = self._queues.get(key)
             if queue:
-                return _emptied(queue)
+                return take_from(queue)
             return None if self._gone_count == seen else gone
 
-        return self._wait_for(take, timeout_s) or []
+        return self._wait_for(take, timeout_s)
 
     def _accept(self) -> None:
         """Take the ranks that dialled since the last look, each with its hello (sent right after
