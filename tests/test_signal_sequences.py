@@ -293,3 +293,30 @@ def test_after_a_guard_refused_no_dump_is_offered_and_retry_goes_on() -> None:
         assert rig.switched == []
     finally:
         rig.close()
+
+
+def test_a_pause_asked_again_while_parked_is_answered_at_once_and_keeps_the_episode() -> None:
+    """Found by this file's property test taking 5 s (its pause_timeout_s) per such example: a second
+    stopTrain pause while every rank was parked started a new round for a step no parked rank could
+    reach, waited out pause_timeout_s (300 s by default) and reported 499; and its new episode forgot
+    the failed switch, so retry would have resumed without the rollback. Now: OK at once, nothing
+    else changes, and retry still rolls the failed switch back."""
+    rig = Rig([False, True])
+    try:
+        rig.controller._handle(signal(STOP_TRAIN, [ACTION_PAUSE]), 1)
+        lot = rig.training.lot
+        parked_at = lot.parked_step
+        assert rig.coordinator.paused and parked_at is not None
+        assert not rig.controller.execute(SwitchOrder(seq=1, job_id="j", ranks=(0,), ops=(True,))).ok
+        rig.controller._handle(signal(STOP_TRAIN, [ACTION_PAUSE]), 1)  # again, before any continue
+        assert rig.reports.calls == [("report_stop_complete", 0), ("report_stop_complete", 0)]
+        assert rig.coordinator.paused and lot.parked and lot.parked_step == parked_at
+        rig.controller._handle(signal(GLOBAL_FAULT), 1)
+        assert rig.reports.calls[-1] == ("report_recover_strategy", ("retry", "recover", "dump", "exit"))
+        rig.controller._handle(signal(CHANGE_STRATEGY, ["change_strategy"], "retry"), 1)
+        assert rig.switched == [(True,), (False,)]  # the failed switch, then its rollback
+        assert rig.reports.calls[-1] == ("report_recover_status", (0, "retry"))
+        assert not rig.coordinator.paused and rig.stops == []
+        assert lot.wait_unparked(10), "training left parked"
+    finally:
+        rig.close()

@@ -231,6 +231,15 @@ class AgentModeController:
             logger.warning("unknown process-manage signal, ignored: %s", self.last_signal)
 
     def _pause(self, client: _Reports) -> None:
+        if self.coordinator.paused:
+            # Asked again before this pause was let go (ClusterD sent it twice): every rank is
+            # parked already. A new round would wait pause_timeout_s for a step no parked rank can
+            # reach, then fail; a new episode would forget a failed switch that needs its rollback.
+            last = self.coordinator.last_pause
+            logger.info("pause requested while training is parked (at step %s): answering at once; the pause "
+                        "goes on", last.step if last is not None else "?")
+            client.report_stop_complete(CODE_OK)
+            return
         with self._lock:
             self._failed_order, self._rollback_ok, self._checkpoint_ok, self._guard_failed = None, False, False, ""
             # A new pause is a new episode: a stop decided in an earlier one must not keep a later
