@@ -121,11 +121,11 @@ def test_closed_port_fails_fast_with_a_clear_message(fake_torch_npu: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     server = f"127.0.0.1:{closed_port()}"
     started = time.monotonic()
-    check = doctor.check_clusterd(gather_inputs(env=ready_env(server), timeout_s=5.0))
+    check = doctor.check_clusterd(gather_inputs(env=ready_env(server), timeout_s=20.0))
     elapsed = time.monotonic() - started
     assert check.ok is False
     assert check.detail.startswith(f"cannot reach ClusterD at {server}:")
-    assert elapsed < 2.0, f"a refused connection took {elapsed:.1f} s"
+    assert elapsed < 10, f"a refused connection waited out the timeout ({elapsed:.1f} s)"  # a bound, not a timing
     assert run(doctor_args("--server", server, "--json"), env=ready_env("ignored:1")) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["ready"] is False and doc["failed"] == ["ClusterD"]
@@ -150,7 +150,7 @@ def test_a_server_that_does_not_answer_fails_within_the_timeout() -> None:
     release = threading.Event()
 
     def silent(request: pb.ClientInfo, context: Any) -> pb.Status:
-        release.wait(10)
+        release.wait(25)
         return pb.Status(code=0)
 
     server = _Server({"HealthCheck": silent})
@@ -163,7 +163,7 @@ def test_a_server_that_does_not_answer_fails_within_the_timeout() -> None:
         server.stop()
     assert check.ok is False
     assert check.detail.startswith(f"no answer from {server.address} within 0.3 s")
-    assert elapsed < 2.0
+    assert elapsed < 10, "it waited for the silent server"  # a bound, not a timing
 
 
 def test_a_server_without_recover_and_a_bad_code_fail() -> None:

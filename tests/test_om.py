@@ -302,11 +302,11 @@ def test_switch_bad_input_sends_nothing(serve: Serve) -> None:
 
 def test_switch_unreachable_server(closed_port: str) -> None:
     started = time.monotonic()
-    with OmClient(closed_port, rpc_timeout_s=3) as client, pytest.raises(OmRpcError) as raised:
+    with OmClient(closed_port, rpc_timeout_s=8) as client, pytest.raises(OmRpcError) as raised:
         client.switch(JOB, NODE1)
     assert raised.value.code == "UNAVAILABLE" and not raised.value.maybe_delivered
     assert isinstance(raised.value, OmError)
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < 5  # not the RPC's timeout: a bound, not a timing
 
 
 def test_switch_deadline_is_maybe_delivered(serve: Serve) -> None:
@@ -385,7 +385,7 @@ def test_follow_slow_stream_times_out(serve: Serve) -> None:
     with OmClient(serve(SubscribeSwitchNicSignal=StreamScript(("block",)))) as client:
         outcome = client.follow(JOB, 0.3)
     assert outcome.kind is OutcomeKind.TIMED_OUT
-    assert 0.25 <= outcome.elapsed_s < 2
+    assert 0.25 <= outcome.elapsed_s < 5  # the stream never ends: a bound, not a timing
 
 
 def test_follow_retries_lost_connection_once_server_was_seen(serve: Serve) -> None:
