@@ -335,6 +335,13 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         error = job.ranks[1].error
         assert isinstance(error, TrainingStopped), error
         assert "the agent on rank 1 stopped (SIGTERM received) while training was parked" in str(error)
+        # The job cannot go on without rank 1: every other rank stops now, not after ClusterD's
+        # recovery has waited a rollback out for switch_timeout_s (120 s here) on a rank that is gone.
+        for rank in (0, 2, 3):
+            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
+            error = job.ranks[rank].error
+            assert isinstance(error, TrainingStopped), error
+            assert "rank 1's training was interrupted during switch #1" in str(error), error
     finally:
         hang.set()
 

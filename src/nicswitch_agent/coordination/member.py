@@ -158,8 +158,11 @@ class Member:
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
                 epoch, name, expected = in_flight
+                # Parked, its training leaves to raise TrainingStopped (the agent's stop): the job
+                # cannot go on without this rank, and no later order (a rollback) will be answered.
                 queues.answer_result(self._wake_kv, epoch, name, p.MemberResult(
-                    self.rank, False, "the agent on this rank stopped during the order", attempted=True), expected)
+                    self.rank, False, "the agent on this rank stopped during the order", attempted=True,
+                    interrupted=self.lot.parked), expected)
             if go is not None and self._wake_kv is not None and not self.lost:
                 self._wake_kv.set(go, p.encode({"t": p.WAKE}))
         except Exception:
