@@ -143,9 +143,13 @@ class Member:
         self._thread = threading.Thread(target=self._run, name="nicswitch-member", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, *, parked_training_stops: bool = False) -> None:
         """Stop the thread (bounded). An order still running is answered failed at once, so the
-        leader replies false now instead of waiting out the hooks' budget for a rank going away."""
+        leader replies false now instead of waiting out the hooks' budget for a rank going away.
+
+        ``parked_training_stops``: the agent's stop makes this rank's training, if parked, leave to
+        raise TrainingStopped (it does not resume): that answer then says *interrupted*, so the
+        leader stops the job at once instead of waiting out a rollback this rank cannot answer."""
         if self._on_stopping is not None and not self.lost and not self._stop.is_set():
             try:
                 self._on_stopping()
@@ -158,11 +162,9 @@ class Member:
         try:
             if in_flight is not None and self._wake_kv is not None and not self.lost:
                 epoch, name, expected = in_flight
-                # Parked, its training leaves to raise TrainingStopped (the agent's stop): the job
-                # cannot go on without this rank, and no later order (a rollback) will be answered.
                 queues.answer_result(self._wake_kv, epoch, name, p.MemberResult(
                     self.rank, False, "the agent on this rank stopped during the order", attempted=True,
-                    interrupted=self.lot.parked), expected)
+                    interrupted=parked_training_stops and self.lot.parked), expected)
             if go is not None and self._wake_kv is not None and not self.lost:
                 self._wake_kv.set(go, p.encode({"t": p.WAKE}))
         except Exception:
