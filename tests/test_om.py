@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import re
@@ -720,12 +721,14 @@ def test_cli_watch_unreachable(closed_port: str) -> None:
 
 
 class Worker:
-    """Plays nicswitch-agent's leader: subscribes SubscribeNotifySwitch and replies ``result``."""
+    """Plays nicswitch-agent's leader: subscribes SubscribeNotifySwitch and replies ``result``,
+    once ``before_reply()`` returns (the test's own ordering, if any)."""
 
-    def __init__(self, target: str, result: bool) -> None:
+    def __init__(self, target: str, result: bool, before_reply: Callable[[], object] = lambda: None) -> None:
         self.channel = grpc.insecure_channel(target)
         self.stub = RecoverStub(self.channel)
         self.result = result
+        self.before_reply = before_reply
         self.received: list[Any] = []
         self._stop = threading.Event()
         self._call: Any = None
@@ -741,6 +744,7 @@ class Worker:
             try:
                 for order in self._call:
                     self.received.append(order)
+                    self.before_reply()
                     self.stub.ReplySwitchNicResult(pb.SwitchResult(jobId=order.jobId, result=self.result), timeout=5)
                     break
             except grpc.RpcError:
@@ -781,7 +785,12 @@ def _worker_listening(sim: Any) -> bool:
 def test_e2e_switch_against_simulator(
     simulator: Any, capsys: pytest.CaptureFixture[str], result: bool, expected: ExitCode
 ) -> None:
-    worker = Worker(simulator.address, result)
+    # The reply waits for the operator's result stream: ClusterD keeps no result for a switch that
+    # ended before anyone followed it (exit 8, docs/clusterd.md#the-operators-result-stream), and on
+    # a loaded machine the whole switch can end before the command's subscribe (seen in CI).
+    following = functools.partial(simulator.wait_until,
+                                  lambda sim: sim.job_view(JOB).open_streams.get("SubscribeSwitchNicSignal", 0) >= 1, 8)
+    worker = Worker(simulator.address, result, before_reply=following)
     worker.start()
     try:
         assert simulator.wait_until(_worker_listening, 5)

@@ -451,8 +451,7 @@ class SwitchAgent:
             except Exception:
                 logger.warning("could not release the members", exc_info=True)
         if self._member is not None:
-            # (the leader's own training resumes if no link can have moved: not a rank lost to the job)
-            self._member.stop(parked_training_stops=stop_training is not None)
+            self._member.stop(parked_training_stops=stop_training is not None)  # (None: rank 0 resumes)
         if self._fan_out is not None:
             self._fan_out.stop(reason)  # after the member: the release above still reaches the node's ranks
         self._parking.let_go(stop_reason_if_parked=stop_training)
