@@ -451,7 +451,7 @@ class SwitchAgent:
             except Exception:
                 logger.warning("could not release the members", exc_info=True)
         if self._member is not None:
-            self._member.stop(parked_training_stops=stop_training is not None)  # (None: rank 0 resumes)
+            self._member.stop(parked_training_stops=stop_training is not None)  # None: it resumes (no link moved)
         if self._fan_out is not None:
             self._fan_out.stop(reason)  # after the member: the release above still reaches the node's ranks
         self._parking.let_go(stop_reason_if_parked=stop_training)
