@@ -179,7 +179,7 @@ class ParkingLot:
         leaves to raise TrainingStopped(``stop_reason_if_parked``) when one is given (the rest of
         the job is still paused, or its links may have moved) instead of resuming; a thread that is
         not parked trains on (a request it has not reached is cancelled). True if it was parked."""
-        with self._lock:  # parked or not, decided with the release (the Condition's lock is an RLock)
+        with self._lock:  # parked or not, decided with the release (an RLock: release() takes it again)
             return self.release(stop_reason=stop_reason_if_parked if self._parked else None)
 
     def wait_unparked(self, timeout: float) -> bool:
