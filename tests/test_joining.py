@@ -40,7 +40,7 @@ class Job:
 
     def __init__(self, kv: KV, world_size: int) -> None:
         self.kv = kv
-        self.coordinator = Coordinator(kv.clone(), world_size, names_orders=True)
+        self.coordinator = Coordinator(kv.clone(), world_size)
         self.members: list[Member] = []
         self.release = threading.Event()  # frees the hooks that stand for dead processes
 
@@ -177,7 +177,7 @@ def test_a_pause_after_a_ranks_agent_stopped_fails_at_once_until_its_next_proces
         job.start_rank(1, 101, lambda order: True, says_it_leaves=True).stop()
         pausing, outcome = _pausing(job)
         failed = _failed(pausing, outcome, "a rank whose agent had stopped")
-        assert failed.reason == ("1 rank(s) stopped their agent (training ended, or their process is ending or "
+        assert failed.reason == ("rank 1 (pid 101) stopped its agent (training ended, or its process is ending or "
                                  "restarting) and cannot park")
         job.start_rank(1, 202, lambda order: True)
         assert kv.count(p.LEFT_COUNT) == 0 and not kv.check([p.left_key(1)])
@@ -195,5 +195,27 @@ def test_a_ranks_agent_stopping_during_a_pause_fails_it_at_once(kv: KV) -> None:
         leaving.stop()  # its training thread will never park now
         failed = _failed(pausing, outcome, "a rank whose agent stopped")
         assert failed.reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), failed.reason
+    finally:
+        job.stop()
+
+
+def test_an_order_after_a_ranks_agent_stopped_fails_at_once_without_being_sent(kv: KV) -> None:
+    """A rollback after a failed switch (or any order) waits for every rank's answer; a rank whose
+    agent stopped will never give one. Once a new process of that rank joins, orders run again."""
+    job = Job(kv, 2)
+    try:
+        called: list[int] = []
+        job.start_rank(0, 100, lambda order: called.append(order.seq) is None)
+        job.start_rank(1, 101, lambda order: True, says_it_leaves=True).stop()
+        # Without the word that rank 1 left, this fails after its budget, saying rank 1 did not answer.
+        outcome = job.coordinator.run(SwitchOrder(seq=1, job_id="job", ranks=(0, 1), ops=(True, True)),
+                                      kind="switch", budget_s=10.0)
+        assert not outcome.ok and not outcome.attempted
+        assert outcome.reason == ("rank 1 (pid 101) stopped its agent (training ended, or its process is ending or "
+                                  "restarting) and cannot answer")
+        assert not kv.check([p.order_key("1.1.switch")])  # nothing was sent to the ranks
+        job.start_rank(1, 202, lambda order: True)
+        assert job.run(2).ok
+        assert called == [2]  # rank 0 never saw order 1
     finally:
         job.stop()

@@ -346,6 +346,40 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         hang.set()
 
 
+def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job_at_once(
+        sim: Simulator, make_job: Any) -> None:
+    """Rank 1 answered the switch and its agent stops (SIGTERM) before rank 2's switch fails:
+    nothing is in flight on rank 1 to answer. The rollback that ClusterD's recovery asks for next
+    must not wait ``switch_timeout_s`` (120 s here) for it: it says it left, and the leader fails
+    the rollback at once."""
+    hang = threading.Event()
+    job = make_job(hooks={2: {"hang": hang, "results": [False]}}, switch_timeout_s=120.0)
+    try:
+        assert sim.wait_until(streams_ready, 10)
+        messages: list[str] = []
+        operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-0", ["1"], [True])))
+        operator.start()
+        assert job.hooks[2].entered.wait(20) and job.hooks[1].entered.wait(20)
+        member = job.ranks[1].agent._member
+        assert member is not None
+        assert support.poll(lambda: member._in_flight is None, 20)  # rank 1 answered its order
+        job.ranks[1].agent.stop("SIGTERM received")
+        hang.set()  # rank 2's switch now fails
+        operator.join(60)
+        assert messages == ["switch nic failed, switch nic failed"]
+        for rank in (0, 2, 3):
+            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
+            assert isinstance(job.ranks[rank].error, TrainingStopped), job.ranks[rank].error
+        # Every rank still there heard why the rollback failed (the leader's decision on it).
+        for rank in (0, 2, 3):
+            said = [e.detail for e in job.ranks[rank].agent.events()
+                    if e.kind == "switch_outcome" and e.detail["kind"] == "rollback"]
+            assert len(said) == 1 and not said[0]["ok"], (rank, said)
+            assert said[0]["reason"].startswith("rank 1 (pid ") and "stopped its agent" in said[0]["reason"], said
+    finally:
+        hang.set()
+
+
 def _stop_the_leader_in_rank_2s_switch_hook(
         sim: Simulator, make_job: Any, hang: threading.Event) -> tuple[Any, list[str]]:
     """A switch whose hook hangs on rank 2; the leader stopped (SIGTERM) while it does, then the

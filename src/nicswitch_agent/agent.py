@@ -36,7 +36,7 @@ from nicswitch_agent.config.frameworks import msrun_scheduler
 from nicswitch_agent.coordination import KV, Coordinator, Member, MemberHooks, topology, verification
 from nicswitch_agent.coordination.fan_out import RankFanOut, describe_for_leader
 from nicswitch_agent.coordination.hook_runner import Execution
-from nicswitch_agent.coordination.joining import launcher_callbacks
+from nicswitch_agent.coordination.joining import member_callbacks
 from nicswitch_agent.coordination.parking import ParkingLot
 from nicswitch_agent.coordination.topology import Layout
 from nicswitch_agent.errors import AgentStateError, ConfigError, InvalidOrder
@@ -293,8 +293,8 @@ class SwitchAgent:
                         verify_timeout_s=cfg.verify_timeout_s),
             lambda: self.last_step, max_parked_s=cfg.max_parked_s, stop_timeout_s=cfg.stop_timeout_s,
             on_event=lambda kind, detail: self._emit(kind, detail.pop("seq", None), detail), slot=slot,
-            # The launcher's leader registers once every rank has joined; it hears of those that leave (joining.py).
-            **(launcher_callbacks(kv, self.rank, self._pid) if cfg.leader == "launcher" else {}))
+            # The leader hears of ranks that join and of those that leave (joining.py).
+            **member_callbacks(kv, self.rank, self._pid))
         self._member.start()
         if not leads:  # a member only: the leader (rank 0, or the launcher) holds ClusterD's streams
             with self._lock:
@@ -336,7 +336,7 @@ class SwitchAgent:
 
         cfg = self.config
         self._coordinator = Coordinator(kv.clone(), self._layout.answerers, stop=self._coordination_stop,
-                                        layout=self._layout, drain_s=cfg.stop_timeout_s, names_orders=self._leader_only,
+                                        layout=self._layout, drain_s=cfg.stop_timeout_s,
                                         **verification.coordinator_settings(cfg, self._verify_hook,
                                                                             leader_only=self._leader_only))
         self._session = LeaderSession(

@@ -1,14 +1,23 @@
-"""A training rank joining a launcher-hosted leader, and what a restarted rank owes it.
+"""A training rank joining its job's leader, and what it owes the leader when it comes or goes.
 
-Under ``nicswitch-agent launch`` the leader and its Store outlive the training processes: torchrun
-restarts them after a failure, while the leader may be waiting for their answers to an order.
-The process that died never answers, and without a word the leader would wait out the order's
-whole budget (guard, switch and verify warm-up: minutes) with ClusterD and the operator waiting
-behind it. So the process that takes a rank's place says so: if a process of this rank had joined
-before, it fails the order the leader names as in flight (``inflight``, coordination/messages.py),
-and the leader decides at once, false, naming the rank. A pause in flight fails the same way: the
-new process starts after the pause's events and will never park in it (the leader would wait out
-``pause_timeout_s``, five minutes by default, with ClusterD answering "busy" meanwhile).
+The leader may be waiting for a rank's answer when that rank's agent stops or its process is
+replaced, and without a word it would wait out the whole budget (a pause's ``pause_timeout_s``,
+five minutes by default; an order's guard, switch and verify warm-up: minutes) with ClusterD, the
+operator and every other rank, parked, waiting behind it. So a rank says so:
+
+- **It leaves** (its agent stops while its process may run on: training ended, evaluation or
+  clean-up follow, or a signal stops the agent on this rank alone). :func:`leave` counts it on
+  the job's Store (``LEFT_COUNT``) and fails a pause in flight at once; the leader's next pause or
+  order fails at once while any rank is left (coordination/leader.py), naming the last one. This
+  holds in every leader mode: after a failed switch the job waits parked for ClusterD's recovery,
+  and its rollback must not wait two minutes for a rank whose agent is gone.
+- **It takes the place of an earlier process of its rank** (under ``nicswitch-agent launch`` the
+  leader and its Store outlive the training processes, which torchrun restarts; or an agent
+  started again in the same process). :func:`join` fails the order the leader names as in flight
+  (``inflight``, coordination/messages.py), and the leader decides at once, false, naming the
+  rank. A pause in flight fails the same way: the new process starts after the pause's events and
+  will never park in it. With the leader on rank 0, a torchrun restart starts a new key prefix
+  (messages.key_prefix), so only an agent started again in one process finds a predecessor.
 
 Why this is sound without a race: the member takes its queue position first, then reads
 ``inflight``; the leader names an order (or a pause) before it publishes it. One published before
@@ -34,9 +43,10 @@ logger = logging.getLogger("nicswitch_agent.coordination")
 
 
 def join(kv: KV, rank: int, pid: int) -> str | None:
-    """Say that ``rank`` joined (the launcher's leader registers with ClusterD once every rank has),
-    after failing the order in flight if this process took the place of an earlier one. Returns the
-    name of the order it failed, if any. Call it once the member has its queue position."""
+    """Say that ``rank`` joined (a launcher's leader registers with ClusterD once every rank has),
+    after failing the order in flight if this process took the place of an earlier one (or this
+    agent of an earlier agent in the same process). Returns the name of the order it failed, if
+    any. Call it once the member has its queue position."""
     key = p.joined_key(rank)
     before = kv.get(key) if kv.check([key]) else None
     kv.set(key, str(pid))
@@ -47,8 +57,7 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
         kv.add(p.LEFT_COUNT, -1)
     text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
     if not text:
-        logger.info("rank %d: this process (pid %d) takes the place of pid %s; no order was in flight",
-                    rank, pid, before)
+        logger.info("rank %d: %s; no order was in flight", rank, _came_back(before, pid))
         return None
     try:
         in_flight = json.loads(text)
@@ -65,6 +74,13 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
     logger.warning("rank %d: this process (pid %d) takes the place of pid %s during order %s: told the "
                    "leader it failed", rank, pid, before, name)
     return name
+
+
+def _came_back(before: str, pid: int) -> str:
+    """For the log: a new process in the rank's place, or a new agent in the same process."""
+    if before == str(pid):
+        return f"its agent started again (pid {pid})"
+    return f"this process (pid {pid}) takes the place of pid {before}"
 
 
 def _fail_pause(kv: KV, rank: int, pid: int, before: str, epoch: int) -> str:
@@ -87,12 +103,13 @@ def _end_pause(kv: KV, epoch: int, words: str) -> None:
 
 def leave(kv: KV, rank: int, pid: int) -> None:
     """Say that ``rank``'s agent stops while its process may run on (training ended, evaluation or
-    clean-up follow): the leader's next pause fails at once instead of waiting out
-    ``pause_timeout_s`` for a rank that will never park, and a pause in flight fails now."""
+    clean-up follow): the leader's next pause or order fails at once instead of waiting out its
+    budget for a rank that will never park or answer, and a pause in flight fails now."""
     key = p.left_key(rank)
     if kv.check([key]):
         return
     kv.set(key, str(pid))
+    kv.set(p.LEFT_LAST, f"rank {rank} (pid {pid})")  # for the leader's message: it counts, it does not scan
     kv.add(p.LEFT_COUNT, 1)
     text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
     try:
@@ -103,8 +120,9 @@ def leave(kv: KV, rank: int, pid: int) -> None:
         logger.error("rank %d: ignoring a malformed in-flight pause: %r", rank, text[:200])
 
 
-def launcher_callbacks(kv: KV, rank: int, pid: int) -> dict[str, Any]:
-    """The Member's ``on_started`` and ``on_stopping`` under a launcher-hosted leader."""
+def member_callbacks(kv: KV, rank: int, pid: int) -> dict[str, Any]:
+    """The Member's ``on_started`` and ``on_stopping``: :func:`join` and :func:`leave` on the job's
+    Store ``kv`` (with fan-out too: the leader reads them there, whatever the layout)."""
     started: Callable[[], object] = lambda: join(kv, rank, pid)  # noqa: E731
     stopping: Callable[[], object] = lambda: leave(kv, rank, pid)  # noqa: E731
     return {"on_started": started, "on_stopping": stopping}

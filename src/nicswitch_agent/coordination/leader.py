@@ -64,7 +64,7 @@ class Coordinator:
 
     def __init__(self, kv: KV, world_size: int, *, stop: threading.Event | None = None,
                  ranks_per_node: int | None = None, layout: Layout | None = None, drain_s: float = 1.0,
-                 warm_up_s: float = 0.0, verify_expected: bool = False, names_orders: bool = False) -> None:
+                 warm_up_s: float = 0.0, verify_expected: bool = False) -> None:
         if world_size < 1:
             raise ValueError(f"world_size={world_size} must be positive")
         if ranks_per_node is not None and ranks_per_node < 1:
@@ -84,9 +84,6 @@ class Coordinator:
         self.warm_up_s = warm_up_s
         # Switch orders ask the ranks to wait on a go key for the verify round (see the module docstring).
         self.verify_expected = verify_expected
-        # A launcher's leader, whose Store outlives the ranks: it names the order it waits for, so
-        # that a restarted rank can fail it at once (joining.py) instead of leaving it to the budget.
-        self.names_orders = names_orders
         self._undrained = 0  # the last release's queue index, until drain() saw it taken
         # A successful order's outcome, sent with the next event (normally the release right after
         # it): one event fewer per switch on every level. A failure's is published at once.
@@ -167,11 +164,10 @@ class Coordinator:
         with self._lock:
             started = time.monotonic()
             deadline = started + timeout_s
-            left = self.kv.count(p.LEFT_COUNT) if self.names_orders else 0
+            left = self._left()
             epoch = self._new_epoch()
-            if left > 0:  # (a launcher's leader) they will never park: no use waiting for them
-                return self._abandon(epoch, started, f"{left} rank(s) stopped their agent (training ended, or their "
-                                                     "process is ending or restarting) and cannot park")
+            if left:  # they will never park: no use waiting for them
+                return self._abandon(epoch, started, f"{left} and cannot park")
             self._name_pause_in_flight(epoch)
             self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
@@ -272,10 +268,14 @@ class Coordinator:
             session = not self._paused  # pause mode external: a session of its own
             epoch = self._new_epoch() if session else self._epoch
             name = f"{epoch}.{order.seq}.{kind}"
+            left = self._left()
+            # A rank whose agent stopped will never answer: no use waiting out the budget for it
+            # (a rollback after a failed switch, with every other rank parked). Nothing is published.
+            outcome = RunOutcome(False, f"{left} and cannot answer") if left else None
             text = p.encode_order(order)
-            self.kv.set(p.order_key(name), text)  # for a member or relay of an earlier version, and large orders
-            outcome = None
-            guarded = kind == p.KIND_SWITCH and (guard_budget_s is not None or self.warm_up_s > 0)
+            if outcome is None:  # for a member or relay of an earlier version, and large orders
+                self.kv.set(p.order_key(name), text)
+            guarded = outcome is None and kind == p.KIND_SWITCH and (guard_budget_s is not None or self.warm_up_s > 0)
             if guarded:
                 guard = self._guard_round(epoch, order, name, text, (guard_budget_s or 0.0) + self.warm_up_s,
                                           started, session)
@@ -371,23 +371,32 @@ class Coordinator:
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
 
+    def _left(self) -> str:
+        """Who stopped their agent and has not come back (joining.leave), in words; "" if nobody."""
+        left = self.kv.count(p.LEFT_COUNT)
+        if left <= 0:
+            return ""
+        last = self.kv.get(p.LEFT_LAST) if self.kv.check([p.LEFT_LAST]) else "a rank"
+        if left == 1:
+            return f"{last} stopped its agent (training ended, or its process is ending or restarting)"
+        return f"{left} ranks stopped their agent (the last: {last})"
+
     def _name_in_flight(self, epoch: int | None, name: str | None) -> None:
-        """With ``names_orders``: name the order about to be published (before it is: joining.py
-        relies on that order), or, with None, say that none is in flight."""
-        if self.names_orders:
-            text = "" if name is None else p.encode({"e": epoch, "key": name, "n": self.world_size})
-            self.kv.set(p.IN_FLIGHT, text)
+        """Name the order about to be published (before it is: joining.py relies on that order), or,
+        with None, say that none is in flight."""
+        text = "" if name is None else p.encode({"e": epoch, "key": name, "n": self.world_size})
+        self.kv.set(p.IN_FLIGHT, text)
 
     def _name_pause_in_flight(self, epoch: int) -> None:
-        """With ``names_orders``: a process taking a rank's place during pause ``epoch`` fails it
-        at once (joining.py): it will never park in it. Named before the pause is published."""
-        if self.names_orders:
-            self.kv.set(p.IN_FLIGHT, p.encode({"e": epoch, "pause": 1}))
-            self._garbage += [done_key(p.parked_counter_key(epoch)), p.restarted_key(epoch)]
+        """A process taking a rank's place during pause ``epoch``, or a rank whose agent stops, fails
+        it at once (joining.py): it will never park in it. Named before the pause is published."""
+        self.kv.set(p.IN_FLIGHT, p.encode({"e": epoch, "pause": 1}))
+        self._garbage += [done_key(p.parked_counter_key(epoch)), p.restarted_key(epoch)]
 
     def _restarted(self, epoch: int) -> str:
-        """For a failed pause's reason: which rank's process was restarted during it, if one was."""
-        if not self.names_orders or not self.kv.check([p.restarted_key(epoch)]):
+        """For a failed pause's reason: which rank's process was restarted (or its agent stopped)
+        during it, if one was."""
+        if not self.kv.check([p.restarted_key(epoch)]):
             return ""
         return f"; {self.kv.get(p.restarted_key(epoch))}"
 

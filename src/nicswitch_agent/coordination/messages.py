@@ -71,23 +71,26 @@ node's index within the group)::
 
     group/<group>/store        ``host:port`` of the group's Store (written by its relay)
 
-Under a launcher-hosted leader (a Store that outlives the training processes)::
+How ranks come and go (joining.py; every leader mode, on the job's Store)::
 
-    joined/<r>                 rank r's process has taken its queue position (its pid); written
-                               again by each process that takes rank r's place (joining.py)
+    joined/<r>                 rank r's member has taken its queue position (its pid); written
+                               again by each process (or agent) that takes rank r's place; a
+                               launcher-hosted leader registers once every rank's is there
     inflight                   {"e": E, "key": K, "n": N} while the leader waits for order K's
                                results, "" once it decided: a process that takes the place of one
                                that had joined fails K at once (its predecessor will never answer);
                                {"e": E, "pause": 1} while pause E runs: the process fails it at
-                               once (it will never park in it: it starts after its events)
+                               once (it will never park in it: it starts after its events), and so
+                               does a rank whose agent stops
     e/<E>/restarted            that process's words for the leader's message (last one wins)
-    left/<r>, left/n           rank r's agent stopped (its pid), and how many have not come back:
-                               a pause then fails at once instead of waiting for ranks that left
+    left/<r>, left/n,          rank r's agent stopped (its pid), how many have not come back, and
+    left/last                  the last of them in words: a pause or an order then fails at once
+                               instead of waiting for ranks that left
 
 ``q/head`` holds the number of the last event published, so a member that starts late (a training
-process restarted under a launcher-hosted leader) begins with the next event instead of replaying
-old ones. A member stopping wakes its own idle wait by writing ``{"t": "wake"}`` to the queue key it waits
-on; nobody else reads a member's queue.
+process restarted under a launcher-hosted leader, or an agent started again) begins with the next
+event instead of replaying old ones. A member stopping wakes its own idle wait by writing
+``{"t": "wake"}`` to the queue key it waits on; nobody else reads a member's queue.
 """
 
 from __future__ import annotations
@@ -156,20 +159,21 @@ def key_prefix(job_id: str, restart_count: str | None = None) -> str:
 QUEUE_HEAD = "q/head"  # the number of the last event published (a member joining late starts after it)
 
 
-IN_FLIGHT = "inflight"  # the order a launcher's leader waits for (see the module docstring)
+IN_FLIGHT = "inflight"  # the order or pause the leader waits for (see the module docstring)
 
 
 def joined_key(rank: int) -> str:
-    """Under ``nicswitch-agent launch``: a member says it started (the leader registers once all did)."""
+    """A member says it started (a launcher's leader registers once all did; joining.py)."""
     return f"joined/{rank}"
 
 
 def left_key(rank: int) -> str:
-    """Under ``nicswitch-agent launch``: rank's agent stopped while its process may run on (joining.py)."""
+    """Rank's agent stopped while its process may run on (joining.py)."""
     return f"left/{rank}"
 
 
 LEFT_COUNT = "left/n"  # how many ranks' agents have stopped and not come back (joining.py)
+LEFT_LAST = "left/last"  # the last of them, in words ("rank 3 (pid 1234)"), for the leader's message
 
 
 def queue_key(rank: int, n: int) -> str:
