@@ -441,7 +441,9 @@ def test_a_member_whose_relay_stopped_on_purpose_says_so_without_an_error(
         assert started.wait(20)
         with caplog.at_level(logging.INFO, logger="nicswitch_agent.coordination"):
             hub.close("local rank 0's agent stopped (signal SIGINT)" if how == "on-purpose" else "")
-            assert support.wait_until(lambda: bool(member.lost), 20)
+            # (the line, not member.lost: the member sets lost just before it logs)
+            assert support.wait_until(lambda: any("coordination store lost" in r.getMessage()
+                                                  for r in caplog.records), 20)
         lost = [r for r in caplog.records if "coordination store lost" in r.getMessage()]
         assert len(lost) == 1, [r.getMessage() for r in lost]
         if how == "on-purpose":
