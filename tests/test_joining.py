@@ -56,7 +56,8 @@ class Job:
                         lambda: 0, stop_timeout_s=0.5,
                         on_started=lambda: (join(kv, rank, pid), joined.set()),
                         # (the agent's job connection, not the member's: that one is blocked in its read)
-                        on_stopping=(lambda: leave(own, rank, pid)) if says_it_leaves else None)
+                        on_stopping=(lambda interrupted: leave(own, rank, pid, interrupted=interrupted))
+                        if says_it_leaves else None)
         member.start()
         assert joined.wait(10)
         self.members.append(member)
@@ -217,5 +218,80 @@ def test_an_order_after_a_ranks_agent_stopped_fails_at_once_without_being_sent(k
         job.start_rank(1, 202, lambda order: True)
         assert job.run(2).ok
         assert called == [2]  # rank 0 never saw order 1
+    finally:
+        job.stop()
+
+
+def test_a_ranks_agent_stopping_during_an_order_fails_it_at_once(kv: KV) -> None:
+    """Rank 1's member runs the order (its hook hangs); its agent's stop says it left: the order
+    is decided at once, false, naming the rank, as if the member had answered it."""
+    job = Job(kv, 2)
+    try:
+        entered = threading.Event()
+        job.start_rank(0, 100, lambda order: True)
+        job.start_rank(1, 101, job.hangs(entered))
+        running: list[RunOutcome] = []
+        # A budget of 10 s: without the word that rank 1 left, the order fails after it, silent rank and all.
+        order = SwitchOrder(seq=1, job_id="job", ranks=(0, 1), ops=(True, True))
+        thread = threading.Thread(target=lambda: running.append(job.coordinator.run(order, kind="switch",
+                                                                                     budget_s=10.0)))
+        thread.start()
+        assert entered.wait(10)
+        leave(kv.clone(), 1, 101)  # (what rank 1's agent says as it stops; its member is left running)
+        thread.join(20)
+        assert running and not running[0].ok
+        assert running[0].reason == "rank 1: the agent on this rank stopped during the order", running[0].reason
+    finally:
+        job.stop()
+
+
+class LeavesAsTheLeaderLooks(KV):
+    """The leader's connection: right after the leader reads how many ranks left, rank 1 leaves
+    (the narrowest interleaving: between the leader's look and the order's publication)."""
+
+    def __init__(self, kv: KV) -> None:
+        super().__init__(kv.store.clone(), kv.prefix)
+        self.leaver = kv.clone()
+        self.fired = False
+
+    def clone(self) -> KV:
+        return self
+
+    def count(self, key: str) -> int:
+        value = super().count(key)
+        if key == p.LEFT_COUNT and not self.fired:
+            self.fired = True
+            leave(self.leaver, 1, 101)
+        return value
+
+
+def test_a_rank_that_leaves_just_as_the_order_starts_still_fails_it_at_once(kv: KV) -> None:
+    """The leader names the order in flight, then looks for ranks that left; a rank leaves the
+    other way round (counts itself, then reads what is in flight). Rank 1 leaves right after the
+    leader looked (it saw nobody): the order is named by then, so rank 1's leave fails it. Looked
+    at before naming, the order would go out and wait its budget for a rank that never answers."""
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        join(kv.clone(), 1, 101)  # rank 1 joined; its member never reads (its agent is stopping)
+        job.coordinator = Coordinator(LeavesAsTheLeaderLooks(kv), 2)
+        order = SwitchOrder(seq=1, job_id="job", ranks=(0, 1), ops=(True, True))
+        outcome = job.coordinator.run(order, kind="switch", budget_s=10.0)
+        assert not outcome.ok
+        assert outcome.reason == "rank 1: the agent on this rank stopped during the order", outcome.reason
+    finally:
+        job.stop()
+
+
+def test_a_rank_that_leaves_just_as_the_pause_starts_still_fails_it_at_once(kv: KV) -> None:
+    """As for an order: the pause is named in flight before the leader looks for ranks that left."""
+    job = Job(kv, 2)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        join(kv.clone(), 1, 101)
+        job.coordinator = Coordinator(LeavesAsTheLeaderLooks(kv), 2)
+        outcome = job.coordinator.pause(10.0)  # without rank 1's word: no answer from it for 10 s
+        assert not outcome.ok
+        assert outcome.reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), outcome.reason
     finally:
         job.stop()

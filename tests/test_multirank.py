@@ -346,14 +346,13 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         hang.set()
 
 
-def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job_at_once(
+def test_a_member_stopped_after_answering_while_the_switch_runs_elsewhere_stops_the_job_at_once(
         sim: Simulator, make_job: Any) -> None:
-    """Rank 1 answered the switch and its agent stops (SIGTERM) before rank 2's switch fails:
-    nothing is in flight on rank 1 to answer. The rollback that ClusterD's recovery asks for next
-    must not wait ``switch_timeout_s`` (120 s here) for it: it says it left, and the leader fails
-    the rollback at once."""
+    """Rank 1 answered the switch and its agent stops (SIGTERM) while rank 2's switch hook still
+    runs: nothing is in flight on rank 1 itself, but its stop says it left, and the switch is
+    decided at once, false and interrupted (rank 1's parked training stops), not after rank 2."""
     hang = threading.Event()
-    job = make_job(hooks={2: {"hang": hang, "results": [False]}}, switch_timeout_s=120.0)
+    job = make_job(hooks={2: {"hang": hang}}, switch_timeout_s=120.0)
     try:
         assert sim.wait_until(streams_ready, 10)
         messages: list[str] = []
@@ -364,9 +363,39 @@ def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job
         assert member is not None
         assert support.poll(lambda: member._in_flight is None, 20)  # rank 1 answered its order
         job.ranks[1].agent.stop("SIGTERM received")
-        hang.set()  # rank 2's switch now fails
-        operator.join(60)
+        operator.join(60)  # rank 2's hook still hangs
         assert messages == ["switch nic failed, switch nic failed"]
+        assert "rank 1: the agent on this rank stopped during the order" in \
+            job.ranks[0].agent.status()["last_switch"]["reason"]
+        # Rank 2's hook returns now (with node fan-out its relay hears the stop once its node's
+        # answers are in, and no rank leaves a hook early anyway).
+        hang.set()
+        for rank in (0, 2, 3):
+            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
+            error = job.ranks[rank].error
+            assert isinstance(error, TrainingStopped), error
+            assert "rank 1's training was interrupted during switch #1" in str(error), error
+    finally:
+        hang.set()
+
+
+@pytest.mark.parametrize("fan_out", sorted(FAN_OUTS))
+def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job_at_once(fan_out: str) -> None:
+    """Rank 2's switch fails; while ClusterD's recovery flushes faults (2 s here), every rank
+    parked, rank 1's agent stops (SIGTERM): nothing is in flight anywhere. The rollback that the
+    recovery asks for next must not wait ``switch_timeout_s`` (120 s here) for rank 1: its stop
+    said it left, and the leader fails the rollback at once, sending nothing."""
+    slow_flush = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("dump",))],
+                           settings=dataclasses.replace(FAST, fault_flush_s=2.0))
+    slow_flush.start()
+    job = Job(slow_flush, **FAN_OUTS[fan_out], hooks={2: {"results": [False]}}, switch_timeout_s=120.0)
+    try:
+        assert slow_flush.wait_until(streams_ready, 10)
+        operator = threading.Thread(target=lambda: switch(slow_flush, "node-0", ["1"], [True]))
+        operator.start()
+        assert support.poll(lambda: (job.ranks[0].agent.status()["last_switch"] or {}).get("result") is False, 20)
+        assert all(rank.agent.status()["parked"] for rank in job.ranks)
+        job.ranks[1].agent.stop("SIGTERM received")
         for rank in (0, 2, 3):
             assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
             assert isinstance(job.ranks[rank].error, TrainingStopped), job.ranks[rank].error
@@ -376,8 +405,12 @@ def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job
                     if e.kind == "switch_outcome" and e.detail["kind"] == "rollback"]
             assert len(said) == 1 and not said[0]["ok"], (rank, said)
             assert said[0]["reason"].startswith("rank 1 (pid ") and "stopped its agent" in said[0]["reason"], said
+        rollbacks = [call for call in job.calls if call[3] == (False,)]
+        assert rollbacks == []  # sent to no rank
+        operator.join(30)
     finally:
-        hang.set()
+        job.close()
+        slow_flush.stop()
 
 
 def _stop_the_leader_in_rank_2s_switch_hook(

@@ -7,8 +7,8 @@ operator and every other rank, parked, waiting behind it. So a rank says so:
 
 - **It leaves** (its agent stops while its process may run on: training ended, evaluation or
   clean-up follow, or a signal stops the agent on this rank alone). :func:`leave` counts it on
-  the job's Store (``LEFT_COUNT``) and fails a pause in flight at once; the leader's next pause or
-  order fails at once while any rank is left (coordination/leader.py), naming the last one. This
+  the job's Store (``LEFT_COUNT``) and fails a pause or order in flight at once; the leader's next
+  pause or order fails at once while any rank is left (coordination/leader.py), naming the last one. This
   holds in every leader mode: after a failed switch the job waits parked for ClusterD's recovery,
   and its rollback must not wait two minutes for a rank whose agent is gone.
 - **It takes the place of an earlier process of its rank** (under ``nicswitch-agent launch`` the
@@ -101,10 +101,15 @@ def _end_pause(kv: KV, epoch: int, words: str) -> None:
         kv.set(done_key(counter), "failed")
 
 
-def leave(kv: KV, rank: int, pid: int) -> None:
+def leave(kv: KV, rank: int, pid: int, *, interrupted: bool = False) -> None:
     """Say that ``rank``'s agent stops while its process may run on (training ended, evaluation or
     clean-up follow): the leader's next pause or order fails at once instead of waiting out its
-    budget for a rank that will never park or answer, and a pause in flight fails now."""
+    budget for a rank that will never park or answer, and a pause or order in flight fails now.
+    ``interrupted``: this rank's parked training leaves to raise TrainingStopped (the leader then
+    stops training everywhere at once, as for Ctrl-C on a parked rank: messages.MemberResult).
+
+    Counted first, then what is in flight read: the leader names an order (or pause) first, then
+    reads the count (leader.Coordinator._unanswerable), so of the two one sees the other."""
     key = p.left_key(rank)
     if kv.check([key]):
         return
@@ -114,15 +119,24 @@ def leave(kv: KV, rank: int, pid: int) -> None:
     text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
     try:
         in_flight = json.loads(text) if text else {}
-        if isinstance(in_flight, dict) and in_flight.get("pause"):
+        if not isinstance(in_flight, dict) or not in_flight:
+            return
+        if in_flight.get("pause"):
             _end_pause(kv, int(in_flight["e"]), f"rank {rank}: its agent stopped during the pause (pid {pid})")
+            return
+        epoch, name, expected = int(in_flight["e"]), str(in_flight["key"]), int(in_flight["n"])
     except (ValueError, KeyError, TypeError):
-        logger.error("rank %d: ignoring a malformed in-flight pause: %r", rank, text[:200])
+        logger.error("rank %d: ignoring a malformed in-flight order: %r", rank, text[:200])
+        return
+    # The member may answer it too (an order it runs now): a second failure decides nothing more.
+    # attempted: it may have run the switch hook already.
+    p.publish_result(kv, epoch, name, p.MemberResult(rank, False, "the agent on this rank stopped during the order",
+                                                     attempted=True, interrupted=interrupted), expected)
 
 
 def member_callbacks(kv: KV, rank: int, pid: int) -> dict[str, Any]:
     """The Member's ``on_started`` and ``on_stopping``: :func:`join` and :func:`leave` on the job's
     Store ``kv`` (with fan-out too: the leader reads them there, whatever the layout)."""
     started: Callable[[], object] = lambda: join(kv, rank, pid)  # noqa: E731
-    stopping: Callable[[], object] = lambda: leave(kv, rank, pid)  # noqa: E731
+    stopping: Callable[[bool], object] = lambda interrupted: leave(kv, rank, pid, interrupted=interrupted)  # noqa: E731
     return {"on_started": started, "on_stopping": stopping}

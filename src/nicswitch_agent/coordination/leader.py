@@ -164,11 +164,11 @@ class Coordinator:
         with self._lock:
             started = time.monotonic()
             deadline = started + timeout_s
-            left = self._left()
             epoch = self._new_epoch()
+            self._name_pause_in_flight(epoch)  # then look (as in _unanswerable): one that leaves now ends the pause
+            left = self._left()
             if left:  # they will never park: no use waiting for them
                 return self._abandon(epoch, started, f"{left} and cannot park")
-            self._name_pause_in_flight(epoch)
             self._publish({"t": p.PAUSE, "e": epoch, "timeout": timeout_s})
             c_keys = [p.c_key(epoch, r) for r in range(self.world_size)]
             self._garbage += [*c_keys, p.c_counter_key(epoch), done_key(p.c_counter_key(epoch))]
@@ -268,14 +268,14 @@ class Coordinator:
             session = not self._paused  # pause mode external: a session of its own
             epoch = self._new_epoch() if session else self._epoch
             name = f"{epoch}.{order.seq}.{kind}"
-            left = self._left()
+            guarded = kind == p.KIND_SWITCH and (guard_budget_s is not None or self.warm_up_s > 0)
             # A rank whose agent stopped will never answer: no use waiting out the budget for it
-            # (a rollback after a failed switch, with every other rank parked). Nothing is published.
-            outcome = RunOutcome(False, f"{left} and cannot answer") if left else None
+            # (a rollback after a failed switch, with every other rank parked). Nothing is sent.
+            outcome = self._unanswerable(epoch, f"{epoch}.{order.seq}.{p.KIND_GUARD}" if guarded else name)
             text = p.encode_order(order)
             if outcome is None:  # for a member or relay of an earlier version, and large orders
                 self.kv.set(p.order_key(name), text)
-            guarded = outcome is None and kind == p.KIND_SWITCH and (guard_budget_s is not None or self.warm_up_s > 0)
+            guarded = guarded and outcome is None
             if guarded:
                 guard = self._guard_round(epoch, order, name, text, (guard_budget_s or 0.0) + self.warm_up_s,
                                           started, session)
@@ -298,8 +298,7 @@ class Coordinator:
     def _guard_round(self, epoch: int, order: SwitchOrder, switch_name: str, text: str, budget_s: float,
                      started: float, session: bool) -> RunOutcome:
         """Every rank's guard and warm-up, and nothing else (run()). Its failure moved no link."""
-        name = f"{epoch}.{order.seq}.{p.KIND_GUARD}"
-        self._name_in_flight(epoch, name)
+        name = f"{epoch}.{order.seq}.{p.KIND_GUARD}"  # named in flight by run(), as it looked for ranks that left
         self._publish({"t": p.ORDER, "e": epoch, "key": name, "kind": p.KIND_GUARD, "budget": budget_s,
                        "seq": order.seq, "order": switch_name, **p.inline_order(text), **({} if session else {"p": 1})})
         outcome = self._gather(epoch, name, started + budget_s + RESULT_SLACK_S, started)
@@ -315,15 +314,20 @@ class Coordinator:
         succeeded) without the guard and warm-up, and with the guard round's verdict."""
         go = kind == p.KIND_SWITCH and self.verify_expected  # the ranks that switch wait on a go key
         moves_links = not session and kind in (p.KIND_SWITCH, p.KIND_ROLLBACK)
-        if moves_links:  # from its publication on (an error out of this run leaves it set): unknown links
-            self._links_unsettled = True
         warm_up_s = self.warm_up_s if kind == p.KIND_SWITCH and guard_ok is None else 0.0
-        self._name_in_flight(epoch, name)
+        if guard_ok is not None:  # named now; a rank may have left during the guard round (run() looked before it)
+            left = self._unanswerable(epoch, name)
+            if left is not None:
+                self._go(epoch, f"{epoch}.{order.seq}.{p.KIND_GUARD}", p.encode({"t": p.WAKE}))
+                return replace(left, guard_ok=guard_ok)
+        # (else run() named it, as it looked for ranks that left)
         # "p": the ranks were paused for this order (pause mode agent): a rank that is not parked
         # (a process restarted since the pause) must not run it next to a running step.
         event = {"t": p.ORDER, "e": epoch, "key": name, "kind": kind, "budget": budget_s, "seq": order.seq,
                  **p.inline_order(text), **({"v": 1, "w": warm_up_s} if go else {}),
                  **({"g": 1} if guard_ok is not None else {}), **({} if session else {"p": 1})}
+        if moves_links:  # from its publication on (an error out of this run leaves it set): unknown links
+            self._links_unsettled = True
         if guard_ok is not None:  # after the guard round every rank waits on its go key for it
             self._go(epoch, f"{epoch}.{order.seq}.{p.KIND_GUARD}", self._event(event))
         else:
@@ -370,6 +374,15 @@ class Coordinator:
         logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
+
+    def _unanswerable(self, epoch: int, name: str) -> RunOutcome | None:
+        """Name order ``name`` as in flight, then see whether a rank's agent has stopped: the
+        outcome of an order it can never answer, or None. In this order, against joining.leave's
+        (count itself, then read what is in flight): of a rank leaving and an order starting, one
+        sees the other, so a rank that leaves now fails the order at once as its result."""
+        self._name_in_flight(epoch, name)
+        left = self._left()
+        return RunOutcome(False, f"{left} and cannot answer") if left else None
 
     def _left(self) -> str:
         """Who stopped their agent and has not come back (joining.leave), in words; "" if nobody."""

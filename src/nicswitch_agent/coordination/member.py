@@ -98,7 +98,7 @@ class Member:
         on_event: Callable[[str, dict[str, Any]], None] | None = None,
         slot: int | None = None,
         on_started: Callable[[], object] | None = None,
-        on_stopping: Callable[[], object] | None = None,
+        on_stopping: Callable[[bool], object] | None = None,
     ) -> None:
         self.kv = kv
         self.rank = rank
@@ -113,10 +113,12 @@ class Member:
         self._stop_timeout_s = stop_timeout_s
         self._on_lost = on_lost
         self._on_event = on_event
-        # Called on the member's thread once it has its queue position (joining.join, under a
-        # launcher); an error there is coordination lost, as any Store error.
+        # Called on the member's thread once it has its queue position (joining.join); an error
+        # there is coordination lost, as any Store error.
         self._on_started = on_started
-        self._on_stopping = on_stopping  # first in stop(), while the Store is still reached (joining.leave)
+        # First in stop(), while the Store is still reached (joining.leave), told whether this
+        # rank's parked training now leaves to stop (its answer to an order in flight says so).
+        self._on_stopping = on_stopping
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._next = 1  # the queue index this member waits for
@@ -150,9 +152,10 @@ class Member:
         ``parked_training_stops``: the agent's stop makes this rank's training, if parked, leave to
         raise TrainingStopped (it does not resume): that answer then says *interrupted*, so the
         leader stops the job at once instead of waiting out a rollback this rank cannot answer."""
+        interrupted = parked_training_stops and self.lot.parked
         if self._on_stopping is not None and not self.lost and not self._stop.is_set():
             try:
-                self._on_stopping()
+                self._on_stopping(interrupted)
             except Exception:
                 logger.debug("rank %d: the stop callback failed", self.rank, exc_info=True)
         self._stop.set()
@@ -164,7 +167,7 @@ class Member:
                 epoch, name, expected = in_flight
                 queues.answer_result(self._wake_kv, epoch, name, p.MemberResult(
                     self.rank, False, "the agent on this rank stopped during the order", attempted=True,
-                    interrupted=parked_training_stops and self.lot.parked), expected)
+                    interrupted=interrupted), expected)
             if go is not None and self._wake_kv is not None and not self.lost:
                 self._wake_kv.set(go, p.encode({"t": p.WAKE}))
         except Exception:

@@ -80,8 +80,9 @@ How ranks come and go (joining.py; every leader mode, on the job's Store)::
                                results, "" once it decided: a process that takes the place of one
                                that had joined fails K at once (its predecessor will never answer);
                                {"e": E, "pause": 1} while pause E runs: the process fails it at
-                               once (it will never park in it: it starts after its events), and so
-                               does a rank whose agent stops
+                               once (it will never park in it: it starts after its events); a
+                               rank whose agent stops fails either (the leader names it before
+                               it looks at ``left/n``: one of the two sees the other)
     e/<E>/restarted            that process's words for the leader's message (last one wins)
     left/<r>, left/n,          rank r's agent stopped (its pid), how many have not come back, and
     left/last                  the last of them in words: a pause or an order then fails at once
