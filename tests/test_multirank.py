@@ -474,6 +474,46 @@ def test_a_leader_stopped_mid_switch_ends_its_stream_only_once_clusterd_took_its
         hang.set()
 
 
+def test_a_leader_stopped_right_after_a_switch_lets_clusterd_tell_the_operator_first(
+        sim: Simulator, make_job: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job ends right after a switch (training done): the leader's stop comes after its last
+    report (ReportRecoverStatus for ``continue``) but before ClusterD's state thread took it and
+    told the operator. Ending the stream then would reset the job first, and the operator's
+    command would get no result. The leader waits (bounded) for ClusterD to finish the flow. Here
+    ClusterD's state thread holds the report until the leader's stop waits or its stream ended."""
+    reported, waiting = threading.Event(), threading.Event()
+    real_report, real_wait = ProcessManageClient.report_recover_status, ProcessManageClient.wait_flow_finished
+
+    def report_recover_status(self: ProcessManageClient, *args: Any, **kwargs: Any) -> Any:
+        status = real_report(self, *args, **kwargs)
+        reported.set()
+        return status
+
+    def wait_flow_finished(self: ProcessManageClient, timeout: float) -> bool:
+        waiting.set()
+        return real_wait(self, timeout)
+
+    real_handler = StateHandlers._h_wait_continue
+
+    def held(self: StateHandlers, gen: Any) -> str | None:
+        assert support.wait_until(lambda: waiting.is_set() or gen.closed, 30)
+        return real_handler(self, gen)
+
+    monkeypatch.setattr(ProcessManageClient, "report_recover_status", report_recover_status)
+    monkeypatch.setattr(ProcessManageClient, "wait_flow_finished", wait_flow_finished)
+    monkeypatch.setattr(StateHandlers, "_h_wait_continue", held)
+    job = make_job()
+    assert sim.wait_until(streams_ready, 10)
+    messages: list[str] = []
+    operator = threading.Thread(target=lambda: messages.append(switch(sim, "node-1", ["0"], [True])))
+    operator.start()
+    assert reported.wait(20)  # the leader's last report of the switch is out
+    job.ranks[0].agent.stop("training finished")
+    operator.join(30)
+    assert messages == ["switch nic finish"]
+    assert sim.job_view(JOB).replies == [True]
+
+
 @pytest.mark.parametrize("fan_out", sorted(FAN_OUTS))
 def test_a_leader_stopped_while_the_job_is_parked_before_any_order_lets_every_rank_train_on(fan_out: str) -> None:
     """Parked, no order out yet (the list is late): nothing moved, so the leader's stop releases

@@ -240,6 +240,9 @@ class ProcessManageClient(StreamThread):
         # has begun; ``close_reports`` waits for one already on the wire.
         self.stream_id = 0  # which stream is (or was last) open; read with the signal it delivered
         self._stream_live = False
+        # The stream on which an OK ReportRecoverStatus went out: ClusterD finishes that flow next
+        # (tells the operator how the switch ended, then resets the job, ending this stream).
+        self._finishing_stream: int | None = None
         self._reports_closed = False
         self._report_lock = threading.Lock()  # held while a report is on the wire
 
@@ -280,7 +283,10 @@ class ProcessManageClient(StreamThread):
                               stream: int | None = None) -> pb.Status | None:
         request = pb.RecoverStatusRequest(jobId=self._settings.job_id, status=pb.Status(code=code, info=info),
                                           strategy=strategy)
-        return self._unary("ReportRecoverStatus", request, stream)
+        status = self._unary("ReportRecoverStatus", request, stream)
+        if status is not None and code == 0:
+            self._finishing_stream = self.stream_id if stream is None else stream
+        return status
 
     def is_current(self, stream: int) -> bool:
         """True while ``stream`` is the open process-manage stream (ClusterD has not reset since)."""
@@ -296,6 +302,18 @@ class ProcessManageClient(StreamThread):
         ``timeout`` for one (``seen``: :attr:`real_signals` read earlier)."""
         with self._signalled:
             return self._signalled.wait_for(lambda: self._real_signals > seen, timeout)
+
+    def wait_flow_finished(self, timeout: float) -> bool:
+        """After an OK ReportRecoverStatus on the open stream, wait (up to ``timeout``) until
+        ClusterD has finished that flow: the stream ended (its reset) or a next signal came. Its
+        operator hears how the switch ended only as it finishes; a stream we end first resets the
+        job before that, and the operator's stream ends with no message
+        (docs/clusterd.md#resets-and-stream-ends). True if nothing is (any longer) being finished."""
+        with self._signalled:
+            seen = self._real_signals
+            return self._signalled.wait_for(
+                lambda: self._finishing_stream != self.stream_id or not self._stream_live or self._real_signals > seen,
+                timeout)
 
     def close_reports(self, timeout: float) -> None:
         """Send no more reports; wait (bounded) for one on the wire, before the stream is closed."""
@@ -501,7 +519,9 @@ class ProcessManageClient(StreamThread):
                 reason = text
                 delay = next(delays)
             finally:
-                self._stream_live = False  # no report for this stream from now on
+                with self._signalled:  # (wait_flow_finished waits for this)
+                    self._stream_live = False  # no report for this stream from now on
+                    self._signalled.notify_all()
                 self.gate.close(lost)
                 self._set_call(None)
             if opened and self._on_stream_end is not None and not self._stop.is_set():

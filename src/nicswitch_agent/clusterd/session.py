@@ -208,11 +208,15 @@ class LeaderSession:
         reply (or saw one go out): ClusterD tells the operator how the switch ended only when its
         state machine takes the reply, and then sends its next signal (``stop_train`` after a
         false one); a reset before that ends the operator's stream with no message
-        (docs/clusterd.md#resets-and-stream-ends). So wait for that signal first, bounded."""
+        (docs/clusterd.md#resets-and-stream-ends). So wait for that signal first, bounded. The same
+        after an OK recovery status (the ``continue`` after a switch): ClusterD tells the operator
+        as it finishes the flow and resets, so wait (bounded) for that reset too."""
         timeout = self._cfg.stop_timeout_s
         manage = self.process_manage
         if manage is not None and after_reply and manage.stream_open:  # (not open: nothing will come)
             manage.wait_signal_after(self._signals_at_stop, timeout)
+        if manage is not None:  # a flow our last report ended: ClusterD tells the operator as it resets
+            manage.wait_flow_finished(timeout)
         if self.process_manage is not None:
             # No report after this point (ClusterD would keep it for its next question), and
             # one on the wire arrives before the stream ends.
