@@ -8,9 +8,9 @@ operator and every other rank, parked, waiting behind it. So a rank says so:
 - **It leaves** (its agent stops while its process may run on: training ended, evaluation or
   clean-up follow, or a signal stops the agent on this rank alone). :func:`leave` counts it on
   the job's Store (``LEFT_COUNT``) and fails a pause or order in flight at once; the leader's next
-  pause or order fails at once while any rank is left (coordination/leader.py), naming the last one. This
-  holds in every leader mode: after a failed switch the job waits parked for ClusterD's recovery,
-  and its rollback must not wait two minutes for a rank whose agent is gone.
+  pause or order fails at once while any rank is left (coordination/leader.py), naming the last
+  one. This holds in every leader mode: after a failed switch the job waits parked for ClusterD's
+  recovery, and its rollback must not wait two minutes for a rank whose agent is gone.
 - **It takes the place of an earlier process of its rank** (under ``nicswitch-agent launch`` the
   leader and its Store outlive the training processes, which torchrun restarts; or an agent
   started again in the same process). :func:`join` fails the order the leader names as in flight
