@@ -56,13 +56,18 @@ def picks(sim: Simulator, job: str = JOB) -> list[str]:
 
 class FailsOnce:
     """A switch hook that fails its first call (the switch) and works after (the rollback, then
-    later switches)."""
+    later switches). A later switch answers only once the operator's result stream is open: one
+    that works ends within milliseconds, and ClusterD keeps no result for an operator who
+    subscribes after it ended (CI saw "not switching nic" under load)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
         self.calls: list[tuple[bool, ...]] = []
 
     def __call__(self, order: SwitchOrder) -> bool:
         self.calls.append(order.ops)
+        if len(self.calls) > 2:
+            self.sim.wait_until(lambda s: s.job_view(JOB).open_streams.get("SubscribeSwitchNicSignal", 0) >= 1, 10)
         return len(self.calls) > 1
 
 
@@ -79,7 +84,8 @@ def simulator(request: pytest.FixtureRequest) -> Iterator[Simulator]:
 def test_a_rolled_back_failed_switch_under_each_annotation(simulator: Simulator, pick: str, goes_on: bool,
                                                            caplog: Any) -> None:
     caplog.set_level(logging.INFO, logger="nicswitch_agent")
-    sim, hook, stops = simulator, FailsOnce(), []
+    sim, stops = simulator, []
+    hook = FailsOnce(sim)
     agent = SwitchAgent(server=sim.address, job_id=JOB, pause="agent", switch_hook=hook,
                         checkpoint_hook=lambda order: None, on_stop=stops.append,
                         reconnect_initial_s=0.02, reconnect_max_s=0.1).start()
