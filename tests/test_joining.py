@@ -295,3 +295,22 @@ def test_a_rank_that_leaves_just_as_the_pause_starts_still_fails_it_at_once(kv: 
         assert outcome.reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), outcome.reason
     finally:
         job.stop()
+
+
+def test_the_leaders_message_never_names_a_rank_that_came_back(kv: KV) -> None:
+    """Ranks 1 and 2 left, rank 2 came back: the leader counts one rank left, and must not name
+    rank 2 (the last to leave) for it; which one is left it cannot tell without a scan."""
+    job = Job(kv, 3)
+    try:
+        job.start_rank(0, 100, lambda order: True)
+        for rank in (1, 2):
+            join(kv.clone(), rank, 100 + rank)
+        leave(kv.clone(), 1, 101)
+        leave(kv.clone(), 2, 102)
+        join(kv.clone(), 2, 202)
+        outcome = job.coordinator.pause(10.0)
+        assert not outcome.ok
+        assert outcome.reason == ("a rank stopped its agent (training ended, or its process is ending or restarting) "
+                                  "and cannot park"), outcome.reason
+    finally:
+        job.stop()

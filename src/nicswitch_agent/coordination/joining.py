@@ -54,7 +54,8 @@ def join(kv: KV, rank: int, pid: int) -> str | None:
         return None
     if kv.check([p.left_key(rank)]):  # its predecessor had stopped its agent: this rank is back
         kv.delete([p.left_key(rank)])
-        kv.add(p.LEFT_COUNT, -1)
+        if kv.add(p.LEFT_COUNT, -1) > 0 and kv.get(p.LEFT_LAST).startswith(f"rank {rank} ("):
+            kv.set(p.LEFT_LAST, "a rank")  # the leader must not name this one (which left before, it does not know)
     text = kv.get(p.IN_FLIGHT) if kv.check([p.IN_FLIGHT]) else ""
     if not text:
         logger.info("rank %d: %s; no order was in flight", rank, _came_back(before, pid))
