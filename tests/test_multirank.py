@@ -194,6 +194,14 @@ def switch(sim: Simulator, node: str, devs: list[str], ops: list[bool], *, wait:
         channel.close()
 
 
+def last_switch_reason(agent: SwitchAgent) -> str:
+    """The leader's last switch's reason, once recorded: the operator can hear ClusterD's message
+    before the reply's RPC has returned to the agent, which records it then."""
+    last = support.poll(lambda: agent.status()["last_switch"], 20)
+    assert last is not None, "no switch recorded"
+    return str(last["reason"])
+
+
 @pytest.fixture
 def sim() -> Iterator[Simulator]:
     simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("dump",))], settings=FAST)
@@ -328,7 +336,7 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         operator.join(60)
         assert messages == ["switch nic failed, switch nic failed"]
         assert sim.job_view(JOB).replies == [False]
-        assert "stopped during the order" in job.ranks[0].agent.status()["last_switch"]["reason"]
+        assert "stopped during the order" in last_switch_reason(job.ranks[0].agent)
         hang.set()
         # Its training, parked: stopped, not resumed alone beside ranks still paused.
         assert job.ranks[1].done.wait(20)
@@ -365,8 +373,7 @@ def test_a_member_stopped_after_answering_while_the_switch_runs_elsewhere_stops_
         job.ranks[1].agent.stop("SIGTERM received")
         operator.join(60)  # rank 2's hook still hangs
         assert messages == ["switch nic failed, switch nic failed"]
-        assert "rank 1: the agent on this rank stopped during the order" in \
-            job.ranks[0].agent.status()["last_switch"]["reason"]
+        assert "rank 1: the agent on this rank stopped during the order" in last_switch_reason(job.ranks[0].agent)
         # Rank 2's hook returns now (with node fan-out its relay hears the stop once its node's
         # answers are in, and no rank leaves a hook early anyway).
         hang.set()
