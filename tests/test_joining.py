@@ -265,16 +265,23 @@ class LeavesAsTheLeaderLooks(KV):
         return value
 
 
+def _rank_1_leaving_as_the_leader_looks(kv: KV) -> Job:
+    """Rank 0 running; rank 1 joined, its member never reads (its agent is stopping) and it leaves
+    right after the leader's first look at who left (LeavesAsTheLeaderLooks)."""
+    job = Job(kv, 2)
+    job.start_rank(0, 100, lambda order: True)
+    join(kv.clone(), 1, 101)
+    job.coordinator = Coordinator(LeavesAsTheLeaderLooks(kv), 2)
+    return job
+
+
 def test_a_rank_that_leaves_just_as_the_order_starts_still_fails_it_at_once(kv: KV) -> None:
     """The leader names the order in flight, then looks for ranks that left; a rank leaves the
     other way round (counts itself, then reads what is in flight). Rank 1 leaves right after the
     leader looked (it saw nobody): the order is named by then, so rank 1's leave fails it. Looked
     at before naming, the order would go out and wait its budget for a rank that never answers."""
-    job = Job(kv, 2)
+    job = _rank_1_leaving_as_the_leader_looks(kv)
     try:
-        job.start_rank(0, 100, lambda order: True)
-        join(kv.clone(), 1, 101)  # rank 1 joined; its member never reads (its agent is stopping)
-        job.coordinator = Coordinator(LeavesAsTheLeaderLooks(kv), 2)
         order = SwitchOrder(seq=1, job_id="job", ranks=(0, 1), ops=(True, True))
         outcome = job.coordinator.run(order, kind="switch", budget_s=10.0)
         assert not outcome.ok
@@ -285,11 +292,8 @@ def test_a_rank_that_leaves_just_as_the_order_starts_still_fails_it_at_once(kv: 
 
 def test_a_rank_that_leaves_just_as_the_pause_starts_still_fails_it_at_once(kv: KV) -> None:
     """As for an order: the pause is named in flight before the leader looks for ranks that left."""
-    job = Job(kv, 2)
+    job = _rank_1_leaving_as_the_leader_looks(kv)
     try:
-        job.start_rank(0, 100, lambda order: True)
-        join(kv.clone(), 1, 101)
-        job.coordinator = Coordinator(LeavesAsTheLeaderLooks(kv), 2)
         outcome = job.coordinator.pause(10.0)  # without rank 1's word: no answer from it for 10 s
         assert not outcome.ok
         assert outcome.reason.endswith("; rank 1: its agent stopped during the pause (pid 101)"), outcome.reason

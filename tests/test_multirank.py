@@ -202,6 +202,15 @@ def last_switch_reason(agent: SwitchAgent) -> str:
     return str(last["reason"])
 
 
+def every_rank_stopped(job: Job, ranks: tuple[int, ...], because: str = "") -> None:
+    """Each of ``ranks`` left its parking spot to raise TrainingStopped (its message holding ``because``)."""
+    for rank in ranks:
+        assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
+        error = job.ranks[rank].error
+        assert isinstance(error, TrainingStopped), error
+        assert because in str(error), error
+
+
 @pytest.fixture
 def sim() -> Iterator[Simulator]:
     simulator = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("dump",))], settings=FAST)
@@ -345,11 +354,7 @@ def test_a_member_stopped_mid_switch_makes_the_reply_false_without_waiting_out_t
         assert "the agent on rank 1 stopped (SIGTERM received) while training was parked" in str(error)
         # The job cannot go on without rank 1: every other rank stops now, not after ClusterD's
         # recovery has waited a rollback out for switch_timeout_s (120 s here) on a rank that is gone.
-        for rank in (0, 2, 3):
-            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
-            error = job.ranks[rank].error
-            assert isinstance(error, TrainingStopped), error
-            assert "rank 1's training was interrupted during switch #1" in str(error), error
+        every_rank_stopped(job, (0, 2, 3), because="rank 1's training was interrupted during switch #1")
     finally:
         hang.set()
 
@@ -377,11 +382,7 @@ def test_a_member_stopped_after_answering_while_the_switch_runs_elsewhere_stops_
         # Rank 2's hook returns now (with node fan-out its relay hears the stop once its node's
         # answers are in, and no rank leaves a hook early anyway).
         hang.set()
-        for rank in (0, 2, 3):
-            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
-            error = job.ranks[rank].error
-            assert isinstance(error, TrainingStopped), error
-            assert "rank 1's training was interrupted during switch #1" in str(error), error
+        every_rank_stopped(job, (0, 2, 3), because="rank 1's training was interrupted during switch #1")
     finally:
         hang.set()
 
@@ -403,9 +404,7 @@ def test_a_member_stopped_between_a_failed_switch_and_its_rollback_stops_the_job
         assert support.poll(lambda: (job.ranks[0].agent.status()["last_switch"] or {}).get("result") is False, 20)
         assert all(rank.agent.status()["parked"] for rank in job.ranks)
         job.ranks[1].agent.stop("SIGTERM received")
-        for rank in (0, 2, 3):
-            assert job.ranks[rank].done.wait(20), f"rank {rank} still parked"
-            assert isinstance(job.ranks[rank].error, TrainingStopped), job.ranks[rank].error
+        every_rank_stopped(job, (0, 2, 3))
         # Every rank still there heard why the rollback failed (the leader's decision on it).
         for rank in (0, 2, 3):
             said = [e.detail for e in job.ranks[rank].agent.events()

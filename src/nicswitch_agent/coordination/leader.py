@@ -275,8 +275,7 @@ class Coordinator:
             text = p.encode_order(order)
             if outcome is None:  # for a member or relay of an earlier version, and large orders
                 self.kv.set(p.order_key(name), text)
-            guarded = guarded and outcome is None
-            if guarded:
+            if guarded and outcome is None:
                 guard = self._guard_round(epoch, order, name, text, (guard_budget_s or 0.0) + self.warm_up_s,
                                           started, session)
                 if not guard.ok:
