@@ -186,8 +186,11 @@ def _operator_switch(stub: RecoverStub, nic_ops: dict[str, tuple[list[str], list
         f"{node} dev {','.join(d)} -> {','.join('standby' if o else 'primary' for o in ops)}"
         for node, (d, ops) in nic_ops.items()
     )
+    # Stamped when it was sent: under load ClusterD can pause the ranks before the answer is back,
+    # and the timeline reads in causal order (the request, then the parking).
+    sent = time.time()
     status = stub.SwitchNicTrack(request, timeout=5)
-    timeline.add("operator", f"SwitchNicTrack({wanted}) -> {status.code} {status.info!r}")
+    timeline.add("operator", f"SwitchNicTrack({wanted}) -> {status.code} {status.info!r}", at=sent)
     if status.code != 0:
         return f"refused: {status.code} {status.info}"
     call = stub.SubscribeSwitchNicSignal(pb.SwitchNicRequest(jobID=JOB_ID), timeout=timeout)
