@@ -269,14 +269,41 @@ def test_a_later_steps_checkpoint_of_another_run_does_not_stand_in_for_the_parke
     assert listing(tmp_path) == ["step-1252", "step-565"]
 
 
-def test_interval_survives_a_restart(tmp_path: Path) -> None:
-    """The save time is read from nicswitch.json, so a restarted job does not save again at once."""
+def test_interval_survives_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save time is read from nicswitch.json, so a job that torchrun restarted (the same run
+    id) does not save again at once."""
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
     clock = Clock()
     make_guard(tmp_path, Step(1), clock, min_interval_s=300)(order())
     clock.now += 10
     restarted = make_guard(tmp_path, Step(2), clock, min_interval_s=300)
     restarted(order())
     assert restarted.last is not None and restarted.last.reason.startswith("last checkpoint 10.0 s ago")
+
+
+@pytest.mark.parametrize("runs", [("run-a", "run-b"), ("", "")], ids=["torchrun", "no-run-id"])
+def test_an_earlier_run_of_the_same_job_never_stands_in_for_the_parked_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: tuple[str, str]
+) -> None:
+    """Found by an outside check: the documented job started again with the same directory (and
+    job id) parked at step 703 and kept the previous run's step-381, saved a minute before, as its
+    checkpoint; nor may the earlier run's directory of the very step parked now count as saved.
+    Without torchrun's run id every guard (process) is a run of its own."""
+    clock = Clock()
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", runs[0])
+    first = make_guard(tmp_path, Step(381), clock, min_interval_s=300)
+    first(order())
+    make_guard(tmp_path, Step(703), clock, min_interval_s=0)(order())  # the step the next run parks at
+    clock.now += 60
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", runs[1])
+    rerun = make_guard(tmp_path, Step(703), clock, min_interval_s=300)
+    rerun(order(seq=1))
+    assert rerun.last is not None and rerun.last.saved, rerun.last
+    info = json.loads((tmp_path / "step-703" / "nicswitch.json").read_text())
+    assert info["run"] == rerun.run != first.run
+    assert listing(tmp_path) == ["step-381", "step-703"]  # the replaced directory is gone
+    rerun(order(seq=2))  # its own checkpoint of the step does count
+    assert rerun.last is not None and rerun.last.reason == "step 703 already checkpointed"
 
 
 def test_clock_moved_back_saves(tmp_path: Path) -> None:

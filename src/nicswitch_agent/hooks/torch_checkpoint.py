@@ -6,7 +6,10 @@ this guard is deliberately frugal:
 
 - it **skips** the save when ``<directory>/step-<S>`` already exists (a retried switch at the same
   parked step), or when the newest checkpoint is younger than ``min_interval_s``; a skip is a
-  success (the switch runs) and is recorded in :attr:`TorchCheckpointGuard.last`;
+  success (the switch runs) and is recorded in :attr:`TorchCheckpointGuard.last`. Only this
+  run's checkpoints count (:func:`run_id`): a directory reused by an earlier run (the same
+  command started again) holds checkpoints of other training, which must never stand in for the
+  parked step; a run's own step directory of another run's is saved over;
 - it **refuses** (raises :class:`GuardRefused`, so the switch does not run and the reply is false)
   when free space minus the size of the newest checkpoint is below ``min_free_bytes``, before
   writing anything;
@@ -21,7 +24,7 @@ Layout::
 
     <directory>/step-<S>/state.pt            torch.save (no process group)
     <directory>/step-<S>/.metadata, *.distcp  torch.distributed.checkpoint (process group)
-    <directory>/step-<S>/nicswitch.json       step, seq, job, saved_at (wall clock), bytes, format
+    <directory>/step-<S>/nicswitch.json       step, seq, job, run, saved_at (wall clock), bytes, format
 
 With a process group (``torch.distributed`` initialised, ``use_dcp`` not False) the save is
 ``torch.distributed.checkpoint.save``, a collective: every rank must call the guard for the same
@@ -73,6 +76,8 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 """The only names retention may delete (besides this guard's own temporary directories)."""
 
 TEMP_DIR = re.compile(r"^\.tmp-step-\d+-")
+RUN_ENV = "TORCHELASTIC_RUN_ID"
+"""torchrun's run id: the same in every process of one torchrun and across its restarts."""
 INFO_FILE = "nicswitch.json"
 STATE_FILE = "state.pt"
 HISTORY_LIMIT = 100
@@ -173,7 +178,7 @@ class TorchCheckpointGuard(CheckpointGuard):
         optimizer: Saved as ``state["optimizer"] = optimizer.state_dict()`` likewise.
         step: Returns the parked step (e.g. ``lambda: agent.last_step``); identical on all ranks.
         keep_last: How many ``step-*`` directories to keep (newest by step number), >= 1.
-        min_interval_s: Skip the save when the newest checkpoint is younger than this.
+        min_interval_s: Skip the save when this run's newest checkpoint is younger than this.
         min_free_bytes: Refuse when free space minus the newest checkpoint's size is below this.
         rank: This process's rank for logs and records without DCP (default: the process group's
             rank, else torchrun's ``RANK``, else 0). With DCP the process group's rank is used (and
@@ -232,6 +237,7 @@ class TorchCheckpointGuard(CheckpointGuard):
         self._rank = rank
         self.use_dcp = use_dcp
         self._clock = clock
+        self.run = run_id()
         self._lock = threading.Lock()  # guards _history (read by status threads, written by calls)
         self._history: collections.deque[GuardRecord] = collections.deque(maxlen=HISTORY_LIMIT)
 
@@ -353,7 +359,7 @@ class TorchCheckpointGuard(CheckpointGuard):
                 return _View(rank, step, free)
             if tmp_name is not None:  # a fixed temp name may be left over by a killed save: start clean
                 _remove_tree(self.directory / tmp_name(step))
-            skip, skip_path, expected = self._skip_reason(step)
+            skip, skip_path, expected = self._skip_reason(step, order.job_id)
             return _View(rank, step, free, None, skip, skip_path, expected)
         except Exception as exc:
             return _View(rank, step, error=str(exc) if isinstance(exc, NicSwitchError) else _describe(exc))
@@ -372,17 +378,22 @@ class TorchCheckpointGuard(CheckpointGuard):
             raise ConfigError(f"step() returned {value!r}; it must return the parked step as an int >= 0")
         return value
 
-    def _skip_reason(self, step: int) -> tuple[str | None, str | None, int]:
-        """(skip reason, path that caused it, size of the newest checkpoint) from the directory."""
-        same = self.directory / f"step-{step}"
+    def _skip_reason(self, step: int, job_id: str) -> tuple[str | None, str | None, int]:
+        """(skip reason, path that caused it, size of the newest checkpoint) from the directory.
+
+        Only this run's checkpoints (the job's, written under this run id) may stand in for the
+        parked step: an outside check found a rerun of the same command keeping the previous
+        run's step-381 for its step 703 (an earlier step, saved a minute before)."""
         checkpoints = list(self._checkpoints())
         newest = max(checkpoints, key=lambda c: c[1], default=None)
         expected = newest[2] if newest is not None else 0
-        if same.is_dir():
+        ours = [c for c in checkpoints if c[4] == (job_id, self.run)]
+        same = next((c[0] for c in ours if c[3] == step), None)
+        if same is not None:
             return f"step {step} already checkpointed", str(same), expected
         # Only a checkpoint of this step or an earlier one may stand in for it: one of a later
-        # step is another run's (a directory shared across runs), never the parked state's past.
-        newest = max((c for c in checkpoints if c[3] <= step), key=lambda c: c[1], default=None)
+        # step is not the parked state's past (a run whose training was reset, say).
+        newest = max((c for c in ours if c[3] <= step), key=lambda c: c[1], default=None)
         if newest is not None and self.min_interval_s > 0:
             age = self._clock() - newest[1]
             # A negative age means the clock moved back: trust neither, and save.
@@ -394,14 +405,16 @@ class TorchCheckpointGuard(CheckpointGuard):
                 )
         return None, None, expected
 
-    def _checkpoints(self) -> Iterator[tuple[Path, float, int, int]]:
-        """(path, saved_at, bytes, step) of each ``step-<int>`` directory; saved_at from its JSON, else mtime."""
+    def _checkpoints(self) -> Iterator[tuple[Path, float, int, int, tuple[str, str] | None]]:
+        """(path, saved_at, bytes, step, (job, run) that wrote it) of each ``step-<int>`` directory;
+        saved_at from its JSON, else mtime; the writer None when the JSON does not name it."""
         for path, step in _step_dirs(self.directory):
-            saved_at, size = path.stat().st_mtime, 0
-            with contextlib.suppress(OSError, ValueError, TypeError):
+            saved_at, size, writer = path.stat().st_mtime, 0, None
+            with contextlib.suppress(OSError, ValueError, TypeError, KeyError, AttributeError):
                 info = json.loads((path / INFO_FILE).read_text(encoding="utf-8"))
                 saved_at, size = float(info["saved_at"]), int(info["bytes"])
-            yield path, saved_at, size, step
+                writer = (str(info["job_id"]), str(info["run"]))
+            yield path, saved_at, size, step, writer
 
     def _make_state(self) -> dict[str, Any]:
         if self._state is not None:
@@ -432,10 +445,12 @@ class TorchCheckpointGuard(CheckpointGuard):
         _inside(self.directory, final)
         size = _tree_size(tmp)
         info = {
-            "step": step, "seq": order.seq, "job_id": order.job_id, "format": fmt, "world_size": world,
+            "step": step, "seq": order.seq, "job_id": order.job_id, "run": self.run, "format": fmt, "world_size": world,
             "saved_at": self._clock(), "duration_s": round(time.monotonic() - started, 6), "bytes": size,
         }
         _write_synced(tmp / INFO_FILE, json.dumps(info, indent=1).encode())
+        if final.is_dir():  # another run's step-<S> (this run's would have been skipped): out of the way first
+            os.replace(final, tmp.with_name(f"{tmp.name}-replaced"))  # a temp name: retention removes it
         os.replace(tmp, final)  # atomic: step-<S> is either absent or complete
         _fsync_dir(self.directory)
         return final, size, self._retain(final)
@@ -596,6 +611,13 @@ def _initialised_dist() -> ModuleType | None:
     import torch.distributed as dist
 
     return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def run_id() -> str:
+    """What tells this run's checkpoints from another's in a shared directory: torchrun's run id
+    (kept across torchrun's restarts of the job, so a restarted process still finds the
+    interval's checkpoint), else one of this process's own."""
+    return os.environ.get(RUN_ENV, "").strip() or f"process-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _step_dirs(directory: Path) -> Iterator[tuple[Path, int]]:
