@@ -24,7 +24,7 @@ from nicswitch_agent.coordination import InProcessStore
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.observability.events import AgentEvent
 from nicswitch_agent.observability.links import LinkMap, compact_ranks, format_links
-from nicswitch_agent.observability.metrics import EventStats, JsonlEventSink, PrometheusMetrics
+from nicswitch_agent.observability.metrics import PHASES, RANK_KINDS, EventStats, JsonlEventSink, PrometheusMetrics
 from nicswitch_agent.sim import SimJob, SimSettings, Simulator
 
 pytestmark = pytest.mark.timeout(30)
@@ -214,6 +214,63 @@ def test_rejected_and_failed_paths_are_counted() -> None:
     assert registry.get_sample_value("nicswitch_stream_losses_total", {"job": JOB}) == 1
     assert registry.get_sample_value("nicswitch_pause_failures_total", {"job": JOB}) == 1
     assert registry.get_sample_value("nicswitch_stream_up", {"job": JOB}) == 0
+
+
+ZERO_AT_START = (
+    'nicswitch_switches_total{job="%s",result="ok"} 0.0',
+    'nicswitch_switches_total{job="%s",result="failed"} 0.0',
+    'nicswitch_replies_total{job="%s",result="delivered"} 0.0',
+    'nicswitch_replies_total{job="%s",result="failed"} 0.0',
+    'nicswitch_lists_received_total{job="%s"} 0.0',
+    'nicswitch_lists_rejected_total{job="%s"} 0.0',
+    'nicswitch_lists_ignored_total{job="%s"} 0.0',
+    'nicswitch_stream_losses_total{job="%s"} 0.0',
+    'nicswitch_pause_failures_total{job="%s"} 0.0',
+    'nicswitch_switch_duration_seconds_count{job="%s"} 0.0',
+    'nicswitch_reply_latency_seconds_count{job="%s"} 0.0',
+    'nicswitch_pause_duration_seconds_count{job="%s"} 0.0',
+    *(f'nicswitch_rank_results_total{{job="%s",kind="{kind}",result="{result}"}} 0.0'
+      for kind in RANK_KINDS for result in ("ok", "failed")),
+    *(f'nicswitch_rank_duration_seconds_count{{job="%s",kind="{kind}"}} 0.0' for kind in RANK_KINDS),
+    *(f'nicswitch_phase_duration_seconds_count{{job="%s",phase="{phase}"}} 0.0' for phase in PHASES),
+)
+
+
+def missing_zeros(registry: Any, job: str) -> list[str]:
+    from prometheus_client import generate_latest
+
+    text = generate_latest(registry).decode()
+    return [line % job for line in ZERO_AT_START if line % job not in text.splitlines()]
+
+
+def test_every_known_series_is_0_from_the_first_event_so_the_first_failure_is_an_increase() -> None:
+    """``increase(nicswitch_switches_total{result="failed"}[1h]) > 0`` must fire on the first
+    failure: a series that first appears at 1 has no increase."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    metrics = PrometheusMetrics(registry)
+    assert len(missing_zeros(registry, JOB)) == len(ZERO_AT_START)  # no job known yet
+    metrics(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0}))
+    assert missing_zeros(registry, JOB) == []
+    metrics(AgentEvent(kind="switch_done", job_id=JOB, seq=1, detail={"ok": False, "duration_s": 2.0}))
+    assert registry.get_sample_value("nicswitch_switches_total", {"job": JOB, "result": "failed"}) == 1
+    assert registry.get_sample_value("nicswitch_switches_total", {"job": JOB, "result": "ok"}) == 0
+    metrics(AgentEvent(kind="agent_started", job_id=JOB))  # a job seen again keeps its counts
+    assert registry.get_sample_value("nicswitch_switches_total", {"job": JOB, "result": "failed"}) == 1
+
+
+def test_a_job_given_at_construction_has_its_series_at_0_before_any_event() -> None:
+    prometheus_client = pytest.importorskip("prometheus_client")
+    registry = prometheus_client.CollectorRegistry()
+    PrometheusMetrics(registry, job=JOB)
+    assert missing_zeros(registry, JOB) == []
+
+
+def test_the_rank_kinds_made_at_0_are_the_order_kinds_ranks_run() -> None:
+    from nicswitch_agent.coordination import messages
+
+    kinds = {value for name, value in vars(messages).items() if name.startswith("KIND_")}
+    assert set(RANK_KINDS) == kinds
 
 
 def test_missing_prometheus_client_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -471,7 +528,7 @@ def test_link_gauges_phases_and_last_switch_on_the_leaders_endpoint_after_real_s
         for phase in ("pause", "guard", "switch", "reply"):
             assert sample(after, "nicswitch_phase_duration_seconds_count", phase=phase) == 1, phase
             assert sample(after, "nicswitch_phase_duration_seconds_bucket", phase=phase, le="+Inf") == 1, phase
-        assert sample(after, "nicswitch_phase_duration_seconds_count", phase="verify") is None  # no verify hook
+        assert sample(after, "nicswitch_phase_duration_seconds_count", phase="verify") == 0  # no verify hook
 
         # status(): every rank on the leader, its own on a member; the status command's line.
         leader, member = (agent.status()["links"] for agent in job.agents)

@@ -63,6 +63,9 @@ DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 PHASES = ("pause", "guard", "switch", "verify", "reply")
 """The phases of a switch, in order, timed by :func:`event_timings` (``phase_<name>_s``)."""
 
+RANK_KINDS = ("guard", "switch", "verify", "rollback", "checkpoint")
+"""The order kinds a rank runs (coordination's ``KIND_*``; the ``kind`` of ``member_result``)."""
+
 RankSource = int | str | Callable[[], "int | str | None"] | None  # str: "leader", the launcher's leader
 
 
@@ -366,6 +369,11 @@ class PrometheusMetrics:
     ``nicswitch_links_uncertain``                ranks that may be on either link (failed switch)
     ===========================================  ==============================================
 
+    Every counter and histogram series whose labels are known (``result``, :data:`RANK_KINDS`,
+    :data:`PHASES`) exists at 0 from the job's first event (or from construction with ``job``):
+    a series that first appeared at 1 would show no ``increase()``, so the first failure would
+    never fire an alert.
+
     The link gauges are read from a :class:`~nicswitch_agent.observability.links.LinkMap` at each
     scrape: the agent's (every rank of the job on the leader), or without one a map of its own,
     fed with this process's events (its own rank only). ``node`` and ``device``
@@ -379,22 +387,23 @@ class PrometheusMetrics:
         namespace: Metric name prefix.
         links: The link map to expose (the agent passes its own); default: one of its own.
         ranks_per_node: Ranks per node (``local_world_size``), for the ``node`` and ``device`` labels.
+        job: The job's id, when known: its series exist at 0 from now rather than from its first event.
 
     Raises:
         ConfigError: prometheus_client is not installed.
     """
 
     def __init__(self, registry: Any = None, *, namespace: str = "nicswitch", links: LinkMap | None = None,
-                 ranks_per_node: int | None = None) -> None:
+                 ranks_per_node: int | None = None, job: str | None = None) -> None:
         prom = self._prom = _import_prometheus()
         self.registry = prom.CollectorRegistry() if registry is None else registry
-        job = ("job",)
+        by_job = ("job",)
 
         def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            return prom.Counter(name, doc, job + labels, namespace=namespace, registry=self.registry)
+            return prom.Counter(name, doc, by_job + labels, namespace=namespace, registry=self.registry)
 
         def histogram(name: str, doc: str, labels: tuple[str, ...] = ()) -> Any:
-            return prom.Histogram(name, doc, job + labels, namespace=namespace, registry=self.registry,
+            return prom.Histogram(name, doc, by_job + labels, namespace=namespace, registry=self.registry,
                                   buckets=DURATION_BUCKETS)
 
         self.lists_received = counter("lists_received", "Rank lists received from ClusterD, rejected ones included")
@@ -406,10 +415,10 @@ class PrometheusMetrics:
         self.stream_losses = counter("stream_losses", "SubscribeNotifySwitch stream lost")
         self.pause_failures = counter("pause_failures", "Pauses ClusterD asked for that did not complete (reported "
                                                         "499: training went on, ClusterD kills the job)")
-        self.stream_up = prom.Gauge("stream_up", "1 while the SubscribeNotifySwitch stream is healthy", job,
+        self.stream_up = prom.Gauge("stream_up", "1 while the SubscribeNotifySwitch stream is healthy", by_job,
                                     namespace=namespace, registry=self.registry)
         self.coordination_up = prom.Gauge("coordination_up", "1 while this rank can take part in switches, 0 once "
-                                          "its coordination Store (or its relay's) is lost", job,
+                                          "its coordination Store (or its relay's) is lost", by_job,
                                           namespace=namespace, registry=self.registry)
         self.switch_duration = histogram("switch_duration_seconds", "A whole switch on every rank, guard included")
         self.reply_latency = histogram("reply_latency_seconds", "From receiving a list to its reply delivered or "
@@ -426,6 +435,28 @@ class PrometheusMetrics:
         self._server: Any = None  # prometheus_client's WSGI server once serving
         self._server_thread: threading.Thread | None = None
         self._lock = threading.Lock()  # guards _server, _server_thread
+        self._jobs: set[str] = set()  # jobs whose series exist (one per agent); no lock: labels() is idempotent
+        if job is not None:
+            self._zero(job)
+
+    def _zero(self, job: str) -> None:
+        """Make every series of ``job`` whose labels are known, at 0, so its first increment is an increase."""
+        for counter in (self.lists_received, self.lists_rejected, self.lists_ignored, self.stream_losses,
+                        self.pause_failures):
+            counter.labels(job)
+        for result in ("ok", "failed"):
+            self.switches.labels(job, result)
+        for result in ("delivered", "failed"):
+            self.replies.labels(job, result)
+        for kind in RANK_KINDS:
+            self.rank_results.labels(job, kind, "ok")
+            self.rank_results.labels(job, kind, "failed")
+            self.rank_duration.labels(job, kind)
+        for histogram in (self.switch_duration, self.reply_latency, self.pause_duration):
+            histogram.labels(job)
+        for phase in PHASES:
+            self.phase_duration.labels(job, phase)
+        self._jobs.add(job)
 
     def __call__(self, event: AgentEvent) -> None:
         try:
@@ -435,6 +466,8 @@ class PrometheusMetrics:
 
     def _observe(self, event: AgentEvent) -> None:
         kind, detail, job = event.kind, event.detail, event.job_id
+        if job not in self._jobs:
+            self._zero(job)
         self._links_collector.job = job
         if self._feed_links:
             self.links(event)
@@ -560,6 +593,7 @@ class _LinkCollector:
 __all__ = [
     "DURATION_BUCKETS",
     "PHASES",
+    "RANK_KINDS",
     "EventStats",
     "JsonlEventSink",
     "PrometheusMetrics",
