@@ -539,6 +539,12 @@ def test_describe_is_a_plain_dict_of_every_field() -> None:
     assert described["world_size"] == 8
 
 
+def test_describe_says_tls_is_on_when_another_tls_setting_turns_it_on() -> None:
+    assert make().describe()["tls"] is False
+    named = make(tls_server_name="clusterd.example")
+    assert named.tls is False and named.describe()["tls"] is True
+
+
 def test_dns_scheme_target_is_accepted() -> None:
     assert make(server="dns:///clusterd-grpc-svc.mindx-dl.svc.cluster.local:8899").server.startswith("dns:")
 

@@ -471,8 +471,10 @@ class AgentConfig:
                            server_name=self.tls_server_name)
 
     def describe(self) -> dict[str, Any]:
-        """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here)."""
-        return dataclasses.asdict(self)
+        """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here).
+        ``tls`` is whether the agent dials over TLS (:attr:`tls_enabled`: any ``tls_*`` setting
+        turns it on), not only the flag: an outside check read ``tls: False`` beside a CA file."""
+        return {**dataclasses.asdict(self), "tls": self.tls_enabled}
 
 
 # Markers of a running MindIO TFT / TaskD process-manage client. Both are set by the user for
