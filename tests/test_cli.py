@@ -66,7 +66,7 @@ def test_demo_processes_without_torch_is_a_one_line_error_with_exit_2() -> None:
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, lines
     assert lines[0].startswith("nicswitch-agent demo: error: --processes needs torch")
-    assert "python3 -m pip install '.[torch]' in the nicswitch-agent checkout" in lines[0]
+    assert "python3 -m pip install -c ci/constraints.txt '.[torch]'" in lines[0]  # the pin, not the newest CUDA build
     assert result.stdout == ""
 
 

@@ -71,8 +71,10 @@ def check_arguments(ranks: int, processes: bool) -> str | None:
     if not 1 <= ranks <= limit:
         return f"--ranks must be between 1 and {limit}{' with --processes' if processes else ''}, got {ranks}"
     if processes and not torch_available():
-        return ("--processes needs torch (python3 -m pip install '.[torch]' in the nicswitch-agent checkout); "
-                "without --processes the demo runs its ranks as threads and needs no torch")
+        return ("--processes needs torch (in the nicswitch-agent checkout: python3 -m pip install -c "
+                "ci/constraints.txt '.[torch]' for the torch the tests pin; without the pin pip takes the newest "
+                "torch, on Linux a CUDA build of several GB: docs/quickstart.md); without --processes the demo "
+                "runs its ranks as threads and needs no torch")
     return None
 
 
