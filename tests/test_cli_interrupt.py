@@ -74,6 +74,38 @@ def test_ctrl_c_while_the_command_imports_exits_130_without_a_traceback(tmp_path
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
 
 
+# Python 3.11 wraps what a descriptor's __set_name__ raises in a RuntimeError ("Error calling
+# __set_name__"), a KeyboardInterrupt too: an outside check saw Ctrl-C during the command's imports
+# (a dataclass's fields) end as that traceback, exit 1. Stalled in one, as in an import of grpc.
+STALL_SET_NAME = textwrap.dedent("""
+    import os, sys, time
+
+    class Stalls:
+        def __set_name__(self, owner, name):
+            open(os.environ["STALL_FILE"], "w").close()
+            while True:
+                time.sleep(0.01)
+
+    class Stall:
+        def find_spec(self, name, path=None, target=None):
+            if name == os.environ["STALL_IMPORT"]:
+                type("Fields", (), {"field": Stalls()})
+            return None
+
+    sys.meta_path.insert(0, Stall())
+""")
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_in_a_set_name_while_the_command_imports_exits_130_without_a_traceback(tmp_path: Path) -> None:
+    argv = ["switch", "--server", f"127.0.0.1:{free_port()}", "--job", "j", "--node", "node-0", "--dev", "0",
+            "--op", "standby"]
+    code, out, err = run_stalled(tmp_path, STALL_SET_NAME, argv, {"STALL_IMPORT": "grpc"},
+                                 lambda proc: proc.send_signal(signal.SIGINT), "grpc was never imported")
+    assert code == 130, (code, out, err)
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err and out == "", (out, err)
+
+
 # grpcio starts the thread that serves a channel's streaming calls inside the call's creation
 # (grpc/_channel.py, _channel_managed_call_management): stalled there until SIGINT has come, so
 # that it lands there every time. In the main thread, as before ops/ctrl_c.py, the call is left

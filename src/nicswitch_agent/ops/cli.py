@@ -13,8 +13,9 @@ Subcommands:
   version print the version (also ``--version``)
 
 Every command ends with 130 on Ctrl-C and with 141 (128 + SIGPIPE) when the reader of its output
-goes away (``| head``), without a traceback, once the package's first lines have run (a Ctrl-C
-in the interpreter's own start-up, before them, is Python's: a traceback and death by SIGINT).
+goes away (``| head``), without a traceback, once :func:`console` runs (a Ctrl-C in the
+interpreter's own start-up or the package's first imports, before it, is Python's: a traceback
+and death by SIGINT).
 
 ``-v/--verbose`` (DEBUG logging) is accepted before and after the command. The demo (and its
 simulator run) is imported only when it runs.
@@ -257,7 +258,30 @@ def console() -> int:
     teardown takes tens of ms (half a second after torch was imported, as ``doctor`` does); a
     SIGINT landing there made CPython die of the signal and the command's own code (1, 6, ...) was
     lost, or printed a KeyboardInterrupt traceback from an exit handler."""
+    _exit_quietly_on_ctrl_c()
     return _run(None, exiting=True)
+
+
+def _exit_quietly_on_ctrl_c() -> None:
+    """Until the command runs (its imports, its parser: hundreds of ms), Ctrl-C ends the process
+    with 130 at once. A ``KeyboardInterrupt`` raised there does not always reach :func:`_run`: an
+    outside check saw it wrapped in a RuntimeError (a dataclass field's ``__set_name__``) and
+    printed as a traceback, and once swallowed by the import system (the demo then ran to its end).
+    Nothing is set up yet that an exit could leave behind. A SIGINT someone else handles, or
+    ignores (a background job), is left alone."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _exit_130)
+
+
+def _exit_130(signum: int, frame: object) -> None:
+    os._exit(130)
+
+
+def _ctrl_c_raises_again() -> None:
+    """The command runs: from here Ctrl-C is Python's ``KeyboardInterrupt``, which each command
+    handles (and :func:`_run` ends with 130)."""
+    if signal.getsignal(signal.SIGINT) is _exit_130:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _run(argv: Sequence[str] | None, *, exiting: bool) -> int:
@@ -308,6 +332,7 @@ def _main(argv: Sequence[str] | None) -> int:
         )
     from nicswitch_agent.errors import ConfigError
 
+    _ctrl_c_raises_again()
     try:
         return int(args.run(args))
     except ConfigError as exc:  # a bad setting (a NICSWITCH_* variable, a flag): its message says which and why
