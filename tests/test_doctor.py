@@ -268,7 +268,23 @@ def test_other_settings_are_validated() -> None:
     bad = doctor.check_settings(gather_inputs(env={"NICSWITCH_SWITCH_TIMEOUT_S": "-1"}))
     assert bad.ok is False and "switch_timeout_s=-1.0 must not be negative" in bad.detail
     good = doctor.check_settings(gather_inputs(env={"NICSWITCH_PAUSE": "agent", "NICSWITCH_SERVER": "h:1"}))
-    assert good.ok is True and good.detail.endswith("(other NICSWITCH_* set: NICSWITCH_PAUSE)")
+    assert good.ok is True and good.detail.endswith("which have lines of their own: NICSWITCH_PAUSE)")
+
+
+def test_a_misspelt_setting_is_said_on_its_line_and_not_logged_into_the_table(caplog: pytest.LogCaptureFixture) -> None:
+    """Found by an outside check: the config's WARNING for the typo landed amid the doctor's rows."""
+    from nicswitch_agent import config
+
+    typo = "NICSWITCH_SWICH_TIMEOUT_S_DOCTOR"  # warned once per process: a name no other test uses
+    with caplog.at_level("WARNING", logger="nicswitch_agent.config"):
+        found = doctor.check_settings(gather_inputs(env={typo: "5"}))
+    assert found.ok is None and found.detail.startswith(f"{typo} is not a setting and is ignored"), found.detail
+    assert not [r for r in caplog.records if r.name == "nicswitch_agent.config"], caplog.records
+    assert not logging_disabled(config.logger)
+
+
+def logging_disabled(logger: Any) -> bool:
+    return bool(logger.disabled)
 
 
 @pytest.mark.parametrize(

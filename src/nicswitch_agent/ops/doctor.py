@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -160,6 +161,20 @@ def gather_inputs(
     count as not given), as from the ``--tls*`` flags.
     """
     env = dict(os.environ if env is None else env)
+    # A misspelt NICSWITCH_* variable has its own line (check_settings); the config's WARNING for
+    # it would land in the middle of the table.
+    config_logger = logging.getLogger("nicswitch_agent.config")
+    muted, config_logger.disabled = config_logger.disabled, True
+    try:
+        return _gather(env, server, job_id, checkpoint_dir, min_free_bytes, timeout_s, tls_options, world_size,
+                       switch_hook)
+    finally:
+        config_logger.disabled = muted
+
+
+def _gather(env: dict[str, str], server: str | None, job_id: str | None,
+            checkpoint_dir: str | os.PathLike[str] | None, min_free_bytes: int, timeout_s: float,
+            tls_options: Mapping[str, Any] | None, world_size: int | None, switch_hook: str | None) -> Inputs:
     server_source = _server_source(server, env)
     try:
         resolved_server: str | None = AgentConfig.from_env(  # --server named as such, in the agent's grammar
@@ -253,7 +268,10 @@ def check_settings(inp: Inputs) -> Check:
         typos = "; ".join(f"{var} is not a setting and is ignored ({hint})" for var, hint in unknown)
         return Check(name, None, typos)
     listed = ", ".join(given) if given else "none"
-    return Check(name, True, f"timeouts and modes valid (other NICSWITCH_* set: {listed})")
+    # "besides ...": keepalive, TLS and the others below are judged on lines of their own (an
+    # outside check read "set: none" above a failing keepalive line as a contradiction).
+    return Check(name, True, f"timeouts and modes valid (NICSWITCH_* set besides server, job, keepalive, TLS and "
+                             f"ranks, which have lines of their own: {listed})")
 
 
 def check_keepalive(inp: Inputs) -> Check:
