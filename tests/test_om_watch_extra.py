@@ -22,7 +22,7 @@ import pytest
 from support import Lines
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.ops.om import DEFAULT_MAX_UNREACHABLE_S, SWITCH_FINISH
+from nicswitch_agent.ops.om import DEFAULT_MAX_UNREACHABLE_S, SWITCH_FINISH, OmClient, OutcomeKind, WatchEnd
 from nicswitch_agent.ops.om_cli import ExitCode, add_switch_arguments, add_watch_arguments, run_watch
 
 pytestmark = pytest.mark.timeout(90)
@@ -58,11 +58,13 @@ class ClusterD:
     these test (a call racing it could hang in gRPC's transparent retry, which the operator client
     now turns off: ChannelSettings.transparent_retries)."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, options: tuple[str, ...] = ()) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "nicswitch_agent", "sim", "--port", str(port), "--job", JOB, "--nodes", "node-0:0"],
+            [sys.executable, "-m", "nicswitch_agent", "sim", "--port", str(port), "--job", JOB, "--nodes", "node-0:0",
+             *options],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env())
-        line = Lines(self.process.stdout).wait_for("listening on", 60)
+        self.output = Lines(self.process.stdout)
+        line = self.output.wait_for("listening on", 60)
         assert line is not None, "the simulator did not start"
         self.address = line.rsplit(" ", 1)[1]
 
@@ -189,3 +191,35 @@ def test_watch_rides_out_a_call_the_server_cancels(serve: Serve, capsys: pytest.
     lost, back = err.splitlines()
     assert LOST.fullmatch(lost) and lost.split(": ", 1)[1].startswith("CANCELLED"), err
     assert back.startswith("ClusterD answers again, after "), err
+
+
+def test_watch_that_joined_a_running_switch_says_clusterd_lost_when_it_dies() -> None:
+    """The tester's case: ``switch --no-wait``, then ``watch`` while that switch runs, then ClusterD
+    killed. ClusterD accepts the stream and says nothing until the result, so the watch had never
+    heard it answer and took the broken stream for ClusterD unreachable at start ("cannot reach",
+    exit 6 at once). A connection made is ClusterD reached: the loss is said and retried, as by
+    ``switch``. The job registers (``--standin``) and no agent answers, so the switch stays running;
+    ``-v`` logs the stream's opening, so the kill comes once ClusterD holds it."""
+    clusterd = ClusterD(options=("--standin", "-v"))
+    notes: list[str] = []
+    ends: list[WatchEnd] = []
+    try:
+        with OmClient(clusterd.address) as operator:
+            operator.switch(JOB, {"node-0": (["0"], [False])})
+        with OmClient(clusterd.address) as client:  # the watch's own connection, as its own process has
+            watching = threading.Thread(
+                target=lambda: ends.append(client.watch(JOB, max_unreachable_s=0.5, on_note=notes.append)))
+            watching.start()
+            try:
+                assert clusterd.output.wait_for("SubscribeSwitchNicSignal opened"), clusterd.output.lines
+                clusterd.kill()
+                watching.join(30)
+            finally:
+                client.close()
+                watching.join(10)
+    finally:
+        clusterd.kill()
+    (watch_end,) = ends
+    assert watch_end.stopped is OutcomeKind.UNREACHABLE, watch_end  # was RPC_ERROR, at once
+    assert len(notes) == 1 and LOST.fullmatch(notes[0]), notes  # said once, then retried up to the limit
+    assert watch_end.detail.startswith("ClusterD unreachable for ") and "(limit 0.5 s): " in watch_end.detail

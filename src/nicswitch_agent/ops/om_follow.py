@@ -108,6 +108,53 @@ class _Outage:
             self._since = None
 
 
+class _Connected:
+    """Whether the channel has been READY since the watch began: the connection to ClusterD was
+    made, so a stream that then breaks is ClusterD lost, not ClusterD never reached. A stream that
+    ClusterD accepted says nothing before its result (ClusterD, in Go, sends its headers with its
+    first message), so the channel's connectivity is the only word that ClusterD was there.
+
+    One subscription (``channel.subscribe``), until READY or :meth:`close`: gRPC polls for it
+    with a thread that wakes every 200 ms (and a channel closed meanwhile waits for that thread's
+    wake), so it is not held for the whole watch.
+    """
+
+    def __init__(self, channel: grpc.Channel, closed: threading.Event) -> None:
+        self._channel = channel
+        self._closed = closed  # the client's: its channel is closed, or is about to be
+        self._lock = threading.Lock()  # guards _subscribed; taken before gRPC's own lock
+        self._heard = threading.Event()  # gRPC's poller has read the channel once
+        self._ready = threading.Event()
+        # gRPC's poller dies with "Channel closed!" on a closed channel: none is started for one.
+        self._subscribed = not closed.is_set()
+        if self._subscribed:
+            channel.subscribe(self._on_change, try_to_connect=False)
+
+    def _on_change(self, state: grpc.ChannelConnectivity) -> None:
+        self._heard.set()
+        if state is grpc.ChannelConnectivity.READY:
+            self._ready.set()
+            self._unsubscribe()  # all we need to know: gRPC's poller can stop
+
+    @property
+    def seen(self) -> bool:
+        """The channel was READY at some point (a connection to the server was made)."""
+        return self._ready.is_set()
+
+    def _unsubscribe(self) -> None:
+        with self._lock:
+            if self._subscribed:
+                self._subscribed = False
+                self._channel.unsubscribe(self._on_change)
+
+    def close(self) -> None:
+        """Unsubscribe. First wait (bounded) until gRPC's poller has read the channel once: one that
+        has not yet would die with "Channel closed!" if the caller closes the channel next."""
+        if self._subscribed and not self._closed.is_set():
+            self._heard.wait(1.0)
+        self._unsubscribe()
+
+
 class ResultStream:
     """SubscribeSwitchNicSignal calls for one client, one at a time.
 
@@ -253,6 +300,24 @@ class ResultStream:
         ``max_unreachable_s`` as in :meth:`follow`: once ClusterD was reached, stop with
         ``UNREACHABLE`` when it has not answered for this long (None: retry until ``timeout_s``).
         """
+        connected = _Connected(self._channel, self._closed)
+        try:
+            return self._watch(job_id, on_result, count, timeout_s, poll_s, max_unreachable_s, on_note, connected)
+        finally:
+            connected.close()
+
+    def _watch(
+        self,
+        job_id: str,
+        on_result: Callable[[WatchedSwitch], None] | None,
+        count: int | None,
+        timeout_s: float | None,
+        poll_s: float,
+        max_unreachable_s: float | None,
+        on_note: Callable[[str], None] | None,
+        connected: _Connected,
+    ) -> WatchEnd:
+        """:meth:`watch`; ``connected`` tells whether the channel reached ClusterD."""
         if count is not None and count < 1:
             raise ValueError(f"count must be >= 1, got {count}")
         if timeout_s is not None and timeout_s <= 0:
@@ -331,8 +396,10 @@ class ResultStream:
                     continue
                 if kind is StreamError.DEADLINE:
                     continue  # the deadline we gave the call: the top of the loop ends the watch
-                if kind is StreamError.TRANSIENT and reached:
-                    trouble = f"{code}: {details}"
+                # A stream ClusterD accepted (a switch ran) and lost says nothing before it breaks:
+                # a connection made is ClusterD reached, as for switch, whose request answered.
+                if kind is StreamError.TRANSIENT and (reached or connected.seen):
+                    reached, trouble = True, f"{code}: {details}"
                     gave_up = outage.lost(trouble)
                     if gave_up is not None:
                         return end(OutcomeKind.UNREACHABLE, gave_up, code)
