@@ -252,6 +252,68 @@ def test_ctrl_c_while_the_background_job_waits_for_clusterd_stops_it_and_says_so
     assert not Path(f"/proc/{found.group(1)}").exists()  # stopped, and reaped by the command
 
 
+def background_job(parent: int) -> int | None:
+    """The pid of ``parent``'s background job (``python -m nicswitch_agent demo ...``) once it has exec'd."""
+    for children in glob.glob(f"/proc/{parent}/task/*/children"):
+        with contextlib.suppress(OSError):
+            for pid in Path(children).read_text().split():
+                if b"nicswitch_agent\0demo\0" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    return int(pid)
+    return None
+
+
+def running(pid: int) -> bool:
+    """Whether ``pid`` still runs: a zombie (ended, its new parent has not reaped it yet) does not."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("phase", ["started", "waiting"])
+def test_sigterm_while_the_background_job_is_not_ready_stops_it_and_exits_143(phase: str, tmp_path: Path) -> None:
+    """``kill <pid>`` of ``demo --background`` while its job starts (``started``: the child exists) or
+    waits for ClusterD (``waiting``): the command used to die of SIGTERM without a word (143), leaving
+    its job running unseen for --timeout, to register with a ClusterD that came up later. While it
+    waits, the job's first warning (a wrong --server) shows on stderr, as in the foreground."""
+    with started(demo("--server", f"127.0.0.1:{free_port()}", "--job", JOB, "--background", "--timeout", "30"),
+                 clean_env(TMPDIR=str(tmp_path))) as (proc, out, err):
+        child = poll(lambda: background_job(proc.pid), 60)
+        assert child is not None, err.text()
+        if phase == "waiting":
+            assert err.wait_for("still waiting for it to be ready"), err.text()
+            assert "cannot connect to ClusterD, waiting for it" in "".join(err.lines), err.text()
+        proc.send_signal(signal.SIGTERM)  # to this process alone, as `kill`
+        assert proc.wait(60) == 143, out.text() + err.text()
+        said = err.text()
+    assert re.search(rf"^nicswitch-agent demo: SIGTERM before the background job {JOB} was ready; stopped it "
+                     rf"\(pid {child}, exit (143|-15); log: \S+\)$", said, re.MULTILINE), said
+    assert not running(child)  # stopped, and reaped by the command
+    assert "Traceback" not in said and out.text() == "", said
+
+
+@pytest.mark.timeout(90)
+def test_a_background_job_whose_command_was_killed_before_it_was_ready_stops_itself(tmp_path: Path) -> None:
+    """SIGKILL (which no handler sees) to ``demo --background`` while its job waits for ClusterD: the job
+    sees the command's end of the ready pipe close and stops, instead of running on unseen."""
+    with started(demo("--server", f"127.0.0.1:{free_port()}", "--job", JOB, "--background", "--timeout", "120"),
+                 clean_env(TMPDIR=str(tmp_path))) as (proc, _, err):  # a --timeout well past the bound below
+        assert err.wait_for("still waiting for it to be ready"), err.text()
+        child = background_job(proc.pid)
+        assert child is not None, err.text()
+        proc.kill()
+        assert proc.wait(60) == -signal.SIGKILL
+        stopped = poll(lambda: not running(child), 30)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)  # not to leave it running if the test failed
+    logs = list(tmp_path.glob("nicswitch-demo-*.log"))
+    assert stopped, [log.read_text() for log in logs]
+    assert any(f"the command that started job {JOB} in the background ended before the job was ready; stopped"
+               in log.read_text() for log in logs), [log.read_text() for log in logs]
+
+
 # The command line, with SIGINT handed to another thread than the main one once the main thread
 # sleeps in the wait named by $WAIT_IN (and the background job's log in $LOG_DIR, if set, says it
 # waits for ClusterD): the kernel does that to a process-directed signal when it likes, and gRPC's

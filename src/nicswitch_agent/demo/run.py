@@ -25,6 +25,8 @@ import functools
 import glob
 import logging
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -365,6 +367,9 @@ READY_FD_ENV = "_NICSWITCH_DEMO_READY_FD"
 # `switch` command on a busy machine has subscribed, losing the result to it (docs/quickstart.md).
 JOINED_STEP_INTERVAL_S = 0.1
 FINISH_GRACE_S = 5.0  # after the last switch: how long to wait for ClusterD to end it (see run_job)
+RELAY_INTERVAL_S = 0.2  # --background: how often the waiting command looks for its job's first warning
+# A line of the job's log (cli.LOG_FORMAT) at WARNING or worse.
+_WARNING_LINE = re.compile(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) [^\n]*(?=\n)", re.MULTILINE)
 
 
 def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS, switches: int = 2,
@@ -452,6 +457,7 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     deadline = time.monotonic() + timeout_s
+    starter = int(os.environ[READY_FD_ENV]) if os.environ.get(READY_FD_ENV) else None  # --background's child
     try:
         wakeup.append(SignalWakeup())
         with tempfile.TemporaryDirectory(prefix="nicswitch-demo-") as workdir:
@@ -459,11 +465,15 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
                             step_interval_s=JOINED_STEP_INTERVAL_S)
             job.start(server)
             try:
-                wakeup[0].wait(woken.is_set, max(0.0, deadline - time.monotonic()))
+                wakeup[0].wait(woken.is_set, max(0.0, deadline - time.monotonic()), fd=starter)
                 if signals and not subscribed.is_set():  # Ctrl-C while ClusterD had not heard of the job yet
                     print(f"nicswitch-agent demo: {signal.Signals(signals[0]).name} before job {job_id} registered "
                           f"with ClusterD at {server}; stopped", file=sys.stderr)
                     return 128 + signals[0]
+                if _starter_gone(starter):
+                    print(f"nicswitch-agent demo: the command that started job {job_id} in the background ended "
+                          "before the job was ready; stopped", file=sys.stderr)
+                    return EXIT_FAILED
                 if failed:
                     print(f"nicswitch-agent demo: job {job_id}: the leader's agent failed: {failed[0]}",
                           file=sys.stderr)
@@ -501,6 +511,13 @@ def run_job(out: TextIO, *, server: str, job_id: str, ranks: int = DEFAULT_RANKS
     return EXIT_OK
 
 
+def _starter_gone(fd: int | None) -> bool:
+    """Whether the ``--background`` command waiting on the ready pipe ``fd`` is gone (killed, say, by
+    SIGKILL): a job it never reported must not run on unseen. Its end closed, Linux's select calls
+    ours readable."""
+    return fd is not None and bool(select.select([fd], [], [], 0)[0])
+
+
 def _signal_ready() -> None:
     fd = os.environ.pop(READY_FD_ENV, None)
     if fd is not None:
@@ -514,26 +531,51 @@ def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, s
 
     The child writes to a log file of its own, never to the caller's stdout or stderr: a caller that
     reads them to the end (``out=$(nicswitch-agent demo --background ...)``, a pipe) would otherwise
-    wait for the whole job. If it ends before it is ready, its log is copied to stderr; so it is
-    after Ctrl-C here, which stops the child too (130).
+    wait for the whole job. Its first warning (a wrong ``--server``: "cannot connect to ClusterD") is
+    relayed to stderr while this waits, as the job in the foreground prints it. If it ends before it is
+    ready, its log is copied to stderr; so it is after SIGINT or SIGTERM here, which stop the child too
+    (130, 143).
     """
-    log_fd, log_path = tempfile.mkstemp(prefix=f"nicswitch-demo-{job_id}-", suffix=".log")
-    read_fd, write_fd = os.pipe()
-    args = [sys.executable, "-m", "nicswitch_agent", "demo", "--server", server, "--job", job_id,
-            "--ranks", str(ranks), "--switches", str(switches), "--timeout", str(timeout_s)]
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signals.append(signum)  # noted, not raised: a KeyboardInterrupt inside Popen would lose the child
+
+    # From before the child exists until it is ready or stopped. SIGTERM's default (die at once) left it
+    # running unseen, registering with a ClusterD that came up later; a signal this process was started
+    # ignoring (SIGINT under `cmd &` in a script) stays ignored.
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
-        child = subprocess.Popen(args, pass_fds=(write_fd,), env={**os.environ, READY_FD_ENV: str(write_fd)},
-                                 stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT)
-    finally:
-        os.close(write_fd)
-        os.close(log_fd)
-    ready = os.fdopen(read_fd)
-    try:
-        with ready, SignalWakeup() as wakeup:  # Ctrl-C's KeyboardInterrupt at once, even if another thread got it
-            wakeup.wait(lambda: False, fd=ready.fileno())
+        log_fd, log_path = tempfile.mkstemp(prefix=f"nicswitch-demo-{job_id}-", suffix=".log")
+        read_fd, write_fd = os.pipe()
+        args = [sys.executable, "-m", "nicswitch_agent", "demo", "--server", server, "--job", job_id,
+                "--ranks", str(ranks), "--switches", str(switches), "--timeout", str(timeout_s)]
+        try:
+            child = subprocess.Popen(args, pass_fds=(write_fd,), env={**os.environ, READY_FD_ENV: str(write_fd)},
+                                     stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT)
+        finally:
+            os.close(write_fd)
+            os.close(log_fd)
+        # The ready pipe stays open until the child was stopped: its closing tells the child that this
+        # command is gone (run_job), which must not race the signal that stops it.
+        with os.fdopen(read_fd) as ready, open(log_path, encoding="utf-8", errors="replace") as log, \
+                SignalWakeup() as wakeup:  # a signal ends the wait at once, even if another thread got it
+            logged, relayed = "", False  # the log so far; its first warning, once relayed to stderr
+            while not wakeup.wait(lambda: bool(signals), None if relayed else RELAY_INTERVAL_S, fd=ready.fileno()):
+                logged += log.read()
+                warning = _WARNING_LINE.search(logged)
+                if warning is not None:
+                    print(f"{warning.group(0)}\nnicswitch-agent demo: (from the background job {job_id}'s log, "
+                          f"{log_path}; still waiting for it to be ready)",
+                          file=sys.stderr, flush=True)
+                    relayed = True
+            if signals:
+                return _stop_background(child, log_path, job_id, signals[0])
             started = ready.read() == "ready\n"  # EOF when the child reported ready, or died
-    except KeyboardInterrupt:
-        return _stop_background(child, log_path, job_id)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not started:
         code = child.wait()
         with open(log_path, encoding="utf-8", errors="replace") as log:
@@ -548,14 +590,16 @@ def _start_in_background(out: TextIO, *, server: str, job_id: str, ranks: int, s
     return EXIT_OK
 
 
-def _stop_background(child: subprocess.Popen[bytes], log_path: str, job_id: str) -> int:
-    """Ctrl-C while the background job was not ready yet: stop it, say what it did (its log), 130.
+def _stop_background(child: subprocess.Popen[bytes], log_path: str, job_id: str, signum: int) -> int:
+    """A signal while the background job was not ready yet: stop the job with it too, say what it did (its
+    log), 128 + the signal (130 for Ctrl-C, 143 for SIGTERM).
 
-    A Ctrl-C on the terminal reached the child as well (one process group); a SIGINT sent to this
-    process alone did not, and a job left running unseen is what a user who pressed Ctrl-C least wants.
+    A Ctrl-C on the terminal reached the child as well (one process group); a signal sent to this
+    process alone (``kill``, ``kill -INT``) did not, and a job left running unseen is what a user who
+    stopped the command least wants.
     """
     with contextlib.suppress(ProcessLookupError):
-        child.send_signal(signal.SIGINT)
+        child.send_signal(signum)
     try:
         code: int | str = child.wait(FINISH_GRACE_S)  # it stops at once: it was only waiting for ClusterD
     except subprocess.TimeoutExpired:
@@ -564,6 +608,7 @@ def _stop_background(child: subprocess.Popen[bytes], log_path: str, job_id: str)
         code = "killed"
     with contextlib.suppress(OSError), open(log_path, encoding="utf-8", errors="replace") as log:
         sys.stderr.write(log.read())
-    print(f"nicswitch-agent demo: interrupted (Ctrl-C) before the background job {job_id} was ready; stopped it "
+    what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else signal.Signals(signum).name
+    print(f"nicswitch-agent demo: {what} before the background job {job_id} was ready; stopped it "
           f"(pid {child.pid}, exit {code}; log: {log_path})", file=sys.stderr)
-    return EXIT_INTERRUPTED
+    return 128 + signum
