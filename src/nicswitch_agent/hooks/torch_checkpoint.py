@@ -9,7 +9,7 @@ this guard is deliberately frugal:
   success (the switch runs) and is recorded in :attr:`TorchCheckpointGuard.last`. Only this
   run's checkpoints count (:func:`run_id`): a directory reused by an earlier run (the same
   command started again) holds checkpoints of other training, which must never stand in for the
-  parked step; a run's own step directory of another run's is saved over;
+  parked step; another run's ``step-<S>`` is saved over;
 - it **refuses** (raises :class:`GuardRefused`, so the switch does not run and the reply is false)
   when free space minus the size of the newest checkpoint is below ``min_free_bytes``, before
   writing anything;
@@ -450,7 +450,9 @@ class TorchCheckpointGuard(CheckpointGuard):
         }
         _write_synced(tmp / INFO_FILE, json.dumps(info, indent=1).encode())
         if final.is_dir():  # another run's step-<S> (this run's would have been skipped): out of the way first
-            os.replace(final, tmp.with_name(f"{tmp.name}-replaced"))  # a temp name: retention removes it
+            aside = tmp.with_name(f"{tmp.name}-replaced")  # a temp name: retention removes it
+            _remove_tree(aside)  # one a killed save left (DCP's temp names are fixed)
+            os.replace(final, aside)
         os.replace(tmp, final)  # atomic: step-<S> is either absent or complete
         _fsync_dir(self.directory)
         return final, size, self._retain(final)
