@@ -60,4 +60,4 @@ def test_help_says_an_unusable_host_is_a_usage_error() -> None:
     done = sim("--help")
     assert done.returncode == 0
     flat = " ".join(done.stdout.split())
-    assert "2 usage error (the port in use, or a --host this machine does not have, among them" in flat, flat[-300:]
+    assert "2 usage error (the port in use, a --host this machine does not have, a --tls-* file" in flat, flat[-300:]

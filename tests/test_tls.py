@@ -440,6 +440,28 @@ def test_sim_command_line_tls_flags(pki: Pki) -> None:
             server_tls(parser.parse_args(argv))
 
 
+def test_sim_names_the_tls_flag_and_file_that_cannot_work(pki: Pki, tmp_path: Path) -> None:
+    """Found by an outside check: every one of these was "cannot listen on 127.0.0.1:0: Failed to
+    bind" (exit 1), after gRPC's own lines, naming neither flag nor file."""
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    missing = str(tmp_path / "nosuch.key")
+    cases = [
+        (["--tls-cert", pki.server_cert, "--tls-key", pki.client_key],
+         f"--tls-cert {pki.server_cert!r} and --tls-key {pki.client_key!r} cannot be used together "
+         "(KEY_VALUES_MISMATCH)"),
+        (["--tls-cert", pki.server_key, "--tls-key", pki.server_key],
+         f"--tls-cert {pki.server_key!r} and --tls-key {pki.server_key!r} cannot be used together"),
+        (["--tls-cert", pki.server_cert, "--tls-key", missing], f"--tls-key {missing!r} cannot be read: No such file"),
+        (["--tls-cert", pki.server_cert, "--tls-key", pki.server_key, "--tls-client-ca", pki.server_key],
+         f"--tls-client-ca {pki.server_key!r} holds no usable PEM certificate"),
+    ]
+    for argv, text in cases:
+        with pytest.raises(ValueError) as caught:
+            server_tls(parser.parse_args(argv))
+        assert str(caught.value).startswith(text), (argv, str(caught.value))
+
+
 def test_paths_with_underscores_come_through_the_env(pki: Pki, tmp_path: Path) -> None:
     ca = tmp_path / "cluster_ca.pem"
     shutil.copyfile(pki.ca, ca)

@@ -53,8 +53,9 @@ keeps serving; with --crash-like-clusterd it exits with status 2 instead, as Clu
 docs/operations.md lists every setting and the differences from the real server."""
 
 _EPILOG = """\
-exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use, or a --host
-this machine does not have, among them: checked before listening), or crashed as the real ClusterD would
+exit status: 0 stopped by Ctrl-C/SIGTERM; 1 cannot listen; 2 usage error (the port in use, a --host
+this machine does not have, a --tls-* file that cannot serve TLS, among them: checked before listening),
+or crashed as the real ClusterD would
 (--crash-like-clusterd)
 
 example:
@@ -282,7 +283,36 @@ def server_tls(args: argparse.Namespace) -> ServerTls | None:
         return None
     if cert is None or key is None:
         raise ValueError("--tls-cert and --tls-key go together")
+    _check_server_tls_files(cert, key, client_ca)
     return ServerTls(cert_file=cert, key_file=key, client_ca_file=client_ca)
+
+
+def _check_server_tls_files(cert: str, key: str, client_ca: str | None) -> None:
+    """Every mistake in the files that gRPC would only report as a port it cannot bind (an outside
+    check got "cannot listen on 127.0.0.1:0: Failed to bind" for a key of another certificate),
+    named by flag and path, never by content. ValueError."""
+    import ssl
+
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
+        if path is not None:
+            try:
+                with open(path, "rb") as file:
+                    file.read(1)
+            except OSError as exc:
+                raise ValueError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails here, not at a prompt
+    except (ssl.SSLError, ValueError) as exc:
+        raise ValueError(f"--tls-cert {cert!r} and --tls-key {key!r} cannot be used together "
+                         f"({getattr(exc, 'reason', None) or type(exc).__name__}): both must be PEM, the key "
+                         "unencrypted and belonging to the certificate") from None
+    if client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=client_ca)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ValueError(f"--tls-client-ca {client_ca!r} holds no usable PEM certificate "
+                             f"({getattr(exc, 'reason', None) or type(exc).__name__})") from None
 
 
 def parse_nodes(values: Sequence[str]) -> dict[str, list[str]]:
@@ -356,9 +386,10 @@ def listen_problem(host: str, port: int) -> str | None:
 
 def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, out: TextIO | None = None) -> int:
     """Serve until SIGINT/SIGTERM (or ``stop_event``, for embedding and tests). Returns 0; 2 on a
-    usage error (a port in use, or a host this machine cannot listen on, too), and after a crash
-    like the real ClusterD's (``--crash-like-clusterd``, which also sets ``stop_event``); 1 when it
-    cannot listen otherwise (a TLS file, or a port taken between the check and gRPC's bind).
+    usage error (a port in use, a host this machine cannot listen on, or a TLS file that cannot
+    serve, too), and after a crash like the real ClusterD's (``--crash-like-clusterd``, which also
+    sets ``stop_event``); 1 when it cannot listen otherwise (a port taken between the check and
+    gRPC's bind).
 
     Prints the address, the rank table, the settings that differ from ClusterD's, then one line per
     state change (and an ERROR where the real ClusterD would crash).
