@@ -678,3 +678,11 @@ def test_a_switch_hook_in_the_current_directory_is_found(tmp_path: Path, monkeyp
         assert callable(load_hook("nicswitch_cwd_hooks:switch_links"))
     finally:
         sys.modules.pop("nicswitch_cwd_hooks", None)
+
+
+@pytest.mark.parametrize(("env", "source"), [({}, "--tls* flags"),
+                                             ({"NICSWITCH_TLS": "1"}, "--tls* flags and NICSWITCH_TLS*")])
+def test_the_tls_line_names_where_its_settings_came_from(env: dict[str, str], source: str) -> None:
+    """Found by an outside check: flags alone read "from --tls* flags and NICSWITCH_TLS*"."""
+    found = doctor.check_tls(gather_inputs(env=env, tls_options={"tls_server_name": "clusterd.example"}))
+    assert found.detail.endswith(f"; from {source})"), found.detail

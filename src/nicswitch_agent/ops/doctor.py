@@ -289,7 +289,9 @@ def check_keepalive(inp: Inputs) -> Check:
 def check_tls(inp: Inputs) -> Check:
     """The TLS settings the agent would dial with: files readable, PEM, the key matching its certificate."""
     name = "TLS"
-    source = "--tls* flags and NICSWITCH_TLS*" if inp.tls_from_flags else "NICSWITCH_TLS*"
+    from_env = any(inp.env.get(name, "").strip() for name in _TLS_ENV)
+    source = ("--tls* flags and NICSWITCH_TLS*" if from_env else "--tls* flags") if inp.tls_from_flags \
+        else "NICSWITCH_TLS*"
     if inp.tls_error:
         return Check(name, False, f"{inp.tls_error} (from {source})")
     if inp.tls is None:
