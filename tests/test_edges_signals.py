@@ -306,6 +306,27 @@ def test_keyboard_interrupt_goes_through_the_inline_runner_but_not_through_a_hoo
     assert HookRunner().run("switch", interrupted, order, 5, expect_bool=True).status is HookStatus.RAISED
 
 
+def test_a_librarys_own_base_exception_on_the_parked_thread_is_a_failed_hook_not_a_stop() -> None:
+    """Found by an outside check: torch's CheckpointException (a BaseException) from a DCP save
+    into a read-only directory stopped training on every rank instead of refusing the switch."""
+    class CheckpointException(BaseException):  # as torch.distributed.checkpoint.api's
+        pass
+
+    def failing_save(order: SwitchOrder) -> None:
+        raise CheckpointException("ranks:dict_keys([1])")
+
+    order = SwitchOrder(seq=2, job_id="j", ranks=(1,), ops=(True,))
+    result = InlineRunner().run("checkpoint", failing_save, order, 5, expect_bool=False)
+    assert result.status is HookStatus.RAISED, result
+    assert result.detail == "checkpoint hook raised CheckpointException: ranks:dict_keys([1])"
+    for stop in (KeyboardInterrupt, SystemExit, GeneratorExit):
+        def stopping(order: SwitchOrder, stop: type[BaseException] = stop) -> None:
+            raise stop()
+
+        with pytest.raises(stop):
+            InlineRunner().run("checkpoint", stopping, order, 5, expect_bool=False)
+
+
 # -- a stop while the executor's reply is on its way ------------------------------------------------
 
 

@@ -20,6 +20,7 @@ torch = pytest.importorskip("torch")
 
 from nicswitch_agent import ConfigError, SwitchOrder  # noqa: E402
 from nicswitch_agent.hooks.torch_checkpoint import (  # noqa: E402
+    CheckpointFailed,
     GuardRecord,
     GuardRefused,
     TorchCheckpointGuard,
@@ -604,3 +605,26 @@ def test_two_ranks_save_with_dcp_and_load_back(tmp_path: Path, monkeypatch: pyte
     assert "junk" not in files
     info = json.loads((directory / "step-12" / "nicswitch.json").read_text())
     assert info["format"] == "torch.distributed.checkpoint" and info["world_size"] == WORLD and info["seq"] == 6
+
+
+def test_a_save_that_fails_with_a_base_exception_is_a_failed_guard_named_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by an outside check: torch's CheckpointException (a BaseException, with every failed
+    rank's traceback in its text) from a save into a read-only directory stopped training."""
+    class CheckpointException(BaseException):  # as torch.distributed.checkpoint.api's
+        def __init__(self, msg: str, failures: dict[int, Any]) -> None:
+            super().__init__(msg, failures)
+            self.failures = failures
+
+    def read_only(tmp: Path) -> str:
+        raise CheckpointException("CheckpointException ranks:dict_keys([1])\nTraceback ...",
+                                  {1: (OSError(30, "Read-only file system"), "Traceback (most recent call last): ...")})
+
+    guard = make_guard(tmp_path, Step(9))
+    monkeypatch.setattr(guard, "_write_state", read_only)
+    with pytest.raises(CheckpointFailed) as caught:
+        guard(order())
+    assert str(caught.value) == ("checkpoint of step 9 failed: CheckpointException: rank 1: OSError: [Errno 30] "
+                                 "Read-only file system")
+    assert guard.last is not None and not guard.last.saved and "\n" not in guard.last.reason

@@ -7,9 +7,10 @@ rather than run concurrently with it (HCCL requires link switches to be serial o
 
 A hook that raises is logged here, once, at ERROR with its traceback: the reason that travels to
 the leader is one line, and a failure deep inside torch_npu needs the whole stack. On the parked
-training thread (:class:`InlineRunner`) only ``Exception`` becomes a result: a ``KeyboardInterrupt``
-or ``SystemExit`` raised there (Ctrl-C, a SIGTERM handler calling ``sys.exit``) is the user's
-decision to end training, and goes on up out of ``agent.step()``.
+training thread (:class:`InlineRunner`) a ``KeyboardInterrupt`` or ``SystemExit`` raised there
+(Ctrl-C, a SIGTERM handler calling ``sys.exit``) is the user's decision to end training, and goes
+on up out of ``agent.step()``; any other exception, a library's own ``BaseException`` subclass
+included (torch's ``CheckpointException``), is the hook failing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from typing import Any
 from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.execute")
+
+STOPS = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What a hook on the training thread raises to end training, not to fail the order."""
 
 
 class HookStatus(str, Enum):
@@ -146,7 +150,14 @@ class InlineRunner(HookRunner):
             self._running = (f"{name} hook of order #{order.seq}", started, timeout)
         try:
             value = hook(order)
-        except Exception as exc:  # user code: every failure becomes a result (BaseException goes on up)
+        except Exception as exc:  # user code: every failure becomes a result
+            return _raised(name, order, exc, time.monotonic() - started)
+        except BaseException as exc:
+            if isinstance(exc, STOPS):  # the user ends training: on up, out of step()
+                raise
+            # torch's CheckpointException (a DCP save that failed) derives from BaseException: an
+            # outside check saw a read-only checkpoint directory stop training on every rank, where
+            # the guard's failure must refuse the switch and training go on.
             return _raised(name, order, exc, time.monotonic() - started)
         finally:
             with self._cond:

@@ -167,6 +167,10 @@ def decide(views: list[_View], *, min_free_bytes: int, directory: Path) -> _Deci
     return _Decision("save", "", step)
 
 
+class CheckpointFailed(RuntimeError):
+    """A save failed with an exception that is no ``Exception`` (torch's ``CheckpointException``)."""
+
+
 class TorchCheckpointGuard(CheckpointGuard):
     """Checkpoint the parked step before a switch: atomic, deduplicated, bounded on disk.
 
@@ -343,7 +347,10 @@ class TorchCheckpointGuard(CheckpointGuard):
             path, size, removed = saver.save(order, step, started)
         except BaseException as exc:
             record(False, f"failed: {_describe(exc)}", step, level=logging.WARNING)
-            raise
+            if isinstance(exc, (Exception, KeyboardInterrupt, SystemExit)):
+                raise
+            # torch's CheckpointException is a BaseException, a stop to callers: this is a failed guard
+            raise CheckpointFailed(f"checkpoint of step {step} failed: {_describe(exc)}") from exc
         record(True, "saved", step, str(path), size, note=f", removed {', '.join(removed)}" if removed else "")
 
     # -- helpers used by the savers ----------------------------------------------------------------
@@ -684,4 +691,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _describe(exc: BaseException) -> str:
+    """One line: torch's CheckpointException holds every failed rank's traceback (40 lines a rank)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:  # {rank: (error, its traceback)}: the errors say it
+        errors = {rank: f[0] if isinstance(f, tuple) and f else f for rank, f in failures.items()}
+        return f"{type(exc).__name__}: " + "; ".join(
+            f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(errors.items(), key=lambda i: str(i[0])))
     return f"{type(exc).__name__}: {exc}"
