@@ -100,6 +100,13 @@ class ScriptedClusterD:
         with self._cond:
             self.notify_scripts.append(list(actions))
 
+    def script_only(self, *actions: Any) -> None:
+        """The next stream's script, in place of every one still queued: in one hold of the lock, so
+        no stream opened between a clear and an append finds the queue empty (and holds, unscripted)."""
+        with self._cond:
+            self.notify_scripts.clear()
+            self.notify_scripts.append(list(actions))
+
     def wait_for(self, predicate: Callable[[ScriptedClusterD], bool], timeout: float = 10.0) -> bool:
         with self._cond:
             return self._cond.wait_for(lambda: predicate(self), timeout)

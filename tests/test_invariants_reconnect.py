@@ -57,8 +57,8 @@ def test_a_server_that_ends_every_stream_at_once_is_not_hammered(clusterd: Scrip
             f"{opened} opens in {WINDOW_S} s against a server that ends every stream at once: the reopen "
             "is not throttled")
         # Still subscribing: the first stream that stays open gets the next list, which is answered.
-        clusterd.notify_scripts.clear()
-        clusterd.script(Send(rank_list(["0"], [True])), Hold())
+        # (One call: a stream opened between a clear and an append once held unscripted; CI saw it.)
+        clusterd.script_only(Send(rank_list(["0"], [True])), Hold())
         replies = clusterd.wait_replies(1, timeout=20)
         assert replies[0].result is True
     finally:
