@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support import Lines
+from support import Lines, wait_until
 
 from nicswitch_agent._pb import recover_pb2 as pb
 from nicswitch_agent.ops.om import DEFAULT_MAX_UNREACHABLE_S, SWITCH_FINISH, OmClient, OutcomeKind, WatchEnd
@@ -223,3 +223,56 @@ def test_watch_that_joined_a_running_switch_says_clusterd_lost_when_it_dies() ->
     assert watch_end.stopped is OutcomeKind.UNREACHABLE, watch_end  # was RPC_ERROR, at once
     assert len(notes) == 1 and LOST.fullmatch(notes[0]), notes  # said once, then retried up to the limit
     assert watch_end.detail.startswith("ClusterD unreachable for ") and "(limit 0.5 s): " in watch_end.detail
+
+
+def poller_running(channel: grpc.Channel) -> bool:
+    """gRPC's connectivity polling thread runs (grpcio's own flag; private, so checked to exist)."""
+    state = getattr(channel, "_connectivity_state", None)
+    assert state is not None and hasattr(state, "polling"), "grpcio moved the flag these tests read"
+    return bool(state.polling)
+
+
+def test_a_watch_that_ends_leaves_no_connectivity_poller_on_the_channel() -> None:
+    """CI's case: ``watch`` stopped by Ctrl-C, and its channel closed at once, printed gRPC's
+    ``ValueError: Cannot monitor channel state: Channel closed!`` traceback: the watch had
+    unsubscribed from the channel's connectivity, but gRPC's polling thread runs up to 0.2 s longer
+    and dies if the channel closes meanwhile. A watch that returns has waited for that thread: a
+    nothing-listens port ends it at once (never reached), with the subscription just taken."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"  # bound, never listening: refused
+        with grpc.insecure_channel(address) as channel, OmClient(address, channel=channel) as client:
+            end = client.watch(JOB, timeout_s=30)
+            assert end.stopped is OutcomeKind.RPC_ERROR, end
+            assert not poller_running(channel), "the watch returned with gRPC's poller still on the channel"
+
+
+def test_closing_the_client_under_a_watch_lets_go_of_the_poller_before_the_channel_closes() -> None:
+    """The same from the other side: ``close()`` from another thread while a watch waits for a
+    connection (a server that accepts TCP and never speaks HTTP/2 keeps the channel CONNECTING, so
+    the subscription stays held). close() ends the watch's connectivity wait before it returns (and
+    before it closes a channel of its own), not when the watch's thread gets round to it."""
+    errors: list[BaseException | None] = []
+    hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        with socket.socket() as silent:
+            silent.bind(("127.0.0.1", 0))
+            silent.listen()
+            address = f"127.0.0.1:{silent.getsockname()[1]}"
+            with grpc.insecure_channel(address) as channel:
+                client = OmClient(address, channel=channel)
+                ends: list[WatchEnd] = []
+                watching = threading.Thread(target=lambda: ends.append(client.watch(JOB, timeout_s=60)))
+                watching.start()
+                try:
+                    assert wait_until(lambda: poller_running(channel), 20), "the watch never subscribed"
+                finally:
+                    client.close()
+                    assert not poller_running(channel), "close() returned with gRPC's poller still on the channel"
+                    watching.join(30)
+        (end,) = ends
+        assert end.stopped is OutcomeKind.CANCELLED, end
+    finally:
+        threading.excepthook = hook
+    assert errors == []

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from nicswitch_agent._pb import recover_pb2 as pb
-from nicswitch_agent.clusterd.channel import RecoverStub, settings_of
+from nicswitch_agent.clusterd.channel import ConnectivityWatch, RecoverStub, settings_of
 from nicswitch_agent.clusterd.rpc_policy import RetryAfter, bounded, wait_as_asked
 from nicswitch_agent.clusterd.rpc_policy import backoff_delays as _backoff_delays
 from nicswitch_agent.ops.om_results import (
@@ -114,45 +114,35 @@ class _Connected:
     ClusterD accepted says nothing before its result (ClusterD, in Go, sends its headers with its
     first message), so the channel's connectivity is the only word that ClusterD was there.
 
-    One subscription (``channel.subscribe``), until READY or :meth:`close`: gRPC polls for it
-    with a thread that wakes every 200 ms (and a channel closed meanwhile waits for that thread's
-    wake), so it is not held for the whole watch.
+    A :class:`~nicswitch_agent.clusterd.channel.ConnectivityWatch` of its own: it subscribes only
+    until READY, and its :meth:`close` waits until gRPC's polling thread has let go of the channel,
+    which must come before the channel is closed (that thread dies with "Channel closed!" and a
+    traceback otherwise).
     """
 
-    def __init__(self, channel: grpc.Channel, closed: threading.Event) -> None:
-        self._channel = channel
-        self._closed = closed  # the client's: its channel is closed, or is about to be
-        self._lock = threading.Lock()  # guards _subscribed; taken before gRPC's own lock
-        self._heard = threading.Event()  # gRPC's poller has read the channel once
+    def __init__(self, channel: grpc.Channel) -> None:
         self._ready = threading.Event()
-        # gRPC's poller dies with "Channel closed!" on a closed channel: none is started for one.
-        self._subscribed = not closed.is_set()
-        if self._subscribed:
-            channel.subscribe(self._on_change, try_to_connect=False)
+        self._watch = ConnectivityWatch(channel)
+        self._watch.add_listener(self._on_change)
+
+    def start(self) -> None:
+        """Start watching (not on a closed channel: gRPC's poller would die on it)."""
+        self._watch.start()
+        if self._watch.state is grpc.ChannelConnectivity.READY:  # READY already: no change to hear
+            self._ready.set()
 
     def _on_change(self, state: grpc.ChannelConnectivity) -> None:
-        self._heard.set()
         if state is grpc.ChannelConnectivity.READY:
             self._ready.set()
-            self._unsubscribe()  # all we need to know: gRPC's poller can stop
 
     @property
     def seen(self) -> bool:
         """The channel was READY at some point (a connection to the server was made)."""
         return self._ready.is_set()
 
-    def _unsubscribe(self) -> None:
-        with self._lock:
-            if self._subscribed:
-                self._subscribed = False
-                self._channel.unsubscribe(self._on_change)
-
     def close(self) -> None:
-        """Unsubscribe. First wait (bounded) until gRPC's poller has read the channel once: one that
-        has not yet would die with "Channel closed!" if the caller closes the channel next."""
-        if self._subscribed and not self._closed.is_set():
-            self._heard.wait(1.0)
-        self._unsubscribe()
+        """Unsubscribe and wait (bounded) until gRPC's poller has let go; idempotent, any thread."""
+        self._watch.close()
 
 
 class ResultStream:
@@ -169,13 +159,20 @@ class ResultStream:
         # Guards _call: the in-flight SubscribeSwitchNicSignal call, cancelled by cancel().
         self._lock = threading.Lock()
         self._call: Any = None
+        # The running watches' connectivity watches: closed by cancel() before the client closes
+        # the channel, so that no gRPC poller is left on a closed channel.
+        self._connected: set[_Connected] = set()
 
     def cancel(self) -> None:
-        """End the call in flight, if any (the client's close(), from any thread)."""
+        """End the call in flight, if any, and let go of the channel's connectivity (the client's
+        close(), from any thread, before it closes the channel)."""
         with self._lock:
             call = self._call
+            watches = list(self._connected)
         if call is not None:
             call.cancel()
+        for connected in watches:
+            connected.close()
 
     def follow(
         self,
@@ -300,10 +297,16 @@ class ResultStream:
         ``max_unreachable_s`` as in :meth:`follow`: once ClusterD was reached, stop with
         ``UNREACHABLE`` when it has not answered for this long (None: retry until ``timeout_s``).
         """
-        connected = _Connected(self._channel, self._closed)
+        connected = _Connected(self._channel)
+        with self._lock:  # close() sets _closed before cancel() takes the lock: one of them sees the other
+            if not self._closed.is_set():
+                self._connected.add(connected)
+                connected.start()
         try:
             return self._watch(job_id, on_result, count, timeout_s, poll_s, max_unreachable_s, on_note, connected)
         finally:
+            with self._lock:
+                self._connected.discard(connected)
             connected.close()
 
     def _watch(
