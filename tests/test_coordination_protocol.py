@@ -430,3 +430,28 @@ def test_parked_names_the_leaders_pause_in_a_process_started_after_earlier_ones(
         lot.release()
         member.stop()
         stepping.join(10)
+
+
+def test_a_failed_order_names_the_ranks_whose_success_the_leader_read_before_it() -> None:
+    """What the link map needs after a failure (observability/links.py): ranks 1 and 2 answered
+    True before rank 0's False decided the order; rank 3 was not heard. A verification's failure
+    names none (tests/test_verify_go.py covers that round)."""
+    store = InProcessStore()
+    leader = Coordinator(KV(store, "t"), 4)
+    kv = KV(store, "t")
+
+    def answer() -> None:
+        event = p.decode(kv.get(p.queue_key(0, 1)))
+        epoch, name = int(event["e"]), str(event["key"])
+        for rank, ok in ((2, True), (1, True), (0, False)):
+            p.publish_result(kv, epoch, name, p.MemberResult(rank, ok, "scripted", attempted=True), 4)
+
+    answering = threading.Thread(target=answer)
+    answering.start()
+    outcome = leader.run(SwitchOrder(seq=1, job_id="j", ranks=(0, 1, 2, 3), ops=(True,) * 4),
+                         kind=p.KIND_ROLLBACK, budget_s=30)
+    answering.join(10)
+    assert not outcome.ok and outcome.reason == "rank 0: scripted", outcome
+    assert outcome.ok_ranks == frozenset({1, 2}) and not outcome.verify_failed
+    told = [e for e in _queued(store) if e["t"] == p.OUTCOME]
+    assert len(told) == 1 and told[0]["stands"] == 1  # a member's own success stands

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import logging
@@ -441,14 +442,18 @@ class RankHook:
     so calls are told apart by their ops, not their number)."""
 
     def __init__(self, results: list[bool] | None = None,
-                 gate: tuple[tuple[bool, ...], threading.Event] | None = None) -> None:
+                 gate: tuple[tuple[bool, ...], threading.Event] | None = None,
+                 seen: tuple[tuple[bool, ...], threading.Event] | None = None) -> None:
         self.results = list(results or [])
         self.gate = gate
+        self.seen = seen  # a call with these ops sets the event
         self.calls: list[tuple[tuple[int, ...], tuple[bool, ...]]] = []
         self.gated = threading.Event()
 
     def __call__(self, order: SwitchOrder) -> bool:
         self.calls.append((order.ranks, order.ops))
+        if self.seen is not None and self.seen[0] == order.ops:
+            self.seen[1].set()
         if self.gate is not None and self.gate[0] == order.ops:
             self.gated.set()
             assert self.gate[1].wait(20)
@@ -571,10 +576,11 @@ def test_a_failed_switch_leaves_its_ranks_uncertain_until_the_rollback_puts_the_
     pytest.importorskip("prometheus_client")
     sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("recover",))], settings=FAST)
     sim.start()
-    rollback = threading.Event()
-    # rank 0: ok (and ok, unless it skips the failed order), then its rollback waits for the test;
-    # rank 1: ok, fails, rolls back.
-    hooks = [RankHook(gate=((False, True), rollback)), RankHook(results=[True, False, True])]
+    rollback, switching = threading.Event(), threading.Event()
+    # rank 0: ok, ok (rank 1 fails only once rank 0 is in its hook: it does not skip the order),
+    # then its rollback waits for the test; rank 1: ok, fails, rolls back.
+    hooks = [RankHook(gate=((False, True), rollback), seen=((True, False), switching)),
+             RankHook(results=[True, False, True], gate=((True, False), switching))]
     job = TwoRanks(sim, hooks)
     try:
         assert sim.wait_until(switch_streams_open, 10)
@@ -586,11 +592,14 @@ def test_a_failed_switch_leaves_its_ranks_uncertain_until_the_rollback_puts_the_
         assert support.operator_switch(sim.address, JOB, ["0", "1"], [True, False]).startswith("switch nic failed")
         assert hooks[0].gated.wait(20), "no rollback"
         assert hooks[0].calls[-1] == ((0, 1), (False, True))  # back to where they were
-        # Between the failure and the rollback: links as known before, both ranks in doubt.
+        # Between the failure and the rollback: rank 0's hook returned True, so it is on standby
+        # (whether the leader read its result before rank 1's failure or learns it from rank 0's
+        # own outcome); rank 1, whose hook failed, is in doubt, counted on the link known before.
+        assert job.events[0].wait_for(lambda: any(e.detail.get("moved") for e in job.events[0].of("switch_outcome")))
         during = scraped(job.port)
-        assert standby_gauges(during) == {"0": 0.0, "1": 1.0}
-        assert sample(during, "nicswitch_links_uncertain") == 2
-        assert job.agents[0].status()["links"]["uncertain_ranks"] == "0-1"
+        assert standby_gauges(during) == {"0": 1.0, "1": 1.0}
+        assert sample(during, "nicswitch_links_uncertain") == 1
+        assert job.agents[0].status()["links"]["uncertain_ranks"] == "1"
         assert job.events[1].wait("switch_outcome", 2)
         assert job.agents[1].status()["links"]["uncertain"] == 1  # the member's own rank
         rollback.set()
@@ -660,7 +669,7 @@ def test_compact_ranks_and_the_status_line() -> None:
     order = SwitchOrder(seq=3, job_id=JOB, ranks=tuple(range(16, 24)), ops=(True,) * 8)
 
     class Outcome:
-        ok, attempted = True, True
+        ok, attempted, ok_ranks = True, True, frozenset[int]()
 
     links.decided(order, "switch", Outcome())
     status = links.status()
@@ -674,7 +683,7 @@ def test_compact_ranks_and_the_status_line() -> None:
     assert format_links(many.status(), None).startswith("50 primary, 50 standby (ranks 0,2,4,")
 
     class Failed:
-        ok, attempted = False, True
+        ok, attempted, ok_ranks = False, True, frozenset[int]()
 
     failed = LinkMap()
     failed(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 4}))
@@ -685,6 +694,44 @@ def test_compact_ranks_and_the_status_line() -> None:
         "put them back); last switch #1 failed")
     assert ",...)" in format_links(many.status(), None)
     assert format_links(None, None) == format_links({"ranks": 0}, None) == ""
+
+
+def test_a_failed_orders_known_successes_are_certain_and_only_the_rest_in_doubt() -> None:
+    """An outside check's case: a failed switch rolled back, the rollback failing on one rank only,
+    and ``status`` called every rank of the order UNCERTAIN, though the others' rollback hooks had
+    returned True. The leader's map learns the successes it read (``ok_ranks``) as a success's; a
+    member learns its own (``moved``), unless the failure was the verification's."""
+
+    @dataclasses.dataclass
+    class Decided:
+        ok: bool
+        ok_ranks: frozenset[int]
+        attempted: bool = True
+
+    links = LinkMap()
+    links(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 6}))
+    everyone = tuple(range(4))
+    links.decided(SwitchOrder(seq=1, job_id=JOB, ranks=everyone, ops=(True, True, True, False)), "switch",
+                  Decided(False, frozenset({0, 1, 5})))  # 5 (a node's rank not in the order) is ignored
+    status = links.status()
+    assert (status["standby_ranks"], status["uncertain_ranks"]) == ("0-1", "2"), status  # 3 stays primary: certain
+    links.decided(SwitchOrder(seq=1, job_id=JOB, ranks=everyone, ops=(False,) * 4), "rollback",
+                  Decided(False, frozenset({0, 1, 3})))  # the rollback fails on rank 2 only
+    status = links.status()
+    assert (status["standby_ranks"], status["uncertain_ranks"]) == ("", "2"), status
+    links.decided(SwitchOrder(seq=2, job_id=JOB, ranks=(2,), ops=(False,)), "rollback", Decided(True, frozenset()))
+    assert links.status()["uncertain"] == 0
+
+    def outcome(moved: bool, kind: str = "switch") -> AgentEvent:
+        return AgentEvent(kind="switch_outcome", job_id=JOB, seq=7, detail={
+            "rank": 3, "kind": kind, "ok": False, "link": "standby", "moved": moved})
+
+    member = LinkMap()
+    member(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "member", "rank": 3, "world_size": 6}))
+    member(outcome(moved=False))
+    assert (member.status()["standby"], member.status()["uncertain"]) == (0, 1)
+    member(outcome(moved=True))  # its own hook returned True, and the failure was another rank's
+    assert (member.status()["standby"], member.status()["uncertain"]) == (1, 0)
 
 
 def test_phase_timings_from_events() -> None:

@@ -152,6 +152,21 @@ def test_a_node_succeeds_only_once_every_rank_of_it_succeeded(job: Any) -> None:
     assert outcome.ok and outcome.guard_ok  # every rank of every node checkpointed
 
 
+def test_a_failed_order_names_every_rank_of_the_nodes_that_succeeded_and_none_of_the_failed_one(job: Any) -> None:
+    """The link map's knowledge after a failure (observability/links.py): node 0 answered for both
+    its ranks before rank 3's failure decided; node 1 answers once, failing, so its rank 2's own
+    success never reaches the leader (that rank's own map knows it)."""
+    store, leader, nodes, pool = job
+    running: Future[Any] = pool.submit(leader.run, ORDER, kind=KIND_SWITCH, budget_s=300.0)
+    events = every_rank_but_3_succeeds(nodes)
+    epoch, name = int(events[0][0]["e"]), str(events[0][0]["key"])
+    assert support.wait_until(lambda: KV(store, PREFIX).count(p.result_counter_key(epoch, name)) == 1, 10)
+    nodes[1].result(1, events[1][1], False, "switch hook returned False")
+    outcome = running.result(20)
+    assert not outcome.ok and outcome.reason == "rank 3: switch hook returned False"
+    assert outcome.ok_ranks == frozenset({0, 1})
+
+
 def test_a_silent_rank_makes_its_node_say_which_rank_and_the_pause_fails_naming_it(job: Any) -> None:
     _store, leader, nodes, pool = job
     pausing: Future[Any] = pool.submit(leader.pause, 1.0)

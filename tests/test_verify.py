@@ -216,6 +216,12 @@ def test_a_verification_failure_on_one_rank_fails_the_switch_rolls_back_and_trai
     assert [e.detail["ok"] for e in failed] == [False]
     assert [e.seq for e in failed] == [1]  # the list it verified, as on the other member events
     assert job.ranks[2].agent.status()["last_verify"]["ok"] is False
+    # Every switch hook returned True, yet the links are in doubt until the rollback: no rank takes
+    # its own success for its link when the verification failed (observability/links.py).
+    told = [e for r in job.ranks for e in r.agent.events() if e.kind == "switch_outcome"
+            and e.detail.get("kind") == "switch"]
+    assert len(told) == WORLD and not any(e.detail["moved"] for e in told), [e.detail for e in told]
+    assert all(r.agent.status()["links"]["uncertain"] == 0 for r in job.ranks)  # the rollback settled them
 
 
 class UnusableAfterFailure(Verify):

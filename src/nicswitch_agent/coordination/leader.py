@@ -52,6 +52,11 @@ class RunOutcome:
     verified: bool = False  # the verify round ran and every rank passed it
     unsafe: bool = False  # a failed verification may have left communicators unusable (messages.MemberResult)
     guard_failed: bool = False  # a switch's guard round failed: a checkpoint of the parked step is not to be had
+    # A failed order whose failure came from its own round (not its verification): the ranks whose
+    # hook had returned True when it was decided, as far as the leader read (a node or group answers
+    # for all of its ranks or none). Those ranks are on the order's link; the others are in doubt.
+    ok_ranks: frozenset[int] = frozenset()
+    verify_failed: bool = False  # the switch ran on every rank and its verification failed
 
 
 class Coordinator:
@@ -369,7 +374,8 @@ class Coordinator:
             unsafe = outcome.unsafe or "did not answer" in outcome.reason
             return RunOutcome(False, f"verification failed: {outcome.reason}", attempted=True,
                               guard_ok=switched.guard_ok, duration_s=outcome.duration_s,
-                              interrupted=outcome.interrupted, verify_s=switched.verify_s, unsafe=unsafe)
+                              interrupted=outcome.interrupted, verify_s=switched.verify_s, unsafe=unsafe,
+                              verify_failed=True)
         logger.info("switch #%d verified on every rank in %.1f ms", order.seq, took)
         return RunOutcome(True, switched.reason, attempted=True, guard_ok=switched.guard_ok,
                           duration_s=outcome.duration_s, verify_s=switched.verify_s, verified=True)
@@ -433,6 +439,8 @@ class Coordinator:
         follows it may be a wait for ClusterD's choice of strategy."""
         message: dict[str, object] = {"t": p.OUTCOME, "e": epoch, "key": name, "kind": kind, "seq": seq,
                                       "ok": outcome.ok, "reason": outcome.reason[:512], "at": time.time()}
+        if not outcome.ok and not outcome.verify_failed:
+            message["stands"] = 1  # a rank whose hook returned True in this order is on its link
         self._flush_outcome()
         self._outcome = message
         if not outcome.ok:
@@ -454,8 +462,11 @@ class Coordinator:
         every = p.waits_for_every_rank(name)
         attempted, guards, seen, verify_s, unsafe = False, 0, 0, 0.0, False
         failed: p.MemberResult | None = None
+        succeeded: list[int] = []  # the rank each success names (a relay's: its first rank)
         for result in p.arriving_results(self.kv, epoch, name, self.world_size, deadline, self._wake):
             seen += 1
+            if result.ok:
+                succeeded.append(result.rank)
             attempted = attempted or result.attempted
             guards += int(result.guard_ok)
             verify_s = max(verify_s, result.verify_s)
@@ -470,7 +481,7 @@ class Coordinator:
                                   attempted=attempted or seen < self.world_size,
                                   guard_ok=everyone, duration_s=time.monotonic() - started,
                                   interrupted=result.rank if result.interrupted else None,
-                                  unsafe=result.unsafe)
+                                  unsafe=result.unsafe, ok_ranks=self._ranks_behind(succeeded))
         if failed is not None:  # a guard round: nothing moved; a rank still in its hook keeps training parked
             return RunOutcome(False, f"rank {failed.rank}: {failed.reason}", duration_s=time.monotonic() - started,
                               interrupted=failed.rank if failed.interrupted else None,
@@ -478,9 +489,16 @@ class Coordinator:
         if seen < self.world_size:
             who = f"{self.world_size - seen} {self.layout.unit}(s)"
             why = f"{who} did not answer {'before the agent stopped' if self.stopping else 'within the budget'}"
-            return RunOutcome(False, why, attempted=not every, duration_s=time.monotonic() - started, unsafe=every)
+            return RunOutcome(False, why, attempted=not every, duration_s=time.monotonic() - started, unsafe=every,
+                              ok_ranks=frozenset() if every else self._ranks_behind(succeeded))
         return RunOutcome(True, "ok on every rank", attempted=attempted, guard_ok=guards == self.world_size,
                           duration_s=time.monotonic() - started, verify_s=verify_s)
+
+    def _ranks_behind(self, answered: list[int]) -> frozenset[int]:
+        """Every rank that the answerers naming ``answered`` speak for (a failed order's successes;
+        the set is built only for a failure)."""
+        layout = self.layout
+        return frozenset(rank for named in answered for rank in layout.ranks_of(layout.answerer_of(named)))
 
     def release(self, *, stop_reason: str | None = None) -> None:
         """Let every rank go on (or stop, with ``stop_reason``)."""

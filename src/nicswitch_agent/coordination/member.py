@@ -126,7 +126,8 @@ class Member:
         self._runner = HookRunner()
         self._inline: InlineRunner | None = None  # the last order's runner on the parked training thread
         self._wake_kv: KV | None = None
-        self._target: tuple[str, bool | None] = ("", None)  # (order key, this rank's op in it) for switch_outcome
+        # For switch_outcome: (order key, this rank's op in it, this rank's hook returned True).
+        self._target: tuple[str, bool | None, bool] = ("", None, False)
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
         self._in_flight: tuple[int, str, int | None] | None = None  # (epoch, order key, answerers) being run
         self._go: str | None = None  # the go key being waited on (guarded by _result_lock: stop wakes it)
@@ -304,6 +305,8 @@ class Member:
             with self._result_lock:
                 self._in_flight = (epoch, name, _expected(message))
             result = self._run_order(epoch, message, order)
+            if self._target[0] == name:
+                self._target = (name, self._target[1], result.ok and result.attempted)
             duration = time.monotonic() - started
             if self._on_event is not None:
                 self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
@@ -321,11 +324,14 @@ class Member:
         elif kind == p.OUTCOME:
             if self._on_event is None:
                 return
-            key, op = self._target
-            link = None if op is None or key != message.get("key") else ("standby" if op else "primary")
+            key, op, done_here = self._target
+            ours = op is not None and key == message.get("key")
+            link = ("standby" if op else "primary") if ours else None
+            # A failed order whose failure is not its verification's: this rank's own success stands.
+            moved = ours and done_here and not message.get("ok") and bool(message.get("stands"))
             self._emit("switch_outcome", {"rank": self.rank, "kind": message.get("kind"),
                                           "ok": bool(message.get("ok")), "reason": str(message.get("reason", "")),
-                                          "link": link, **_origin(message)})
+                                          "link": link, "moved": moved, **_origin(message)})
         elif kind == p.RELEASE:
             released = self._local_epoch.pop(epoch, None)
             stop = message.get("stop")
@@ -419,7 +425,7 @@ class Member:
         kind, budget = str(message["kind"]), float(message["budget"])
         if kind in (p.KIND_SWITCH, p.KIND_ROLLBACK):  # the orders that move links (a dry run moves none)
             listed = self.rank in order.ranks and not self.hooks.dry_run
-            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None)
+            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None, False)
         parked = self.lot.parked
         if not parked and epoch in self._local_epoch:
             # This rank parked for the pause the order belongs to, and its training thread has

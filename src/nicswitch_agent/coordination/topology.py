@@ -184,6 +184,10 @@ class Layout:
         per = (self.ranks_per_node or 1) * (self.nodes_per_group or 1)
         return range(index * per, min((index + 1) * per, self.world_size))
 
+    def answerer_of(self, rank: int) -> int:
+        """The answerer (rank, node or group) that speaks for global ``rank`` on the job's Store."""
+        return rank // ((self.ranks_per_node or 1) * (self.nodes_per_group or 1))
+
     def nodes_of(self, group: int) -> range:
         per = self.nodes_per_group or 1
         return range(group * per, min((group + 1) * per, self.nodes))

@@ -138,8 +138,10 @@ EVENT_KINDS: dict[str, EventKind] = {e.kind: e for e in (
         ("kind", "`switch`, or `rollback` / `checkpoint` during ClusterD's recovery"),
         ("ok", "the leader's decision: true only if every rank succeeded"),
         ("reason", "`ok on every rank`, or the first failure and where"),
-        ("link", "this rank's link in the order, `standby` or `primary` (its link now if `ok`), or null when the "
-                 "order did not name this rank, was a dry run, or never ran here"),
+        ("link", "this rank's link in the order, `standby` or `primary` (its link now if `ok` or `moved`), or null "
+                 "when the order did not name this rank, was a dry run, or never ran here"),
+        ("moved", "the order failed elsewhere, but this rank's hook returned True and the failure was not the "
+                  "verification's, so this rank is on `link`"),
         ("epoch", "the leader's pause (or session) the order ran in"),
         ("sent_at", "the leader's wall clock when it sent the message (for aligning hosts' clocks in the timeline)"))),
     EventKind(REPLY_SENT, "leader", "ReplySwitchNicResult was delivered", (

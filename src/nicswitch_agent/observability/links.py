@@ -12,9 +12,13 @@ The rules, the same from both sources:
 - a switch or rollback that succeeded on every rank and ran the hooks (not a dry run) puts each
   listed rank on its op's link (a rollback's ops are the links the ranks were on before, so a
   failed switch rolled back leaves every rank where it was);
-- a switch that failed after hooks ran leaves its ranks *uncertain* where the op differs from the
-  link known before: some ranks may have moved. The rollback that ClusterD's recovery runs next
-  (pause mode agent) makes them certain again; until then the map keeps the link known before;
+- a switch or rollback that failed after hooks ran leaves its ranks *uncertain* where the op
+  differs from the link known before: some ranks may have moved. Not the ranks known to have
+  succeeded in it (their hook returned True, and the failure was not the verification's): those
+  are on their op's link, as after a success. The leader knows the successes it read before the
+  first failure decided the order (``RunOutcome.ok_ranks``), a member its own (``moved``). The
+  rollback that ClusterD's recovery runs next (pause mode agent) makes the others certain again;
+  until then the map keeps the link known before;
 - ranks never named by a switch are on their primary link: HCCL communicators start there.
 """
 
@@ -45,6 +49,9 @@ class Decision(Protocol):
 
     @property
     def attempted(self) -> bool: ...
+
+    @property
+    def ok_ranks(self) -> frozenset[int]: ...
 
 
 def compact_ranks(ranks: Iterable[int], *, most: int | None = None) -> str:
@@ -92,7 +99,7 @@ class LinkMap:
         try:
             with self._lock:
                 if outcome.attempted:
-                    self._learn_all(order.ranks, order.ops, outcome.ok)
+                    self._learn_all(order.ranks, order.ops, outcome.ok, outcome.ok_ranks)
                 if kind == "switch":
                     self._switched(order.seq, outcome.ok, time.time())
         except Exception:  # what people are told must never break what the agent does
@@ -117,23 +124,27 @@ class LinkMap:
             rank, link, ok = detail.get("rank"), detail.get("link"), bool(detail.get("ok"))
             with self._lock:
                 if isinstance(rank, int) and link in (PRIMARY, STANDBY):
-                    self._learn(rank, link == STANDBY, ok)
+                    self._learn(rank, link == STANDBY, ok or bool(detail.get("moved")))
                 if detail.get("kind") == "switch":
                     # When the leader decided (its clock): a success's outcome reaches the ranks
                     # with the release that follows it (coordination/leader.py).
                     decided = detail.get("sent_at")
                     self._switched(event.seq, ok, float(decided) if isinstance(decided, (int, float)) else event.wall)
 
-    def _learn_all(self, ranks: tuple[int, ...], ops: tuple[bool, ...], ok: bool) -> None:
+    def _learn_all(self, ranks: tuple[int, ...], ops: tuple[bool, ...], ok: bool,
+                   ok_ranks: frozenset[int] = frozenset()) -> None:
         """:meth:`_learn` for a whole order, in set operations (the leader's critical path: an order
-        of 16,384 ranks costs about a millisecond)."""
+        of 16,384 ranks costs about a millisecond). A failed order's ``ok_ranks`` are learned as
+        a success's."""
         named, to_standby = set(ranks), set(itertools.compress(ranks, ops))
-        if ok:
-            self._standby -= named - to_standby
-            self._standby |= to_standby
-            self._uncertain -= named
-        else:
-            self._uncertain |= (to_standby - self._standby) | (self._standby & (named - to_standby))
+        done = named if ok else named & ok_ranks
+        if not ok:
+            doubt = named - done
+            self._uncertain |= (to_standby & (doubt - self._standby)) | (self._standby & (doubt - to_standby))
+        if done:
+            self._standby -= done - to_standby
+            self._standby |= to_standby & done
+            self._uncertain -= done
 
     def _learn(self, rank: int, standby: bool, ok: bool) -> None:
         if ok:
