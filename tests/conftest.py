@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 import nicswitch_agent  # noqa: F401  (before grpc, as in a user's process: it sets up grpc for forks)
@@ -19,9 +20,11 @@ from scripted import ScriptedClusterD
 
 # Property tests are derandomized and keep no example database by default (the README's test
 # command is CI's), so a red run is red again on any machine; every failure found is pinned with
-# @example. HYPOTHESIS_PROFILE=explore searches new random examples.
-hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-hypothesis_settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+# @example. HYPOTHESIS_PROFILE=explore searches new random examples. No timing checks (hypothesis'
+# deadline and too_slow health check): a loaded machine is not a failure of the property.
+_UNTIMED = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+hypothesis_settings.register_profile("ci", derandomize=True, database=None, print_blob=True, **_UNTIMED)
+hypothesis_settings.register_profile("explore", derandomize=False, database=None, print_blob=True, **_UNTIMED)
 hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # Scrub MindCluster/agent env so tests never pick up the machine's settings by accident.

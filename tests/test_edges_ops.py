@@ -75,9 +75,9 @@ def om_stream_open(sim: Simulator) -> bool:
 class QuickJob:
     """One rank (pause mode agent) stepping every 2 ms; a switch takes a few milliseconds.
 
-    ``hold`` makes the switch hook wait (at most 10 s) until an operator's result stream is open,
-    so that a follower is sure to be there however loaded the machine is; without it a switch is
-    as quick as the job allows.
+    ``hold`` makes the switch hook wait (at most 45 s: a watch started as a new process took more
+    than 10 on a loaded machine) until an operator's result stream is open, so that a follower is
+    sure to be there however loaded the machine is; without it a switch is as quick as the job allows.
     """
 
     def __init__(self, sim: Simulator, hold: Callable[[Simulator], bool] | None = None) -> None:
@@ -91,7 +91,7 @@ class QuickJob:
 
     def _switch(self, order: SwitchOrder) -> bool:
         if self.hold is not None:
-            self.sim.wait_until(self.hold, 10)
+            self.sim.wait_until(self.hold, 45)
         self.switched.append(tuple(order.ops))
         return True
 
