@@ -466,3 +466,20 @@ def test_paths_with_underscores_come_through_the_env(pki: Pki, tmp_path: Path) -
     ca = tmp_path / "cluster_ca.pem"
     shutil.copyfile(pki.ca, ca)
     assert tls_from_env({"NICSWITCH_TLS_CA_FILE": str(ca)}) == TlsSettings(ca_file=str(ca))
+
+
+def test_an_encrypted_key_is_named_as_such_by_the_agent_and_the_simulator(pki: Pki, tmp_path: Path) -> None:
+    """Found by an outside check: an encrypted key was refused with reason "SSLError". Both checks
+    share config/pem.py; the passphrase is never prompted for (an empty one is tried)."""
+    assert OPENSSL is not None
+    encrypted = tmp_path / "client-encrypted.key"
+    subprocess.run([OPENSSL, "pkey", "-in", pki.client_key, "-out", str(encrypted), "-aes256", "-passout",
+                    "pass:secret"], check=True, capture_output=True, timeout=30)
+    with pytest.raises(ConfigError) as raised:
+        AgentConfig(server="127.0.0.1:8899", job_id=JOB, tls_cert_file=pki.client_cert, tls_key_file=str(encrypted))
+    assert f"tls_key_file={str(encrypted)!r} cannot be used together (the key is encrypted)" in str(raised.value)
+    parser = argparse.ArgumentParser()
+    add_sim_arguments(parser)
+    with pytest.raises(ValueError) as caught:
+        server_tls(parser.parse_args(["--tls-cert", pki.client_cert, "--tls-key", str(encrypted)]))
+    assert f"--tls-key {str(encrypted)!r} cannot be used together (the key is encrypted)" in str(caught.value)

@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nicswitch_agent.config import pem
 from nicswitch_agent.config.addresses import CLUSTERD_PORT, parse_server
 from nicswitch_agent.config.frameworks import FRAMEWORKS, MSRUN_NAMES, in_msrun, job_framework
 from nicswitch_agent.config.limits import MAX_MESSAGE_BYTES, check_seconds
@@ -560,10 +561,6 @@ def _tls_on(tls: bool, *others: str | None) -> bool:
     return tls or any(value is not None for value in others)
 
 
-def _no_password() -> bytes:
-    return b""  # an encrypted key then fails to load instead of prompting on the terminal
-
-
 def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_name: Any) -> None:
     """Types, files readable and PEM, the key belonging to the certificate: every TLS mistake
     that can be found before dialing. Messages name files by path, never by content."""
@@ -575,11 +572,9 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
             continue
         if not isinstance(path, str) or not path.strip():
             raise _invalid(f"{name}={path!r} must be the path of a PEM file", name)
-        try:
-            with open(path, "rb") as file:
-                file.read(1)
-        except OSError as exc:
-            raise _invalid(f"{name}={path!r} cannot be read: {exc.strerror or exc}", name) from None
+        problem = pem.unreadable(path)
+        if problem is not None:
+            raise _invalid(f"{name}={path!r} cannot be read: {problem}", name)
     if (cert_file is None) != (key_file is None):
         given, missing = ("tls_cert_file", "tls_key_file") if key_file is None else ("tls_key_file", "tls_cert_file")
         raise _invalid(f"{given}={files[given]!r} is set without {missing}: a client certificate "
@@ -587,24 +582,14 @@ def _check_tls(tls: Any, ca_file: Any, cert_file: Any, key_file: Any, server_nam
     if ca_file is None and cert_file is None:
         _check_server_name(server_name)
         return
-    import ssl  # only when TLS files are configured: ~5 MB resident
-
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    if ca_file is not None:
-        try:
-            context.load_verify_locations(cafile=ca_file)
-        except (ssl.SSLError, ValueError) as exc:
-            raise _invalid(f"tls_ca_file={ca_file!r} holds no usable PEM certificate ({_ssl_reason(exc)})",
-                           "tls_ca_file") from None
-    if cert_file is not None:
-        try:
-            context.load_cert_chain(cert_file, key_file, password=_no_password)
-        except (ssl.SSLError, ValueError) as exc:
-            raise _invalid(
-                f"tls_cert_file={cert_file!r} and tls_key_file={key_file!r} cannot be used together "
-                f"({_ssl_reason(exc)}): both must be PEM, the key unencrypted and belonging to the certificate",
-                "tls_cert_file", "tls_key_file",
-            ) from None
+    problem = None if ca_file is None else pem.ca_problem(ca_file, server=False)
+    if problem is not None:
+        raise _invalid(f"tls_ca_file={ca_file!r} holds no usable PEM certificate ({problem})", "tls_ca_file")
+    problem = None if cert_file is None else pem.key_pair_problem(cert_file, key_file, server=False)
+    if problem is not None:
+        raise _invalid(f"tls_cert_file={cert_file!r} and tls_key_file={key_file!r} cannot be used together "
+                       f"({problem}): both must be PEM, the key unencrypted and belonging to the certificate",
+                       "tls_cert_file", "tls_key_file")
     _check_server_name(server_name)
 
 
@@ -614,11 +599,6 @@ def _check_server_name(server_name: Any) -> None:
         or any(ord(c) <= 32 for c in server_name)
     ):
         raise _invalid(f"tls_server_name={server_name!r} must be a host name without spaces", "tls_server_name")
-
-
-def _ssl_reason(exc: BaseException) -> str:
-    reason = getattr(exc, "reason", None)
-    return str(reason) if reason else type(exc).__name__
 
 
 def known_env_names() -> frozenset[str]:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any, TextIO
 
+from nicswitch_agent.config import pem
 from nicswitch_agent.sim import codes as P
 from nicswitch_agent.sim.ranktable import RankTable
 from nicswitch_agent.sim.server import ServerTls, Simulator
@@ -291,28 +292,17 @@ def _check_server_tls_files(cert: str, key: str, client_ca: str | None) -> None:
     """Every mistake in the files that gRPC would only report as a port it cannot bind (an outside
     check got "cannot listen on 127.0.0.1:0: Failed to bind" for a key of another certificate),
     named by flag and path, never by content. ValueError."""
-    import ssl
-
     for flag, path in (("--tls-cert", cert), ("--tls-key", key), ("--tls-client-ca", client_ca)):
-        if path is not None:
-            try:
-                with open(path, "rb") as file:
-                    file.read(1)
-            except OSError as exc:
-                raise ValueError(f"{flag} {path!r} cannot be read: {exc.strerror or exc}") from None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(cert, key, password=lambda: b"")  # an encrypted key fails here, not at a prompt
-    except (ssl.SSLError, ValueError) as exc:
-        raise ValueError(f"--tls-cert {cert!r} and --tls-key {key!r} cannot be used together "
-                         f"({getattr(exc, 'reason', None) or type(exc).__name__}): both must be PEM, the key "
-                         "unencrypted and belonging to the certificate") from None
-    if client_ca is not None:
-        try:
-            context.load_verify_locations(cafile=client_ca)
-        except (ssl.SSLError, ValueError) as exc:
-            raise ValueError(f"--tls-client-ca {client_ca!r} holds no usable PEM certificate "
-                             f"({getattr(exc, 'reason', None) or type(exc).__name__})") from None
+        problem = None if path is None else pem.unreadable(path)
+        if problem is not None:
+            raise ValueError(f"{flag} {path!r} cannot be read: {problem}")
+    problem = pem.key_pair_problem(cert, key, server=True)
+    if problem is not None:
+        raise ValueError(f"--tls-cert {cert!r} and --tls-key {key!r} cannot be used together ({problem}): both "
+                         "must be PEM, the key unencrypted and belonging to the certificate")
+    problem = None if client_ca is None else pem.ca_problem(client_ca, server=True)
+    if problem is not None:
+        raise ValueError(f"--tls-client-ca {client_ca!r} holds no usable PEM certificate ({problem})")
 
 
 def parse_nodes(values: Sequence[str]) -> dict[str, list[str]]:
