@@ -295,6 +295,27 @@ def test_both_runners_log_a_raising_hook_once_with_its_traceback(caplog: Any, ru
     assert "deep_inside_the_driver" in caplog.text
 
 
+@pytest.mark.parametrize("runner", [HookRunner, InlineRunner])
+def test_a_guard_that_refuses_on_purpose_is_a_failure_without_a_traceback(
+        caplog: Any, runner: type[HookRunner]) -> None:
+    """An outside check: a guard's planned refusal (too little free space) was logged at ERROR with a
+    traceback on every rank, as if the guard had crashed. A HookRefused (GuardRefused is one) fails
+    the order with its words and logs nothing above DEBUG here: the guard logs its own decision,
+    and the leader the switch's failure."""
+    from nicswitch_agent.hooks import GuardRefused
+
+    def guard(order: SwitchOrder) -> None:
+        raise GuardRefused("free space in /ckpt is 512 bytes, below min_free_bytes=1024: not checkpointing step 8")
+
+    caplog.set_level(logging.DEBUG)
+    order = SwitchOrder(seq=4, job_id="j", ranks=(1,), ops=(True,))
+    execution = execute_order(order, runner=runner(), switch_hook=failing_switch, checkpoint_hook=guard,
+                              guard_timeout_s=5, switch_timeout_s=5, dry_run=False)
+    assert not execution.ok and execution.switch is None
+    assert execution.reason.startswith("checkpoint hook refused: free space in /ckpt is 512 bytes"), execution.reason
+    assert [r for r in caplog.records if r.levelno > logging.DEBUG or r.exc_info] == []
+
+
 def test_keyboard_interrupt_goes_through_the_inline_runner_but_not_through_a_hook_thread() -> None:
     def interrupted(order: SwitchOrder) -> bool:
         raise KeyboardInterrupt

@@ -7,6 +7,12 @@ class NicSwitchError(Exception):
     """Base of every error nicswitch-agent raises."""
 
 
+class HookRefused(NicSwitchError):
+    """A hook declined on purpose (a checkpoint guard that finds too little free space): the
+    switch is refused and the reply is false, as for any failure of the hook, but it is no error
+    in the hook's code, so no traceback is logged for it."""
+
+
 class ConfigError(NicSwitchError, ValueError):
     """A setting is missing or invalid; the message names the setting and the value.
 

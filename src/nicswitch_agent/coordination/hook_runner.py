@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from nicswitch_agent.errors import HookRefused
 from nicswitch_agent.orders import SwitchOrder
 
 logger = logging.getLogger("nicswitch_agent.execute")
@@ -166,7 +167,12 @@ class InlineRunner(HookRunner):
 
 
 def _raised(name: str, order: SwitchOrder, exc: BaseException, duration: float) -> HookResult:
-    """A hook's exception as a result, logged here once with its traceback."""
+    """A hook's exception as a result, logged here once with its traceback; a refusal
+    (:class:`~nicswitch_agent.errors.HookRefused`) without one: the hook meant it, and says why in
+    the result (the leader logs the switch's failure with it; a guard logs its own decision)."""
+    if isinstance(exc, HookRefused):
+        logger.debug("%s hook refused order #%d: %s", name, order.seq, exc)
+        return HookResult(name, HookStatus.RAISED, f"{name} hook refused: {exc}", duration)
     logger.error("%s hook raised on order #%d", name, order.seq, exc_info=(type(exc), exc, exc.__traceback__))
     return HookResult(name, HookStatus.RAISED, f"{name} hook raised {type(exc).__name__}: {exc}", duration)
 

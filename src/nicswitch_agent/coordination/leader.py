@@ -309,7 +309,8 @@ class Coordinator:
         self._collect(epoch, name)
         if not outcome.ok:
             self._go(epoch, name, p.encode({"t": p.WAKE}))  # the ranks whose guard passed wait on it
-            logger.warning("switch #%d: not started on any rank, its guard failed: %s", order.seq, outcome.reason)
+            # The caller logs the switch's failure with the same reason (and "switch not attempted").
+            logger.debug("switch #%d: not started on any rank, its guard failed: %s", order.seq, outcome.reason)
         return outcome
 
     def _order_round(self, epoch: int, order: SwitchOrder, name: str, kind: str, text: str, budget_s: float,

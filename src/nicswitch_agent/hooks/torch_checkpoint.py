@@ -63,7 +63,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from nicswitch_agent.errors import ConfigError, NicSwitchError
+from nicswitch_agent.errors import ConfigError, HookRefused, NicSwitchError
 from nicswitch_agent.hooks.base import CheckpointGuard
 from nicswitch_agent.orders import SwitchOrder
 
@@ -85,8 +85,9 @@ FORMAT_DCP = "torch.distributed.checkpoint"
 FORMAT_TORCH_SAVE = "torch.save"
 
 
-class GuardRefused(NicSwitchError):
-    """The checkpoint guard refused the switch (e.g. not enough free space); the reply is false."""
+class GuardRefused(HookRefused):
+    """The checkpoint guard refused the switch (e.g. not enough free space); the reply is false.
+    Logged without a traceback: the guard decided it, and logs why itself."""
 
 
 @dataclass(frozen=True)
@@ -338,7 +339,7 @@ class TorchCheckpointGuard(CheckpointGuard):
         step = decision.step
         if decision.action == "refuse":
             record(False, f"refused: {decision.reason}", step, level=logging.WARNING)
-            raise GuardRefused(f"checkpoint guard refused order #{order.seq}: {decision.reason}")
+            raise GuardRefused(decision.reason)
         if decision.action == "skip":
             record(False, decision.reason, step, decision.path, skipped=True)
             return

@@ -126,7 +126,7 @@ class HFCheckpointGuard(CheckpointGuard):
             return
         if action == "refuse":
             record(False, f"refused: {reason}", logging.WARNING)
-            raise GuardRefused(f"checkpoint guard refused order #{order.seq}: {reason}")
+            raise GuardRefused(reason)
         try:
             trainer._save_checkpoint(trainer.model_wrapped, None)  # (model, trial), positional in 4.x and 5.x
         except BaseException as exc:

@@ -132,7 +132,7 @@ class LightningCheckpointGuard(CheckpointGuard):
             return
         if action == "refuse":
             record(False, f"refused: {reason}", level=logging.WARNING)
-            raise GuardRefused(f"checkpoint guard refused order #{order.seq}: {reason}")
+            raise GuardRefused(reason)
         tmp = self.dirpath / f".tmp-{final.name}"
         try:
             trainer.save_checkpoint(tmp)  # every rank; ends with a barrier, so rank 0 may rename
