@@ -425,6 +425,58 @@ def test_torch_npu_missing(no_torch_npu: None) -> None:
     assert doctor.check_torch_npu(gather_inputs(env={"NICSWITCH_DRY_RUN": "true"})).ok is None
 
 
+MSRUN_WORKER = {"MS_ROLE": "MS_WORKER", "MS_WORKER_NUM": "2", "RANK_ID": "0"}
+
+
+@pytest.fixture
+def fake_mindspore(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A mindspore package on sys.path whose communication.management has ``_comm_switch_nic``;
+    forgotten afterwards (``auto`` takes an imported mindspore for a MindSpore job)."""
+    root = tmp_path / "site"
+    (root / "mindspore" / "communication").mkdir(parents=True)
+    (root / "mindspore" / "__init__.py").write_text('__version__ = "2.10.0.fake"\n')
+    (root / "mindspore" / "communication" / "__init__.py").write_text("")
+    (root / "mindspore" / "communication" / "management.py").write_text(
+        "def _comm_switch_nic(global_ranks, use_backup):\n    return True\n")
+    monkeypatch.syspath_prepend(str(root))
+    try:
+        yield root
+    finally:
+        for name in [m for m in sys.modules if m == "mindspore" or m.startswith("mindspore.")]:
+            del sys.modules[name]
+
+
+def test_a_mindspore_job_is_checked_for_mindspores_switch_call_not_torch_npus(
+        fake_mindspore: Path, no_torch_npu: None) -> None:
+    """An outside check: doctor said NOT READY for a correct msrun job ("cannot import torch_npu",
+    and torch "not needed by a single-process job (WORLD_SIZE=1)" for a job of 2 ranks)."""
+    for env in (MSRUN_WORKER, {"NICSWITCH_FRAMEWORK": "mindspore", "MS_WORKER_NUM": "2", "RANK_ID": "1"}):
+        inputs = gather_inputs(env=env)
+        assert doctor.check_torch_npu(inputs).name == "mindspore"
+        assert doctor.check_torch_npu(inputs).ok is True and "2.10.0.fake" in doctor.check_torch_npu(inputs).detail
+        check = doctor.check_switch_function(inputs)
+        assert check.ok is True and check.detail == "mindspore.communication.management._comm_switch_nic found"
+    (fake_mindspore / "mindspore" / "communication" / "management.py").write_text("")
+    for name in [m for m in sys.modules if m.startswith("mindspore")]:
+        del sys.modules[name]
+    inputs = gather_inputs(env=MSRUN_WORKER)
+    assert doctor.check_torch_npu(inputs).ok is True  # doctor runs the checks in this order
+    check = doctor.check_switch_function(inputs)
+    assert check.ok is False and check.detail.endswith("this mindspore predates link switching; upgrade mindspore")
+
+
+def test_a_mindspore_job_without_mindspore_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mindspore", None)  # import mindspore raises ImportError
+    monkeypatch.setitem(sys.modules, "torch", None)
+    inputs = gather_inputs(env=MSRUN_WORKER)
+    missing = doctor.check_torch_npu(inputs)
+    assert missing.ok is False and "cannot import mindspore" in missing.detail
+    assert "python3 -m pip install '.[mindspore]'" in missing.detail
+    assert doctor.check_switch_function(inputs).ok is None  # skipped: the failure above says it all
+    torch = doctor.check_torch(inputs)
+    assert torch.ok is None and "not needed by a MindSpore job" in torch.detail and "WORLD_SIZE=1" not in torch.detail
+
+
 def write_rank_table(path: Path, servers: int, per_server: int, status: str = "completed") -> str:
     table = {"version": "1.0", "status": status, "server_count": str(servers), "server_list": [
         {"server_id": f"node-{s}", "device": [

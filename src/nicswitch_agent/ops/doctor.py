@@ -63,6 +63,7 @@ from nicswitch_agent.config import (
 from nicswitch_agent.config.frameworks import in_msrun, world_names
 from nicswitch_agent.errors import ConfigError
 from nicswitch_agent.hooks.hccl_env import blocking_finding, p2p_finding, retry_finding
+from nicswitch_agent.hooks.ms_switch import MODULE as MS_SWITCH_MODULE
 from nicswitch_agent.hooks.torch_npu import FUNCTION as SWITCH_FUNCTION
 from nicswitch_agent.hooks.torch_npu import MODULE as SWITCH_MODULE
 from nicswitch_agent.ops import doctor_ranks, hook_spec
@@ -380,7 +381,7 @@ def _needs_torch(env: Mapping[str, str]) -> str:
     if env.get("NICSWITCH_STORE_ADDRESS", "").strip() or env.get("NICSWITCH_LEADER", "").strip() == "launcher":
         return "a member of a launcher's leader reaches its Store with torch"
     world = doctor_ranks.env_int(env, *world_names(env))
-    if world == 1 or in_msrun(env):  # a MindSpore job coordinates through MindSpore's TCPStore
+    if world == 1 or in_msrun(env):
         return ""
     if isinstance(world, int):
         return f"{world} ranks coordinate through a torch Store"
@@ -393,21 +394,31 @@ def check_torch(inp: Inputs) -> Check:
     if module is None:
         why = _needs_torch(inp.env)
         if not why:
-            return Check(name, None, f"skipped: not importable ({error}); not needed by a single-process job "
-                                     "(WORLD_SIZE=1: no Store to coordinate through)")
+            return Check(name, None, f"skipped: not importable ({error}); not needed by {_torchless(inp.env)}")
         return Check(name, False, f"cannot import torch ({error}): {why}; python3 -m pip install '.[torch]' in "
                                   "the nicswitch-agent checkout")
     dist = getattr(module, "distributed", None)
     if dist is None or not dist.is_available():
         why = _needs_torch(inp.env)
         if not why:
-            return Check(name, None, f"torch {module.__version__} has no torch.distributed; not needed by a "
-                                     "single-process job")
+            return Check(name, None, f"torch {module.__version__} has no torch.distributed; not needed by "
+                                     f"{_torchless(inp.env)}")
         return Check(name, False, f"torch {module.__version__} has no torch.distributed: {why}")
     return Check(name, True, f"torch {module.__version__} with torch.distributed")
 
 
+def _torchless(env: Mapping[str, str]) -> str:
+    """The job that needs no torch (:func:`_needs_torch` said so), in words."""
+    if in_msrun(env):
+        return "a MindSpore job (msrun's MS_ROLE=MS_WORKER, or NICSWITCH_FRAMEWORK=mindspore): it coordinates " \
+               "through MindSpore's TCPStore and switches with MindSpore's own call"
+    return "a single-process job (WORLD_SIZE=1: no Store to coordinate through)"
+
+
 def check_torch_npu(inp: Inputs) -> Check:
+    """The framework's module that switches links: torch_npu, or for a MindSpore job mindspore."""
+    if in_msrun(inp.env):
+        return _check_mindspore(inp)
     name = "torch_npu"
     if inp.switch_hook is not None:
         return Check(name, None, f"not checked: the switch hook is {inp.switch_hook} ({hook_spec.FLAG})")
@@ -420,21 +431,33 @@ def check_torch_npu(inp: Inputs) -> Check:
     return Check(name, True, f"torch_npu {getattr(module, '__version__', '(no version)')}")
 
 
+def _check_mindspore(inp: Inputs) -> Check:
+    name = "mindspore"
+    module, error = _import("mindspore")
+    if module is None:
+        return Check(name, False, f"cannot import mindspore ({error}), and this is a MindSpore job (msrun's "
+                                  "MS_ROLE=MS_WORKER, or NICSWITCH_FRAMEWORK=mindspore): python3 -m pip install "
+                                  "'.[mindspore]' in the nicswitch-agent checkout")
+    return Check(name, True, f"mindspore {getattr(module, '__version__', '(no version)')}")
+
+
 def check_switch_function(inp: Inputs) -> Check:
     if inp.switch_hook is not None:
         return Check("switch hook", *hook_spec.check_switch_hook(inp.switch_hook))
     name = SWITCH_FUNCTION
-    where = f"{SWITCH_MODULE}.{SWITCH_FUNCTION}"
-    if sys.modules.get("torch_npu") is None:  # check_torch_npu could not import it
-        return Check(name, None, "skipped: torch_npu is not importable")
-    module, error = _import(SWITCH_MODULE)
+    mindspore = in_msrun(inp.env)
+    framework, switch_module = ("mindspore", MS_SWITCH_MODULE) if mindspore else ("torch_npu", SWITCH_MODULE)
+    where = f"{switch_module}.{SWITCH_FUNCTION}"
+    if sys.modules.get(framework) is None:  # check_torch_npu could not import it
+        return Check(name, None, f"skipped: {framework} is not importable")
+    module, error = _import(switch_module)
     fn = None if module is None else getattr(module, SWITCH_FUNCTION, None)
     if callable(fn):
         return Check(name, True, f"{where} found")
     why = f"cannot import {SWITCH_MODULE} ({error})" if module is None else f"{where} is missing"
     if inp.dry_run:
         return Check(name, None, f"{why}; not needed in a dry run")
-    return Check(name, False, f"{why}: this torch_npu predates link switching; upgrade torch_npu")
+    return Check(name, False, f"{why}: this {framework} predates link switching; upgrade {framework}")
 
 
 def check_hccl_retry(inp: Inputs) -> Check:
