@@ -14,10 +14,12 @@ and with ``--tls-client-ca`` mutual TLS, to rehearse an agent's TLS settings.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import logging
 import math
+import os
 import signal
 import socket
 import sys
@@ -398,13 +400,10 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
 
     stop = stop_event if stop_event is not None else threading.Event()
     previous: dict[signal.Signals, Any] = {}
-    if threading.current_thread() is threading.main_thread():
-
-        def _on_signal(signum: int, frame: FrameType | None) -> None:
-            stop.set()
-
+    relay = _SignalRelay(stop) if threading.current_thread() is threading.main_thread() else None
+    if relay is not None:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            previous[signum] = signal.signal(signum, _on_signal)
+            previous[signum] = signal.signal(signum, relay.on_signal)
 
     sim_logger = logging.getLogger("nicswitch_agent.sim")
     handler = _LineHandler(out)
@@ -449,6 +448,40 @@ def run(args: argparse.Namespace, *, stop_event: threading.Event | None = None, 
         sim_logger.propagate = old_propagate
         for signum, old in previous.items():
             signal.signal(signum, old)
+        if relay is not None:
+            relay.close()
+
+
+class _SignalRelay:
+    """SIGINT/SIGTERM to ``stop``, without a lock in the handler.
+
+    A handler runs on the main thread between any two bytecodes, so inside whatever lock that
+    thread holds: ``stop.set()`` there deadlocked the simulator (a second SIGTERM landing in the
+    first handler's ``set``, or one landing in ``stop.wait()``'s own hold of the Event's lock: 1 in
+    12 bursts of six SIGTERMs hung it for good). The handler only writes a byte to a pipe; a
+    thread of its own reads it and sets ``stop``."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._stop = stop
+        self._read, self._write = os.pipe()
+        os.set_blocking(self._write, False)  # a full pipe drops the byte: one is enough
+        self._thread = threading.Thread(target=self._relay, name="sim-signals", daemon=True)
+        self._thread.start()
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        with contextlib.suppress(OSError):
+            os.write(self._write, b"s")
+
+    def _relay(self) -> None:
+        if os.read(self._read, 64):  # a signal; empty: the pipe was closed, the simulator ends anyway
+            self._stop.set()
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._write)  # the reader sees the end of the pipe, if it still waits
+        self._thread.join(5.0)
+        with contextlib.suppress(OSError):
+            os.close(self._read)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
