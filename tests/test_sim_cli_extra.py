@@ -90,3 +90,20 @@ def test_a_burst_of_sigterms_stops_the_simulator_every_time() -> None:
             if process.poll() is None:
                 process.kill()
                 process.wait(10)
+
+
+def test_stand_ins_with_taskds_own_registration_delay_start() -> None:
+    """An outside check: ``sim --standin --standin-register-delay 10`` (TaskD's real delay, which
+    operations.md tells to rehearse) refused to start: the simulator gave its stand-ins a fixed 10 s
+    to subscribe, delay included."""
+    from support import Lines
+
+    process = subprocess.Popen([sys.executable, "-m", "nicswitch_agent", "sim", "--port", "0", "--standin",
+                                "--standin-register-delay", "10.1"], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        output = Lines(process.stdout)
+        assert output.wait_for("MindIO stand-in subscribed", 40), (process.poll(), output.lines)
+    finally:
+        process.terminate()
+        process.wait(20)

@@ -255,13 +255,14 @@ class Simulator:
                 self._standins.append(standin)
             standin.start()
         method = P.SUBSCRIBE_PROCESS_MANAGE_SIGNAL
+        within = 10.0 + self._standin_register_delay_s  # they register only after their delay (TaskD's: 10 s)
         ready = self.wait_until(
             lambda sim: all(sim.job_view(j).open_streams[method] >= 1 for j in self._controllers),
-            timeout=10.0,
+            timeout=within,
         )
         if not ready:
             self.stop()
-            raise RuntimeError("MindIO stand-ins did not subscribe within 10 s")
+            raise RuntimeError(f"MindIO stand-ins did not subscribe within {within:g} s")
 
     # ------------------------------------------------------------------ crashing like ClusterD
 
