@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import support
@@ -440,18 +440,34 @@ def test_a_failed_order_names_the_ranks_whose_success_the_leader_read_before_it(
     leader = Coordinator(KV(store, "t"), 4)
     kv = KV(store, "t")
 
+    def orders() -> Iterator[dict[str, object]]:
+        """The orders in rank 0's queue, as a member reads them (waiting for each event)."""
+        index = 0
+        while True:
+            index += 1
+            event = p.decode(kv.get(p.queue_key(0, index)))
+            if event["t"] == p.ORDER:
+                yield event
+
     def answer() -> None:
-        event = p.decode(kv.get(p.queue_key(0, 1)))
+        events = orders()
+        event = next(events)
         epoch, name = int(event["e"]), str(event["key"])
         for rank, ok in ((2, True), (1, True), (0, False)):
             p.publish_result(kv, epoch, name, p.MemberResult(rank, ok, "scripted", attempted=True), 4)
+        # The next order: rank 3 refuses before any hook (not parked, say)
+        event = next(events)
+        p.publish_result(kv, int(event["e"]), str(event["key"]), p.MemberResult(3, False, "not parked"), 4)
 
     answering = threading.Thread(target=answer)
     answering.start()
     outcome = leader.run(SwitchOrder(seq=1, job_id="j", ranks=(0, 1, 2, 3), ops=(True,) * 4),
                          kind=p.KIND_ROLLBACK, budget_s=30)
-    answering.join(10)
     assert not outcome.ok and outcome.reason == "rank 0: scripted", outcome
     assert outcome.ok_ranks == frozenset({1, 2}) and not outcome.verify_failed
+    assert outcome.unmoved_ranks == frozenset()  # rank 0's hook ran (attempted)
     told = [e for e in _queued(store) if e["t"] == p.OUTCOME]
     assert len(told) == 1 and told[0]["stands"] == 1  # a member's own success stands
+    refused = leader.run(SwitchOrder(seq=2, job_id="j", ranks=(3,), ops=(True,)), kind=p.KIND_SWITCH, budget_s=30)
+    answering.join(10)
+    assert not refused.ok and refused.unmoved_ranks == frozenset({3}) and refused.ok_ranks == frozenset()

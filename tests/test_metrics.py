@@ -621,6 +621,36 @@ def test_a_failed_switch_leaves_its_ranks_uncertain_until_the_rollback_puts_the_
         sim.stop()
 
 
+def test_a_list_that_comes_after_training_resumed_moves_no_link_and_leaves_none_uncertain() -> None:
+    """An outside check: the list came after the ranks had stopped waiting for it (max_parked_s) and
+    training had resumed; every rank refused it before any hook ("no longer parked"), yet status
+    called rank 1 UNCERTAIN ("a failed switch's hooks ran on them") on rank 1, whose own
+    switch_outcome named a link although nothing ran there, and on the leader though rank 1's own
+    refusal had decided the order."""
+    sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES)], settings=dataclasses.replace(FAST, list_delay_s=3.0))
+    sim.start()
+    hooks = [RankHook(), RankHook()]
+    job = TwoRanks(sim, hooks, max_parked_s=1.0)
+    try:
+        assert sim.wait_until(switch_streams_open, 10)
+        assert support.operator_switch(sim.address, JOB, ["1"], [True]).startswith("switch nic failed")
+        assert job.events[1].wait_for(lambda: any(e.detail.get("kind") == "switch"
+                                                  for e in job.events[1].of("switch_outcome")), 20)
+        (told,) = [e for e in job.events[1].of("switch_outcome") if e.detail.get("kind") == "switch"]
+        assert told.detail["link"] is None and told.detail["moved"] is False, told.detail
+        assert "no longer parked" in told.detail["reason"], told.detail
+        assert hooks[0].calls == hooks[1].calls == []  # no hook ran anywhere
+        leader, member = (agent.status()["links"] for agent in job.agents)
+        assert (member["uncertain"], member["standby"]) == (0, 0), member
+        # The leader knows what it read before the first refusal decided: rank 1's own (it stays
+        # where it was), or rank 0's, and then rank 1 is unheard and in doubt.
+        assert leader["standby"] == 0, leader
+        assert leader["uncertain_ranks"] == ("" if told.detail["reason"].startswith("rank 1:") else "1"), leader
+    finally:
+        job.close()
+        sim.stop()
+
+
 def test_a_launchers_leader_knows_every_ranks_link_and_a_dry_run_moves_none(sim: Simulator) -> None:
     store = InProcessStore()
     leader = SwitchAgent(server=sim.address, job_id=JOB, pause="external", store=store, world_size=2,
@@ -669,7 +699,7 @@ def test_compact_ranks_and_the_status_line() -> None:
     order = SwitchOrder(seq=3, job_id=JOB, ranks=tuple(range(16, 24)), ops=(True,) * 8)
 
     class Outcome:
-        ok, attempted, ok_ranks = True, True, frozenset[int]()
+        ok, attempted, ok_ranks, unmoved_ranks = True, True, frozenset[int](), frozenset[int]()
 
     links.decided(order, "switch", Outcome())
     status = links.status()
@@ -683,7 +713,7 @@ def test_compact_ranks_and_the_status_line() -> None:
     assert format_links(many.status(), None).startswith("50 primary, 50 standby (ranks 0,2,4,")
 
     class Failed:
-        ok, attempted, ok_ranks = False, True, frozenset[int]()
+        ok, attempted, ok_ranks, unmoved_ranks = False, True, frozenset[int](), frozenset[int]()
 
     failed = LinkMap()
     failed(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 4}))
@@ -707,6 +737,7 @@ def test_a_failed_orders_known_successes_are_certain_and_only_the_rest_in_doubt(
         ok: bool
         ok_ranks: frozenset[int]
         attempted: bool = True
+        unmoved_ranks: frozenset[int] = frozenset()
 
     links = LinkMap()
     links(AgentEvent(kind="agent_started", job_id=JOB, detail={"role": "leader", "rank": 0, "world_size": 6}))
@@ -721,6 +752,10 @@ def test_a_failed_orders_known_successes_are_certain_and_only_the_rest_in_doubt(
     assert (status["standby_ranks"], status["uncertain_ranks"]) == ("", "2"), status
     links.decided(SwitchOrder(seq=2, job_id=JOB, ranks=(2,), ops=(False,)), "rollback", Decided(True, frozenset()))
     assert links.status()["uncertain"] == 0
+    # A failure whose rank said no hook ran there (not parked): that rank stays where it was, certain.
+    links.decided(SwitchOrder(seq=3, job_id=JOB, ranks=(4, 5), ops=(True, True)), "switch",
+                  Decided(False, frozenset(), unmoved_ranks=frozenset({5})))
+    assert links.status()["uncertain_ranks"] == "4"
 
     def outcome(moved: bool, kind: str = "switch") -> AgentEvent:
         return AgentEvent(kind="switch_outcome", job_id=JOB, seq=7, detail={

@@ -56,6 +56,9 @@ class RunOutcome:
     # hook had returned True when it was decided, as far as the leader read (a node or group answers
     # for all of its ranks or none). Those ranks are on the order's link; the others are in doubt.
     ok_ranks: frozenset[int] = frozenset()
+    # The rank whose failure decided it, when it said no hook ran there (a rank not parked, say):
+    # its link is as it was.
+    unmoved_ranks: frozenset[int] = frozenset()
     verify_failed: bool = False  # the switch ran on every rank and its verification failed
 
 
@@ -482,7 +485,8 @@ class Coordinator:
                                   attempted=attempted or seen < self.world_size,
                                   guard_ok=everyone, duration_s=time.monotonic() - started,
                                   interrupted=result.rank if result.interrupted else None,
-                                  unsafe=result.unsafe, ok_ranks=self._ranks_behind(succeeded))
+                                  unsafe=result.unsafe, ok_ranks=self._ranks_behind(succeeded),
+                                  unmoved_ranks=frozenset() if result.attempted else frozenset({result.rank}))
         if failed is not None:  # a guard round: nothing moved; a rank still in its hook keeps training parked
             return RunOutcome(False, f"rank {failed.rank}: {failed.reason}", duration_s=time.monotonic() - started,
                               interrupted=failed.rank if failed.interrupted else None,

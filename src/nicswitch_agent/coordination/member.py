@@ -126,8 +126,8 @@ class Member:
         self._runner = HookRunner()
         self._inline: InlineRunner | None = None  # the last order's runner on the parked training thread
         self._wake_kv: KV | None = None
-        # For switch_outcome: (order key, this rank's op in it, this rank's hook returned True).
-        self._target: tuple[str, bool | None, bool] = ("", None, False)
+        # For switch_outcome: (order key, this rank's op in it, a hook ran here, and returned True).
+        self._target: tuple[str, bool | None, bool, bool] = ("", None, False, False)
         self._result_lock = threading.Lock()  # guards _in_flight: one result per order, from run or stop
         self._in_flight: tuple[int, str, int | None] | None = None  # (epoch, order key, answerers) being run
         self._go: str | None = None  # the go key being waited on (guarded by _result_lock: stop wakes it)
@@ -306,7 +306,7 @@ class Member:
                 self._in_flight = (epoch, name, _expected(message))
             result = self._run_order(epoch, message, order)
             if self._target[0] == name:
-                self._target = (name, self._target[1], result.ok and result.attempted)
+                self._target = (name, self._target[1], result.attempted, result.ok and result.attempted)
             duration = time.monotonic() - started
             if self._on_event is not None:
                 self._emit("member_result", {"rank": self.rank, "kind": message.get("kind"), "ok": result.ok,
@@ -324,8 +324,8 @@ class Member:
         elif kind == p.OUTCOME:
             if self._on_event is None:
                 return
-            key, op, done_here = self._target
-            ours = op is not None and key == message.get("key")
+            key, op, ran_here, done_here = self._target
+            ours = op is not None and key == message.get("key") and ran_here  # no hook ran: no link moved
             link = ("standby" if op else "primary") if ours else None
             # A failed order whose failure is not its verification's: this rank's own success stands.
             moved = ours and done_here and not message.get("ok") and bool(message.get("stands"))
@@ -425,7 +425,8 @@ class Member:
         kind, budget = str(message["kind"]), float(message["budget"])
         if kind in (p.KIND_SWITCH, p.KIND_ROLLBACK):  # the orders that move links (a dry run moves none)
             listed = self.rank in order.ranks and not self.hooks.dry_run
-            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None, False)
+            self._target = (str(message["key"]), order.ops[order.ranks.index(self.rank)] if listed else None, False,
+                            False)
         parked = self.lot.parked
         if not parked and epoch in self._local_epoch:
             # This rank parked for the pause the order belongs to, and its training thread has

@@ -15,8 +15,10 @@ The rules, the same from both sources:
 - a switch or rollback that failed after hooks ran leaves its ranks *uncertain* where the op
   differs from the link known before: some ranks may have moved. Not the ranks known to have
   succeeded in it (their hook returned True, and the failure was not the verification's): those
-  are on their op's link, as after a success. The leader knows the successes it read before the
-  first failure decided the order (``RunOutcome.ok_ranks``), a member its own (``moved``). The
+  are on their op's link, as after a success; nor a rank that said no hook ran there (not parked,
+  say): it is where it was. The leader knows the successes it read before the first failure
+  decided the order (``RunOutcome.ok_ranks``) and whether that failure's rank ran a hook
+  (``unmoved_ranks``); a member knows its own (``moved``, or ``link`` null when no hook ran). The
   rollback that ClusterD's recovery runs next (pause mode agent) makes the others certain again;
   until then the map keeps the link known before;
 - ranks never named by a switch are on their primary link: HCCL communicators start there.
@@ -52,6 +54,9 @@ class Decision(Protocol):
 
     @property
     def ok_ranks(self) -> frozenset[int]: ...
+
+    @property
+    def unmoved_ranks(self) -> frozenset[int]: ...
 
 
 def compact_ranks(ranks: Iterable[int], *, most: int | None = None) -> str:
@@ -99,7 +104,7 @@ class LinkMap:
         try:
             with self._lock:
                 if outcome.attempted:
-                    self._learn_all(order.ranks, order.ops, outcome.ok, outcome.ok_ranks)
+                    self._learn_all(order.ranks, order.ops, outcome.ok, outcome.ok_ranks, outcome.unmoved_ranks)
                 if kind == "switch":
                     self._switched(order.seq, outcome.ok, time.time())
         except Exception:  # what people are told must never break what the agent does
@@ -132,14 +137,14 @@ class LinkMap:
                     self._switched(event.seq, ok, float(decided) if isinstance(decided, (int, float)) else event.wall)
 
     def _learn_all(self, ranks: tuple[int, ...], ops: tuple[bool, ...], ok: bool,
-                   ok_ranks: frozenset[int] = frozenset()) -> None:
+                   ok_ranks: frozenset[int] = frozenset(), unmoved_ranks: frozenset[int] = frozenset()) -> None:
         """:meth:`_learn` for a whole order, in set operations (the leader's critical path: an order
         of 16,384 ranks costs about a millisecond). A failed order's ``ok_ranks`` are learned as
-        a success's."""
+        a success's; its ``unmoved_ranks`` (no hook ran there) learn nothing."""
         named, to_standby = set(ranks), set(itertools.compress(ranks, ops))
         done = named if ok else named & ok_ranks
         if not ok:
-            doubt = named - done
+            doubt = named - done - unmoved_ranks
             self._uncertain |= (to_standby & (doubt - self._standby)) | (self._standby & (doubt - to_standby))
         if done:
             self._standby -= done - to_standby
