@@ -7,6 +7,7 @@ walks ClusterD's recovery path (stop_train, globalFault, strategy) truthfully.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -274,3 +275,41 @@ def test_unknown_signal_is_logged_and_changes_nothing() -> None:
     assert not coordinator.paused and store.keys() == []  # nothing was published
     assert "somethingNew" in controller.last_signal
 
+
+
+def test_a_switch_clusterd_gave_up_on_is_rolled_back_and_gets_no_reply(harness: Any) -> None:
+    """An outside check (simulator with a short report timeout, a switch hook slower than it):
+    ClusterD gave up waiting and started its recovery while the switch still ran; the agent offered
+    retry as if no link had moved, then sent its late "true" (taken by ClusterD as the next switch's
+    result), and training went on with rank 0 on standby though ClusterD counted the switch failed.
+    Now the switch ClusterD gave up on counts as failed: rolled back before the strategies are
+    offered, and no reply."""
+    sim = Simulator(jobs=[SimJob(job_id=JOB, nodes=NODES, recover_strategies=("retry", "recover", "dump"))],
+                    settings=dataclasses.replace(FAST, report_timeout_s=1.0))
+    sim.start()
+    calls: list[tuple[bool, ...]] = []
+
+    def slow_switch(order: SwitchOrder) -> bool:
+        calls.append(order.ops)
+        if len(calls) == 1:  # the switch: still running when ClusterD's recovery reaches globalFault
+            assert sim.wait_until(lambda s: any(g.signalType == "globalFault" for g in s.job_view(JOB).signals_sent),
+                                  30)
+        return True
+
+    try:
+        agent = harness.agent(sim, switch_hook=slow_switch)
+        trainer = harness.trainer(agent)
+        op = harness.operator(sim)
+        assert sim.wait_until(streams_ready, 10)
+        assert op.switch("node-0", ["0"], [True]) != "switch nic finish"
+        assert sim.wait_until(lambda s: any(g.signalType == "changeStrategy" for g in s.job_view(JOB).signals_sent), 20)
+        picks = [g.changeStrategy for g in sim.job_view(JOB).signals_sent if g.signalType == "changeStrategy"]
+        assert picks == ["retry"]
+        assert trainer.wait_step(trainer.step + 5), "training did not resume"
+        assert calls == [(True,), (False,)]  # switched, then rolled back
+        view = sim.job_view(JOB)
+        assert view.replies == [] and view.violations == [], (view.replies, view.violations)
+        assert agent.status()["links"]["standby"] == 0
+        assert "ClusterD gave up waiting for it" in str(agent.status()["last_switch"]), agent.status()["last_switch"]
+    finally:
+        sim.stop()

@@ -164,6 +164,9 @@ class LeaderSession:
         pm, sub = self.process_manage, self.subscriber
         if owed.stream is not None and pm is not None and not pm.is_current(owed.stream):
             return "ClusterD reset the job since the list arrived"
+        gave_up = "" if self.controller is None else self.controller.abandoned(owed.seq)
+        if gave_up:  # its stopTrain came while the switch ran (its reply timeout)
+            return gave_up
         if owed.job_unknown is not None and sub is not None and sub.job_unknown != owed.job_unknown:
             return "ClusterD has restarted since the list arrived (it answered that it does not know the job)"
         return ""

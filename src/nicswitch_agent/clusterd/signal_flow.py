@@ -43,7 +43,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nicswitch_agent._pb import recover_pb2 as pb
@@ -67,6 +67,7 @@ from nicswitch_agent.clusterd.process_manage import (
 )
 from nicswitch_agent.coordination import KIND_CHECKPOINT, KIND_ROLLBACK, KIND_SWITCH, Coordinator, RunOutcome
 from nicswitch_agent.coordination.hook_runner import Execution
+from nicswitch_agent.coordination.leader import RESULT_SLACK_S
 from nicswitch_agent.observability import events as ev
 from nicswitch_agent.orders import SwitchOrder
 
@@ -143,6 +144,11 @@ class AgentModeController:
         self._guard_failed = ""  # why this pause's guard round failed: no checkpoint is to be had (no dump)
         self._rollback_ok = False
         self._stopped_reason: str | None = None
+        self._in_flight: SwitchOrder | None = None  # the switch order running now (execute)
+        self._done = threading.Condition(self._lock)  # notified when it ends
+        # Why ClusterD gave up on a switch while it ran, by its list's seq: its stopTrain came first
+        # (its reply timeout). That switch counts as failed, whatever it returns, and gets no reply.
+        self._abandoned: dict[int, str] = {}
         self.last_signal = ""
 
     def attach(self, client: ProcessManageClient) -> None:
@@ -173,10 +179,25 @@ class AgentModeController:
         """Run guard and switch on every parked rank; bounded by the hook budgets."""
         if not self.coordinator.paused:
             return Execution(False, "training is not parked: refusing to switch links under a running step")
-        outcome = self.hooks.run_switch(self.coordinator, order)
+        with self._lock:
+            self._in_flight = order
+        try:
+            outcome = self.hooks.run_switch(self.coordinator, order)
+        finally:
+            with self._lock:
+                self._in_flight = None
+                self._done.notify_all()
         with self._lock:
             self._checkpoint_ok = self._checkpoint_ok or outcome.guard_ok
             self._guard_failed = outcome.reason if outcome.guard_failed else self._guard_failed
+            gave_up = self._abandoned.get(order.seq, "")
+            if gave_up:
+                # ClusterD's recovery is under way and rolls back what this order did, if anything.
+                logger.error("switch #%d %s after ClusterD had given up on it (%s): taken as failed, no reply "
+                             "sent", order.seq, "succeeded" if outcome.ok else "failed", gave_up)
+                outcome = replace(outcome, ok=False, attempted=outcome.attempted or outcome.ok,
+                                  reason=f"ClusterD gave up on it while it ran ({gave_up}); "
+                                         f"{'it succeeded' if outcome.ok else outcome.reason}")
             if outcome.ok:
                 self.links.apply(order)
                 self._failed_order = None
@@ -217,7 +238,15 @@ class AgentModeController:
         if kind == STOP_TRAIN and ACTION_PAUSE in actions:
             self._pause(client)
         elif kind == STOP_TRAIN and ACTION_STOP in actions:
-            # Training is already parked (or was never paused); say it is stopped.
+            # Training is already parked (or was never paused); say it is stopped. A switch still
+            # running now is one ClusterD gave up waiting for (its reply timeout): its recovery follows.
+            with self._lock:
+                running = self._in_flight
+                if running is not None:
+                    self._abandoned[running.seq] = "its stopTrain came while the switch ran"
+            if running is not None:
+                logger.warning("switch #%d still running as ClusterD stops training: ClusterD gave up waiting for "
+                               "its reply; it will count as failed and get no reply", running.seq)
             client.report_stop_complete(CODE_OK)
         elif kind == GLOBAL_FAULT:
             strategies = self._strategies_we_can_honour()
@@ -242,6 +271,7 @@ class AgentModeController:
             return
         with self._lock:
             self._failed_order, self._rollback_ok, self._checkpoint_ok, self._guard_failed = None, False, False, ""
+            self._abandoned.clear()  # the replies they concern were dropped when their switch ended
             # A new pause is a new episode: a stop decided in an earlier one must not keep a later
             # reset from releasing the ranks this pause parks.
             self._stopped_reason = None
@@ -268,9 +298,23 @@ class AgentModeController:
         logger.info("offering recovery strategies %s", strategies)
         return strategies
 
-    def _rollback(self) -> bool:
-        """Put the failed order's ranks back on their previous links, on every parked rank."""
+    def abandoned(self, seq: int) -> str:
+        """Why ClusterD no longer waits for the reply to list ``seq`` ("" if that is not known here)."""
         with self._lock:
+            why = self._abandoned.get(seq, "")
+        return f"ClusterD gave up waiting for it ({why})" if why else ""
+
+    def _rollback(self) -> bool:
+        """Put the failed order's ranks back on their previous links, on every parked rank (first
+        waiting, within the hook budgets, for a switch ClusterD gave up on to end)."""
+        # Its budgets and the leader's slack for each round: guard, warm-up, switch, verify.
+        budget = self.hooks.guard_timeout_s + self.hooks.switch_timeout_s + 2 * self.coordinator.warm_up_s + \
+            4 * RESULT_SLACK_S
+        with self._lock:
+            if not self._done.wait_for(lambda: self._in_flight is None, budget):
+                logger.error("a switch is still running %.0f s after ClusterD gave up on it: no rollback", budget)
+                self._rollback_ok = False
+                return False
             failed, attempted, unsafe = self._failed_order, self._failed_switch_attempted, self._failed_unsafe
         if not self.coordinator.paused:
             ok = False
