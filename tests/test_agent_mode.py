@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -178,19 +179,30 @@ def test_failed_switch_with_successful_rollback_recovers_and_training_goes_on(ha
     assert sim.job_view(JOB).violations == []
 
 
-def test_failed_switch_and_failed_rollback_offers_only_exit(harness: Any, caplog: Any) -> None:
+def test_failed_switch_and_failed_rollback_offers_only_exit(harness: Any, caplog: Any, tmp_path: Path) -> None:
+    from nicswitch_agent.observability.status_file import ExitCode, read_status
+
     caplog.set_level(logging.INFO, logger="nicswitch_agent")
     sim = harness.sim(SimJob(job_id=JOB, nodes=NODES, recover_strategies=("recover", "dump")))
     stops: list[str] = []
-    agent = harness.agent(sim, switch_hook=SwitchRecorder(results=[False, False]), on_stop=stops.append)
+    status_file = tmp_path / "status.json"
+    agent = harness.agent(sim, switch_hook=SwitchRecorder(results=[False, False]), on_stop=stops.append,
+                          status_file=str(status_file), status_interval_s=0.2)
     trainer = harness.trainer(agent)
     op = harness.operator(sim)
     assert sim.wait_until(streams_ready, 10)
+    assert support.wait_until(lambda: read_status(status_file).exit_code is ExitCode.OK, 20), read_status(status_file)
     assert op.switch("node-0", ["0"], [True]) == "switch nic failed, switch nic failed"
     assert trainer.done.wait(20)
     assert isinstance(trainer.error, TrainingStopped)
     assert "offering recovery strategies ['exit']" in caplog.text
     assert stops == ["ClusterD chose exit after a failed switch"]
+    # The agent still runs (the script has not stopped it): status must not say all is well (an
+    # outside check saw "verdict OK" here).
+    assert agent.status()["training_stopped"] == "ClusterD chose exit after a failed switch"
+    stuck = support.wait_until(lambda: read_status(status_file).exit_code is ExitCode.STUCK, 20)
+    assert stuck, read_status(status_file)
+    assert read_status(status_file).problem.startswith("training was told to stop (ClusterD chose exit")
 
 
 def test_pause_not_reached_in_time_reports_499_and_never_parks_training(harness: Any) -> None:

@@ -519,8 +519,8 @@ class SwitchAgent:
             "links": self._stats.links.status(),
             "last_switch": last_switch,
             "last_step": self.last_step,
-            "parked": self._parking.parked,
-            "parked_step": self._parking.parked_step,
+            "parked": self._parking.parked, "parked_step": self._parking.parked_step,
+            "training_stopped": self._parking.stop_requested(),  # why step() raises TrainingStopped, if it does
             "stuck_hook": None if self._member is None else self._member.stuck_hook(),
             "coordination_lost": (self._member.lost or None) if self._member is not None else None,
             "last_verify": None if self._member is None else self._member.last_verify,

@@ -86,8 +86,7 @@ FORMAT_TORCH_SAVE = "torch.save"
 
 
 class GuardRefused(HookRefused):
-    """The checkpoint guard refused the switch (e.g. not enough free space); the reply is false.
-    Logged without a traceback: the guard decided it, and logs why itself."""
+    """The guard refused the switch (e.g. too little free space): reply false, no traceback logged."""
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ Exit codes of ``nicswitch-agent status`` (:class:`ExitCode`, decided by :func:`r
 5    a running leader that does not take part: its notify stream has not been established for
      longer than ``--max-disconnected``, or (pause mode ``agent``) another process-manage
      client fights it for the job's stream
-6    a running agent that cannot switch: its coordination is lost (its Store or its relay's
-     is gone), a hook still runs past its timeout (every order reaching the rank is answered
-     false until it returns), or training has been parked for longer than ``--max-parked``
-     (30 min: far past any switch's budget)
+6    a running agent that cannot switch: training was told to stop (ClusterD's recovery chose
+     dump or exit, or killMaster), its coordination is lost (its Store or its relay's is gone),
+     a hook still runs past its timeout (every order reaching the rank is answered false until
+     it returns), or training has been parked for longer than ``--max-parked`` (30 min: far
+     past any switch's budget)
 ===  ========================================================================================
 
 A leader is briefly not connected after every switch (ClusterD ends the stream; it is reopened
@@ -475,6 +476,9 @@ def _not_taking_part(status: dict[str, Any], age: float, max_disconnected_s: flo
 def _cannot_switch(document: dict[str, Any], now: float, max_parked_s: float) -> str:
     """Why a running agent cannot take part in a switch now ("" when it can)."""
     status = document["status"]
+    if status.get("training_stopped"):
+        return (f"training was told to stop ({status.get('training_stopped')}): step() raises TrainingStopped on "
+                "this rank; the job is ending, or its script goes on without switches")
     if status.get("coordination_lost"):
         return (f"coordination lost ({status.get('coordination_lost')}): switches cannot run on this rank until "
                 "its process restarts")
@@ -506,6 +510,8 @@ def format_summary(report: StatusReport) -> str:
     lines.append(f"job         {s.get('job_id')} on ClusterD {s.get('server')}")
     if s.get("reason"):
         lines.append(f"reason      {s.get('reason')}")
+    if s.get("training_stopped"):
+        lines.append(f"training    told to stop: {s.get('training_stopped')}")
     if s.get("coordination_lost"):
         lines.append(f"coordination lost: {s.get('coordination_lost')}; switches cannot run on this rank")
     if s.get("stuck_hook"):
