@@ -691,10 +691,9 @@ class SwitchAgent:
 
     def _on_busy(self, busy: bool) -> None:
         with self._lock:
-            if busy and self._state == RUNNING:
-                self._state = SWITCHING
-            elif not busy and self._state == SWITCHING:
-                self._state = RUNNING
+            if self._state in (RUNNING, SWITCHING):
+                self._state = SWITCHING if busy else RUNNING
+        self._refresh_status()  # no event says the switch is over: the file must not keep saying "switching"
 
     def _emit(self, kind: str, seq: int | None = None, detail: dict[str, Any] | None = None) -> None:
         self._events.emit(AgentEvent(kind=kind, job_id=self.config.job_id, seq=seq, detail=detail or {}))
