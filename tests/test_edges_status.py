@@ -44,6 +44,7 @@ pytestmark = pytest.mark.timeout(60)
 
 NODES = {"node-0": ["0", "1"]}
 REFUSED = "Connection refused"
+NOT_REGISTERED = "not registed"  # ClusterD's own spelling
 NOT_CONNECTED = 5  # nicswitch-agent status: a running leader that takes no part (ExitCode.NOT_CONNECTED)
 # The old code called a stream "connected" once it had been open 1 s without error, whether or
 # not a connection existed; watching 1.5 s past that shows it no longer does.
@@ -364,7 +365,10 @@ def test_last_error_is_empty_once_connected_and_the_refusal_is_kept_as_history(
         status = agent.status()
         assert status["last_error"] == "", status
         seen = status["last_error_seen"]
-        assert REFUSED in seen["error"] and seen["at"] >= refused_at and seen["stream"], seen
+        # Pause mode external: the notify stream may also have met ClusterD before its stand-in
+        # registered the job (CI, twice): that refusal, later, is then the history.
+        before_connected = (REFUSED, NOT_REGISTERED) if pause == "external" else (REFUSED,)
+        assert any(e in seen["error"] for e in before_connected) and seen["at"] >= refused_at and seen["stream"], seen
         if pause == "agent":
             assert status["process_manage"]["last_error"] == "", status["process_manage"]
 
@@ -386,10 +390,10 @@ def test_last_error_is_empty_once_connected_and_the_refusal_is_kept_as_history(
         import json
 
         written = json.loads(status_file.read_text())["status"]
-        assert written["last_error"] == "" and REFUSED in written["last_error_seen"]["error"], written
+        assert written["last_error"] == "" and written["last_error_seen"]["error"] == seen["error"], written
         _code, text = status_command(status_file)
         assert "last error  " not in text, text
-        assert "error seen  " in text and REFUSED in text and "over" in text, text
+        assert "error seen  " in text and seen["error"] in text and "over" in text, text
 
 
 def test_a_conflict_stays_the_error_now_while_the_agent_keeps_trying(agents: list[SwitchAgent]) -> None:
